@@ -49,7 +49,7 @@ CONFIG = {
     "encoder_weights": None,       # None = random init, fully offline; "imagenet" downloads weights
     "loss": "dice+ce",             # "dice+ce", "ce" (BCE when binary) or "dice"
     # optimisation
-    "epochs": 12,
+    "epochs": 10,
     "batch_size": 8,
     "accumulation_steps": 1,       # effective batch = batch_size * accumulation_steps
     "learning_rate": 2e-3,
@@ -122,30 +122,34 @@ def parse_value(key, text, default):
         raise UserError(f"{key}={text!r} is not a {kind.__name__} (default {default!r})") from None
 
 
-def parse_overrides(args, base=None):
-    """['batch_size=2', 'amp_dtype=float16'] -> a validated copy of the config."""
-    cfg = copy.deepcopy(CONFIG if base is None else base)
+def parse_overrides(args, base=None, defaults=None):
+    """['batch_size=2', 'amp_dtype=float16'] -> a copy of the config with those values.
+
+    Training configs are validated here; other commands pass their own `defaults` and validate.
+    """
+    defaults = CONFIG if defaults is None else defaults
+    cfg = copy.deepcopy(defaults if base is None else base)
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
             raise UserError(f"argument {arg!r} is not key=value, e.g. batch_size=2")
         key = key.strip().lstrip("-").replace("-", "_")
-        check_known_key(key, cfg)
-        cfg[key] = parse_value(key, text, CONFIG[key])
-    return validate_config(cfg)
+        check_known_key(key, defaults)
+        cfg[key] = parse_value(key, text, defaults[key])
+    return validate_config(cfg) if defaults is CONFIG else cfg
 
 
-def check_known_key(key, cfg):
-    if key not in CONFIG:
-        near = difflib.get_close_matches(key, CONFIG, n=1)
+def check_known_key(key, defaults=CONFIG):
+    if key not in defaults:
+        near = difflib.get_close_matches(key, defaults, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
-        raise UserError(f"unknown config key {key!r}: {hint}known keys: {', '.join(CONFIG)}")
+        raise UserError(f"unknown key {key!r}: {hint}known keys: {', '.join(defaults)}")
 
 
 def validate_config(cfg):
     """Stop early, with a one-line message, on values that cannot be right."""
     for key in cfg:
-        check_known_key(key, cfg)
+        check_known_key(key)
     cfg = {**CONFIG, **cfg}
     for key, allowed in CHOICES.items():
         if cfg[key] not in allowed:
@@ -360,8 +364,8 @@ def generate_shapes_dataset(root, count=300, size=128, num_classes=1, seed=0):
 
 def draw_shapes(rng, size, num_classes):
     yy, xx = np.mgrid[0:size, 0:size] / size
-    base = rng.uniform(40, 200, 3)
-    tilt = rng.uniform(-40, 40, (2, 3))
+    base = rng.uniform(20, 110, 3)  # darker background with a colour gradient ...
+    tilt = rng.uniform(-25, 25, (2, 3))
     image = base + xx[..., None] * tilt[0] + yy[..., None] * tilt[1]
     mask = np.zeros((size, size), np.uint8)
     for _ in range(rng.integers(1, 4)):
@@ -377,11 +381,10 @@ def draw_shapes(rng, size, num_classes):
         else:
             pts = np.array([[cx, cy - r], [cx - r, cy + r], [cx + r, cy + r]], np.int32)
             cv2.fillPoly(layer, [pts], 1)
-        color = (base + rng.choice([-1, 1], 3) * rng.uniform(50, 90, 3)).clip(0, 255)
-        image[layer == 1] = color
+        image[layer == 1] = rng.uniform(120, 255, 3)  # ... brighter shapes of any hue
         mask[layer == 1] = 255 if num_classes == 1 else min(shape + 1, num_classes - 1)
-    # Grainy background, smooth shapes: texture and colour both tell them apart.
-    grain = np.where(mask[..., None] > 0, 4.0, 18.0)
+    # Grainy background, smooth shapes: texture and brightness both tell them apart.
+    grain = np.where(mask[..., None] > 0, 5.0, 20.0)
     image = image + rng.normal(0, 1, image.shape) * grain
     return image.clip(0, 255).astype(np.uint8), mask
 
@@ -881,6 +884,148 @@ def peak_memory_mb(hw):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Predict: masks for new images from a checkpoint, at each image's original size.
+# ----------------------------------------------------------------------------------------------------
+PREDICT_CONFIG = {
+    "checkpoint": "checkpoints/best.pt",
+    "input": "data/shapes/images",  # an image file or a folder of images
+    "output": "predictions",        # one <stem>.png mask per image (0/255 binary, class indices else)
+    "overlay": False,               # also write <stem>_overlay.png: the mask blended on the image
+    "batch_size": 8,
+    "device": "auto",
+    "use_amp": True,                # same capability check as training; False = fp32
+    "amp_dtype": "auto",
+    "force_amp_dtype": False,
+    "progress": True,
+}
+
+
+def load_model(checkpoint, hw):
+    """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg)."""
+    state = load_checkpoint(checkpoint)
+    cfg = validate_config({**CONFIG, **{k: v for k, v in state["config"].items() if k in CONFIG}})
+    model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as exc:
+        raise UserError(f"{checkpoint} does not match the model its config describes: "
+                        f"{str(exc).splitlines()[0][:160]}") from None
+    return model.to(hw.device).eval(), cfg
+
+
+def list_images(path):
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise UserError(f"input {path} not found: give an image file or a folder of images")
+    images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
+    if not images:
+        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}")
+    return images
+
+
+def check_writable(folder):
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"output folder {folder} is not writable ({exc.strerror}): choose another "
+                        f"output=...") from None
+
+
+def valid_region(transform, height, width):
+    """Where the image lands inside the padded square: transform an all-ones mask and look."""
+    ones = np.ones((height, width), np.uint8)
+    placed = transform(image=np.zeros((height, width, 3), np.uint8), mask=ones)["mask"]
+    rows, cols = np.nonzero(placed)
+    return rows.max() + 1, cols.max() + 1  # padding is at the bottom/right (position="top_left")
+
+
+@torch.no_grad()
+def predict_batch(model, images, cfg, prec, hw):
+    """Images (HxW or HxWxC uint8, any sizes) -> masks of class indices (uint8) at the same sizes.
+
+    Same preprocessing as validation; logits are cropped to the image's area and resized back.
+    """
+    transform = build_transforms(cfg, train=False)
+    tensors = []
+    for image in images:
+        out = transform(image=image)["image"]
+        out = out[..., None] if out.ndim == 2 else out
+        tensors.append(torch.from_numpy(out.transpose(2, 0, 1).copy()))
+    x = torch.stack(tensors).to(hw.device)
+    if cfg["channels_last"]:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode(), torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+        logits = model(x)
+    masks = []
+    for image, logit in zip(images, logits.float()):
+        h, w = image.shape[:2]
+        vh, vw = valid_region(transform, h, w)
+        logit = logit[:, :vh, :vw]
+        if (vh, vw) != (h, w):
+            logit = torch.nn.functional.interpolate(logit[None], size=(h, w), mode="bilinear",
+                                                    align_corners=False)[0]
+        mask = (logit[0] > 0) if cfg["num_classes"] == 1 else logit.argmax(0)
+        masks.append(mask.to(torch.uint8).cpu().numpy())
+    return masks
+
+
+def mask_to_png(mask, num_classes):
+    return mask * 255 if num_classes == 1 else mask
+
+
+def overlay_image(image, mask, alpha=0.45):
+    """RGB/gray image with each class > 0 tinted by a fixed palette (returned as BGR for cv2)."""
+    rgb = np.repeat(image[..., None], 3, axis=2) if image.ndim == 2 else image
+    palette = np.array([[0, 0, 0], [255, 60, 60], [60, 200, 60], [60, 90, 255], [240, 200, 40],
+                        [200, 60, 220], [40, 210, 220]], np.float32)
+    colour = palette[1:][(mask.astype(np.int64) - 1) % (len(palette) - 1)]
+    blended = np.where(mask[..., None] > 0, (1 - alpha) * rgb + alpha * colour, rgb)
+    return cv2.cvtColor(blended.astype(np.uint8), cv2.COLOR_RGB2BGR)
+
+
+def predict(opts):
+    """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
+    hw = detect_hardware(opts["device"])
+    prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
+    model, cfg = load_model(opts["checkpoint"], hw)
+    paths = list_images(opts["input"])
+    out_dir = Path(opts["output"])
+    check_writable(out_dir)
+    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
+          + (f" ({prec.warning})" if prec.warning else ""))
+    failed, done, start = [], 0, time.perf_counter()
+    bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
+    for i in range(0, len(paths), opts["batch_size"]):
+        batch = []
+        for path in paths[i:i + opts["batch_size"]]:
+            try:
+                batch.append((path, read_image(path, cfg["in_channels"])))
+            except UserError as exc:
+                failed.append((str(path), str(exc)))
+        masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
+        for (path, image), mask in zip(batch, masks):
+            cv2.imwrite(str(out_dir / f"{path.stem}.png"), mask_to_png(mask, cfg["num_classes"]))
+            if opts["overlay"]:
+                cv2.imwrite(str(out_dir / f"{path.stem}_overlay.png"), overlay_image(image, mask))
+            done += 1
+        bar.update(len(paths[i:i + opts["batch_size"]]))
+    bar.close()
+    seconds = time.perf_counter() - start
+    print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
+          f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
+    for path, reason in failed:
+        print(f"  failed: {reason}")
+    return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
+            "output": str(out_dir)}
+
+
+# ----------------------------------------------------------------------------------------------------
 # Main: set up, train epoch by epoch, checkpoint, stop early.
 # ----------------------------------------------------------------------------------------------------
 def setup_precision(cfg):
@@ -998,8 +1143,15 @@ def epoch_summary(row, cfg, improved):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
     try:
-        train(parse_overrides(argv))
+        if command == "train":
+            train(parse_overrides(args))
+        elif command == "predict":
+            return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
+        else:
+            raise UserError(f"unknown command {command!r}: use train (the default) or predict, "
+                            f"followed by key=value settings")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,22 @@
+# Two commands do all the set-up (README): `make train` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup train test benchmark notebook clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+train: setup            ## train on the embedded data set (or: make train ARGS="batch_size=2")
+	$(PY) train_unet.py $(ARGS)
+
+test: setup             ## the test suite (what CI runs)
+	$(PY) -m pytest -q tests $(ARGS)
+
+clean:                  ## remove outputs (not the venv)
+	rm -rf checkpoints predictions .pytest_cache

@@ -1,0 +1,87 @@
+"""Shared fixtures for the train_unet.py test suite.
+
+Everything runs on the CPU with tiny data (12 images of 64x64 by default), so the whole suite
+stays within a few minutes on a 2-core machine.
+"""
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import train_unet  # noqa: E402
+
+# One intra-op thread: on a 2-core machine that may be shared with another training process,
+# two OpenMP threads oversubscribe the cores and a 64x64 U-Net step goes from ~0.15 s to ~3 s.
+# Override with UNET_TEST_THREADS=2 on an idle machine.
+torch.set_num_threads(int(os.environ.get("UNET_TEST_THREADS", "1")))
+
+
+@pytest.fixture
+def make_data(tmp_path):
+    """make_data(name="data", count=12, size=64, num_classes=1) -> a fresh shapes data set."""
+    def make(name="data", count=12, size=64, num_classes=1, seed=0):
+        return train_unet.generate_shapes_dataset(tmp_path / name, count=count, size=size,
+                                                  num_classes=num_classes, seed=seed)
+    return make
+
+
+@pytest.fixture
+def data_dir(make_data):
+    """12 binary 64x64 image/mask pairs in tmp_path/data (10 train / 2 val with the default split)."""
+    return make_data()
+
+
+@pytest.fixture
+def make_cfg(tmp_path, data_dir):
+    """make_cfg(**overrides) -> a validated tiny config: CONFIG + small, fast, offline settings.
+
+    data_dir and checkpoint_dir always point inside tmp_path.
+    """
+    def make(**overrides):
+        cfg = dict(train_unet.CONFIG)
+        cfg.update(
+            data_dir=str(data_dir),
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            image_size=64,
+            encoder_name="resnet18",
+            encoder_weights=None,
+            epochs=1,
+            batch_size=4,
+            num_workers=0,
+            progress=False,
+            device="cpu",
+            use_amp=False,
+            compile_model=False,
+            channels_last=False,
+            tf32_matmul_precision=None,
+        )
+        cfg.update(overrides)
+        return train_unet.validate_config(cfg)
+    return make
+
+
+@pytest.fixture
+def tiny_cfg(make_cfg):
+    """The tiny config with no overrides (fp32, 1 epoch, batch 4, 64x64)."""
+    return make_cfg()
+
+
+@pytest.fixture
+def cpu_hw():
+    return train_unet.detect_hardware("cpu")
+
+
+@pytest.fixture
+def restore_matmul_precision():
+    """Undo global changes made by apply_tf32."""
+    before = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    yield
+    torch.set_float32_matmul_precision(before)
+    torch.backends.cudnn.allow_tf32 = cudnn_tf32

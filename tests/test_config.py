@@ -1,0 +1,239 @@
+"""Command line: key=value overrides, type parsing, validation errors, main()'s exit code."""
+import pytest
+
+import train_unet
+from train_unet import CONFIG, UserError, parse_overrides
+
+
+def user_error(args):
+    """Run parse_overrides(args), expect a UserError, return its one-line message."""
+    with pytest.raises(UserError) as info:
+        parse_overrides(args)
+    message = str(info.value)
+    assert message, "empty error message"
+    assert "\n" not in message, f"error message is not one line: {message!r}"
+    return message
+
+
+# ------------------------------------------------------------------------------------------------
+# Parsing to the default's type
+# ------------------------------------------------------------------------------------------------
+def test_overrides_are_parsed_to_the_defaults_type():
+    cfg = parse_overrides(["batch_size=2", "amp_dtype=float16", "epochs=3"])
+    assert cfg["batch_size"] == 2 and type(cfg["batch_size"]) is int
+    assert cfg["epochs"] == 3 and type(cfg["epochs"]) is int
+    assert cfg["amp_dtype"] == "float16"
+    # everything else keeps its default, and the global CONFIG is untouched
+    assert {k: v for k, v in cfg.items() if k not in ("batch_size", "amp_dtype", "epochs")} == \
+        {k: v for k, v in CONFIG.items() if k not in ("batch_size", "amp_dtype", "epochs")}
+    assert CONFIG["batch_size"] != 2 or CONFIG["epochs"] != 3
+
+
+def test_parse_does_not_mutate_global_config():
+    before = dict(CONFIG)
+    parse_overrides(["batch_size=2", "learning_rate=0.5", "use_amp=false"])
+    assert CONFIG == before
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("true", True), ("True", True), ("TRUE", True), ("1", True), ("yes", True), ("on", True),
+    ("false", False), ("False", False), ("0", False), ("no", False), ("off", False),
+])
+def test_bool_values(text, expected):
+    cfg = parse_overrides([f"use_amp={text}"])
+    assert cfg["use_amp"] is expected
+
+
+def test_float_values():
+    cfg = parse_overrides(["learning_rate=1e-3", "weight_decay=0", "val_fraction=.25"])
+    assert cfg["learning_rate"] == pytest.approx(1e-3) and type(cfg["learning_rate"]) is float
+    assert cfg["weight_decay"] == 0.0 and type(cfg["weight_decay"]) is float
+    assert cfg["val_fraction"] == pytest.approx(0.25)
+
+
+def test_float_key_accepts_an_integer_literal():
+    cfg = parse_overrides(["learning_rate=1"])
+    assert cfg["learning_rate"] == 1.0 and type(cfg["learning_rate"]) is float
+
+
+@pytest.mark.parametrize("key", ["grad_clip_norm", "tf32_matmul_precision", "num_workers",
+                                 "early_stopping_patience", "encoder_weights"])
+@pytest.mark.parametrize("text", ["none", "None", "null"])
+def test_none_for_optional_keys(key, text):
+    cfg = parse_overrides([f"{key}={text}"])
+    assert cfg[key] is None
+
+
+@pytest.mark.parametrize("arg, key, expected", [
+    ("grad_clip_norm=0.5", "grad_clip_norm", 0.5),
+    ("num_workers=2", "num_workers", 2),
+    ("early_stopping_patience=3", "early_stopping_patience", 3),
+    ("tf32_matmul_precision=high", "tf32_matmul_precision", "high"),
+    ("encoder_weights=imagenet", "encoder_weights", "imagenet"),
+])
+def test_none_default_keys_get_their_declared_type(arg, key, expected):
+    value = parse_overrides([arg])[key]
+    assert value == expected and type(value) is type(expected)
+
+
+def test_none_is_refused_for_a_required_int():
+    message = user_error(["epochs=none"])
+    assert "epochs" in message
+
+
+def test_dashed_keys_are_accepted():
+    cfg = parse_overrides(["--batch-size=3"])
+    assert cfg["batch_size"] == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors: one line, naming the key and what is allowed
+# ------------------------------------------------------------------------------------------------
+def test_unknown_key_suggests_the_nearest():
+    message = user_error(["batchsize=2"])
+    assert "batchsize" in message
+    assert "did you mean 'batch_size'" in message
+
+
+def test_unknown_key_without_a_near_match_lists_the_keys():
+    message = user_error(["zzzzqqqq=1"])
+    assert "zzzzqqqq" in message
+    assert "batch_size" in message and "amp_dtype" in message  # the known keys are listed
+
+
+def test_bad_amp_dtype_lists_the_choices():
+    message = user_error(["amp_dtype=fp8"])
+    assert "amp_dtype" in message and "fp8" in message
+    for choice in ("auto", "bfloat16", "float16"):
+        assert choice in message
+
+
+def test_bad_tf32_setting_lists_the_choices():
+    message = user_error(["tf32_matmul_precision=fastest"])
+    assert "tf32_matmul_precision" in message
+    for choice in ("None", "highest", "high", "medium"):
+        assert choice in message
+
+
+def test_bad_loss_lists_the_choices():
+    message = user_error(["loss=focal"])
+    assert "loss" in message and "dice+ce" in message
+
+
+def test_in_channels_must_be_1_or_3():
+    message = user_error(["in_channels=2"])
+    assert "in_channels" in message and "1" in message and "3" in message
+
+
+@pytest.mark.parametrize("key", ["batch_size", "accumulation_steps", "epochs", "num_classes"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_counts_must_be_at_least_one(key, value):
+    message = user_error([f"{key}={value}"])
+    assert key in message and ">= 1" in message
+
+
+@pytest.mark.parametrize("size, suggestion", [("100", "96"), ("130", "128"), ("16", "32")])
+def test_image_size_must_be_a_multiple_of_32(size, suggestion):
+    message = user_error([f"image_size={size}"])
+    assert "image_size" in message and "multiple of 32" in message
+    assert f"image_size={suggestion}" in message
+
+
+@pytest.mark.parametrize("size", ["32", "64", "96", "256"])
+def test_image_size_multiples_of_32_are_fine(size):
+    assert parse_overrides([f"image_size={size}"])["image_size"] == int(size)
+
+
+def test_argument_without_equals():
+    message = user_error(["notkeyvalue"])
+    assert "notkeyvalue" in message and "key=value" in message
+
+
+def test_unknown_encoder_suggests_names():
+    message = user_error(["encoder_name=resnet19"])
+    assert "encoder_name" in message and "resnet19" in message
+    assert "resnet18" in message  # a close real name is suggested
+
+
+def test_unknown_arch():
+    message = user_error(["arch=Unet3D"])
+    assert "arch" in message and "Unet3D" in message and "Unet" in message
+
+
+@pytest.mark.parametrize("text", ["maybe", "2", "tru"])
+def test_bad_bool(text):
+    message = user_error([f"use_amp={text}"])
+    assert "use_amp" in message and "bool" in message
+
+
+@pytest.mark.parametrize("arg, key", [
+    ("batch_size=two", "batch_size"), ("learning_rate=fast", "learning_rate"),
+    ("epochs=2.5", "epochs"), ("grad_clip_norm=big", "grad_clip_norm"),
+])
+def test_bad_numbers(arg, key):
+    message = user_error([arg])
+    assert key in message
+
+
+@pytest.mark.parametrize("arg, key", [
+    ("learning_rate=0", "learning_rate"), ("learning_rate=nan", "learning_rate"),
+    ("weight_decay=-1", "weight_decay"), ("val_fraction=1", "val_fraction"),
+    ("warmup_fraction=1", "warmup_fraction"), ("grad_clip_norm=0", "grad_clip_norm"),
+    ("early_stopping_patience=0", "early_stopping_patience"), ("num_workers=-1", "num_workers"),
+    ("growth_factor=1", "growth_factor"), ("backoff_factor=1", "backoff_factor"),
+    ("init_scale=0", "init_scale"), ("device=gpu", "device"),
+])
+def test_out_of_range_values(arg, key):
+    message = user_error([arg])
+    assert message.startswith(key)
+
+
+# ------------------------------------------------------------------------------------------------
+# main(): exit code 2 and a one-line "error: ..." on stderr, no traceback
+# ------------------------------------------------------------------------------------------------
+def assert_clean_exit_2(rc, capsys, *words):
+    out, err = capsys.readouterr()
+    assert rc == 2
+    assert err.startswith("error: ")
+    assert err.count("\n") == 1, f"more than one line on stderr: {err!r}"
+    assert "Traceback" not in err + out
+    for word in words:
+        assert word in err
+
+
+def test_main_bad_key_exits_2(capsys, tmp_path):
+    rc = train_unet.main(["batchsize=2", f"checkpoint_dir={tmp_path / 'ck'}"])
+    assert_clean_exit_2(rc, capsys, "batchsize", "batch_size")
+    assert not (tmp_path / "ck").exists()  # nothing was started
+
+
+def test_main_bad_value_exits_2(capsys, tmp_path):
+    rc = train_unet.main(["amp_dtype=fp8", f"checkpoint_dir={tmp_path / 'ck'}"])
+    assert_clean_exit_2(rc, capsys, "amp_dtype", "bfloat16")
+
+
+def test_main_missing_data_exits_2(capsys, tmp_path):
+    rc = train_unet.main([f"data_dir={tmp_path / 'nope'}", f"checkpoint_dir={tmp_path / 'ck'}",
+                          "device=cpu", "progress=false"])
+    assert_clean_exit_2(rc, capsys, "nope")
+
+
+@pytest.mark.parametrize("device", ["cuda1", "cuda:x"])
+def test_main_malformed_cuda_device_exits_2(device, capsys, tmp_path):
+    """device=cuda1 (typo for cuda:1) passes validate_config, which only checks startswith("cuda");
+    torch.device() then raises RuntimeError and main() prints a traceback instead of one line."""
+    rc = train_unet.main([f"device={device}", f"data_dir={tmp_path / 'data'}",
+                          f"checkpoint_dir={tmp_path / 'ck'}", "progress=false"])
+    assert_clean_exit_2(rc, capsys, "device", device)
+
+
+def test_main_negative_seed_is_rejected_or_works(capsys, data_dir, tmp_path):
+    """seed=-1 is not validated; np.random.seed(-1) raises ValueError out of main() (a traceback).
+    Either a one-line error (exit 2) or a normal run (exit 0) is acceptable."""
+    rc = train_unet.main(["seed=-1", f"data_dir={data_dir}", f"checkpoint_dir={tmp_path / 'ck'}",
+                          "image_size=32", "batch_size=2", "epochs=1", "progress=false",
+                          "device=cpu", "use_amp=false"])
+    if rc == 2:
+        assert_clean_exit_2(rc, capsys, "seed")
+    else:
+        assert rc == 0

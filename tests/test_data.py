@@ -1,0 +1,319 @@
+"""Data: folder layout, checks that name the bad file, mask conventions, SegDataset output."""
+import hashlib
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import train_unet
+from train_unet import SegDataset, UserError, prepare_data, read_mask
+
+
+def data_error(cfg):
+    with pytest.raises(UserError) as info:
+        prepare_data(cfg)
+    message = str(info.value)
+    assert "\n" not in message, f"error message is not one line: {message!r}"
+    return message
+
+
+def first(folder, sub):
+    return sorted((Path(folder) / sub).glob("*.png"))[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad data: a UserError that names the file (or folder)
+# ------------------------------------------------------------------------------------------------
+def test_missing_data_dir(make_cfg, tmp_path):
+    missing = tmp_path / "no_such_dir"
+    message = data_error(make_cfg(data_dir=str(missing)))
+    assert str(missing) in message
+
+
+@pytest.mark.parametrize("sub", ["images", "masks"])
+def test_missing_subfolder(make_cfg, data_dir, sub):
+    for path in (data_dir / sub).iterdir():
+        path.unlink()
+    (data_dir / sub).rmdir()
+    message = data_error(make_cfg())
+    assert str(data_dir / sub) in message
+
+
+def test_empty_images_folder(make_cfg, data_dir):
+    for path in (data_dir / "images").iterdir():
+        path.unlink()
+    message = data_error(make_cfg())
+    assert str(data_dir / "images") in message
+
+
+def test_image_without_mask(make_cfg, data_dir):
+    orphan = first(data_dir, "masks")
+    orphan.unlink()
+    message = data_error(make_cfg())
+    assert orphan.name in message
+    assert str(data_dir / "masks") in message  # where the partner is missing
+
+
+def test_mask_without_image(make_cfg, data_dir):
+    orphan = first(data_dir, "images")
+    orphan.unlink()
+    message = data_error(make_cfg())
+    assert orphan.name in message
+    assert str(data_dir / "images") in message
+
+
+def test_corrupt_image(make_cfg, data_dir):
+    bad = sorted((data_dir / "images").glob("*.png"))[5]
+    bad.write_bytes(b"\x89PNG this is not really a png" + bytes(range(256)))
+    message = data_error(make_cfg())
+    assert str(bad) in message
+
+
+def test_corrupt_mask(make_cfg, data_dir):
+    bad = sorted((data_dir / "masks").glob("*.png"))[7]
+    bad.write_bytes(b"garbage" * 50)
+    message = data_error(make_cfg())
+    assert str(bad) in message
+
+
+def test_multiclass_mask_value_out_of_range(make_cfg, make_data):
+    root = make_data("multi", num_classes=3)
+    bad = first(root, "masks")
+    mask = cv2.imread(str(bad), cv2.IMREAD_UNCHANGED)
+    assert mask.max() <= 2
+    mask[3, 4] = 5
+    cv2.imwrite(str(bad), mask)
+    message = data_error(make_cfg(data_dir=str(root), num_classes=3))
+    assert str(bad) in message
+    assert "5" in message and "num_classes=3" in message
+    # the generated multi-class set itself is fine
+    cv2.imwrite(str(bad), np.minimum(mask, 2))
+    train, val = prepare_data(make_cfg(data_dir=str(root), num_classes=3))
+    assert len(train) + len(val) == 12
+
+
+@pytest.mark.parametrize("value", [128, 2, 254])
+def test_binary_mask_with_other_values(make_cfg, data_dir, value):
+    bad = sorted((data_dir / "masks").glob("*.png"))[3]
+    mask = cv2.imread(str(bad), cv2.IMREAD_UNCHANGED)
+    mask[0, 0] = value
+    cv2.imwrite(str(bad), mask)
+    message = data_error(make_cfg())
+    assert str(bad) in message and "num_classes=1" in message
+
+
+def test_binary_mask_mixing_1_and_255(make_cfg, data_dir):
+    bad = first(data_dir, "masks")
+    mask = np.zeros((64, 64), np.uint8)
+    mask[:10] = 1
+    mask[20:30] = 255
+    cv2.imwrite(str(bad), mask)
+    assert str(bad) in data_error(make_cfg())
+
+
+def test_colour_mask(make_cfg, data_dir):
+    bad = first(data_dir, "masks")
+    colour = np.zeros((64, 64, 3), np.uint8)
+    colour[10:20, 10:20] = (0, 0, 255)  # red in BGR
+    cv2.imwrite(str(bad), colour)
+    message = data_error(make_cfg())
+    assert str(bad) in message and "colour" in message
+
+
+def test_grey_mask_saved_as_rgb_is_accepted(make_cfg, data_dir):
+    path = first(data_dir, "masks")
+    mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    cv2.imwrite(str(path), np.repeat(mask[..., None], 3, axis=2))
+    assert read_mask(path, 1).ndim == 2
+    np.testing.assert_array_equal(read_mask(path, 1), (mask > 0).astype(np.uint8))
+    prepare_data(make_cfg())
+
+
+def test_image_mask_size_mismatch(make_cfg, data_dir):
+    bad = sorted((data_dir / "images").glob("*.png"))[2]
+    image = cv2.imread(str(bad))
+    cv2.imwrite(str(bad), cv2.resize(image, (48, 64)))
+    message = data_error(make_cfg())
+    assert str(bad) in message
+    assert "48x64" in message and "64x64" in message
+
+
+def test_fewer_train_images_than_batch_size(make_cfg):
+    # 12 pairs, val_fraction 0.2 -> 2 val, 10 train
+    message = data_error(make_cfg(batch_size=11))
+    assert "batch_size=11" in message and "10" in message
+    train, _ = prepare_data(make_cfg(batch_size=10))
+    assert len(train) == 10
+
+
+def test_single_image_cannot_be_split(make_cfg, make_data):
+    root = make_data("one", count=1)
+    message = data_error(make_cfg(data_dir=str(root), batch_size=1))
+    assert str(root) in message
+
+
+def test_two_files_with_one_stem(make_cfg, data_dir):
+    image = first(data_dir, "images")
+    cv2.imwrite(str(image.with_suffix(".jpg")), cv2.imread(str(image)))
+    message = data_error(make_cfg())
+    assert image.stem in message
+
+
+# ------------------------------------------------------------------------------------------------
+# Good data
+# ------------------------------------------------------------------------------------------------
+def test_split_is_deterministic_disjoint_and_complete(make_cfg, data_dir):
+    train, val = prepare_data(make_cfg())
+    again = prepare_data(make_cfg())
+    assert (train, val) == again
+    assert len(val) == 2 and len(train) == 10
+    stems = [p[0].stem for p in train + val]
+    assert len(set(stems)) == 12
+    for image, mask in train + val:
+        assert image.parent == data_dir / "images" and mask.parent == data_dir / "masks"
+        assert image.stem == mask.stem
+    other_seed, _ = prepare_data(make_cfg(seed=7))
+    assert {p[0] for p in other_seed} != {p[0] for p in train}  # the split follows the seed
+
+
+def test_binary_masks_0_1_and_0_255(make_cfg, data_dir, tmp_path):
+    shape = np.zeros((64, 64), np.uint8)
+    shape[10:30, 5:40] = 1
+    p01, p255 = tmp_path / "m01.png", tmp_path / "m255.png"
+    cv2.imwrite(str(p01), shape)
+    cv2.imwrite(str(p255), shape * 255)
+    for path in (p01, p255):
+        mask = read_mask(path, 1)
+        assert mask.dtype == np.uint8
+        np.testing.assert_array_equal(mask, shape)
+    # a data set mixing both conventions (file by file) is accepted
+    masks = sorted((data_dir / "masks").glob("*.png"))
+    for path in masks[::2]:
+        m = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        assert set(np.unique(m).tolist()) <= {0, 255}
+        cv2.imwrite(str(path), (m > 0).astype(np.uint8))
+    train, val = prepare_data(make_cfg())
+    dataset = SegDataset(train + val, make_cfg(), train=False)
+    for i in range(len(dataset)):
+        _, y = dataset[i]
+        assert set(torch.unique(y).tolist()) <= {0, 1}
+
+
+def test_all_background_binary_mask_is_fine(tmp_path):
+    path = tmp_path / "zeros.png"
+    cv2.imwrite(str(path), np.zeros((8, 8), np.uint8))
+    assert read_mask(path, 1).max() == 0
+
+
+def test_grayscale_images_with_three_channels(make_cfg, data_dir):
+    for path in (data_dir / "images").glob("*.png"):
+        cv2.imwrite(str(path), cv2.imread(str(path), cv2.IMREAD_GRAYSCALE))
+    assert cv2.imread(str(first(data_dir, "images")), cv2.IMREAD_UNCHANGED).ndim == 2
+    cfg = make_cfg(in_channels=3)
+    train, val = prepare_data(cfg)
+    x, y = SegDataset(train, cfg, train=True)[0]
+    assert x.shape == (3, 64, 64) and x.dtype == torch.float32
+    assert y.shape == (64, 64) and y.dtype == torch.int64
+
+
+def test_rgb_images_with_one_channel(make_cfg, data_dir):
+    cfg = make_cfg(in_channels=1)
+    train, val = prepare_data(cfg)
+    x, y = SegDataset(val, cfg, train=False)[0]
+    assert x.shape == (1, 64, 64) and x.dtype == torch.float32
+    assert y.shape == (64, 64)
+    model = train_unet.build_model(cfg)
+    with torch.no_grad():
+        assert model(x[None]).shape == (1, 1, 64, 64)
+
+
+def test_odd_sizes_come_out_square_padded_bottom_right(make_cfg, data_dir):
+    """50 (high) x 70 (wide) -> longest side 64, aspect kept, zero padding below."""
+    for path in (data_dir / "images").glob("*.png"):
+        cv2.imwrite(str(path), cv2.resize(cv2.imread(str(path)), (70, 50)))
+    for path in (data_dir / "masks").glob("*.png"):
+        cv2.imwrite(str(path), np.full((50, 70), 255, np.uint8))  # all foreground
+    cfg = make_cfg()
+    train, val = prepare_data(cfg)
+    for dataset in (SegDataset(val, cfg, train=False), SegDataset(train, cfg, train=True)):
+        x, y = dataset[0]
+        assert x.shape == (3, 64, 64) and y.shape == (64, 64)
+    x, y = SegDataset(val, cfg, train=False)[0]
+    rows = y.any(1).nonzero().flatten()
+    assert y[:44].all() and y[:, :].any(0).all()       # the image area: 64 wide, ~46 high
+    assert not y[48:].any()                             # padding at the bottom is background
+    assert rows.max().item() in (44, 45, 46)
+    assert torch.all(x[:, 48:] == x[:, 63:64])          # padded rows are one constant value
+
+
+def test_train_and_val_folders_are_used(make_cfg, make_data, tmp_path):
+    root = tmp_path / "split"
+    make_data("split/train", count=8, seed=1)
+    make_data("split/val", count=3, seed=2)
+    train, val = prepare_data(make_cfg(data_dir=str(root), val_fraction=0.5))
+    assert len(train) == 8 and len(val) == 3
+    assert all(img.parent == root / "train" / "images" for img, _ in train)
+    assert all(msk.parent == root / "val" / "masks" for _, msk in val)
+
+
+def test_val_folder_is_checked_too(make_cfg, make_data, tmp_path):
+    root = tmp_path / "split"
+    make_data("split/train", count=8, seed=1)
+    make_data("split/val", count=3, seed=2)
+    bad = first(root / "val", "images")
+    bad.write_bytes(b"not an image")
+    message = data_error(make_cfg(data_dir=str(root)))
+    assert str(bad) in message
+
+
+def test_embedded_data_set_is_generated(make_cfg, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert not Path(train_unet.EMBEDDED_DATA_DIR).exists()
+    cfg = make_cfg(data_dir=train_unet.EMBEDDED_DATA_DIR)
+    train, val = prepare_data(cfg)
+    images = sorted((tmp_path / train_unet.EMBEDDED_DATA_DIR / "images").glob("*.png"))
+    masks = sorted((tmp_path / train_unet.EMBEDDED_DATA_DIR / "masks").glob("*.png"))
+    assert len(images) == len(masks) == len(train) + len(val) > 0
+    assert len(val) == round(len(images) * cfg["val_fraction"])
+    # a second call uses what is there (no regeneration)
+    stamp = images[0].stat().st_mtime_ns
+    prepare_data(cfg)
+    assert images[0].stat().st_mtime_ns == stamp
+
+
+def test_generate_shapes_dataset_is_deterministic(tmp_path):
+    def digest(root):
+        return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(root.rglob("*.png"))}
+    a = digest(train_unet.generate_shapes_dataset(tmp_path / "a", count=6, size=64))
+    b = digest(train_unet.generate_shapes_dataset(tmp_path / "b", count=6, size=64))
+    c = digest(train_unet.generate_shapes_dataset(tmp_path / "c", count=6, size=64, seed=1))
+    assert len(a) == 12
+    assert a == b
+    assert a != c
+
+
+def test_generated_masks_follow_the_conventions(tmp_path):
+    binary = train_unet.generate_shapes_dataset(tmp_path / "bin", count=6, size=64)
+    multi = train_unet.generate_shapes_dataset(tmp_path / "multi", count=6, size=64, num_classes=4)
+    for path in (binary / "masks").glob("*.png"):
+        m = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        assert m.shape == (64, 64) and set(np.unique(m).tolist()) <= {0, 255}
+    values = set()
+    for path in (multi / "masks").glob("*.png"):
+        values |= set(np.unique(cv2.imread(str(path), cv2.IMREAD_UNCHANGED)).tolist())
+    assert values <= {0, 1, 2, 3} and len(values) > 2
+
+
+def test_augmentation_is_seeded_by_epoch_and_index(make_cfg, data_dir):
+    cfg = make_cfg()
+    train, _ = prepare_data(cfg)
+    a, b = SegDataset(train, cfg, train=True), SegDataset(train, cfg, train=True)
+    assert torch.equal(a[3][0], b[3][0]) and torch.equal(a[3][1], b[3][1])
+    samples = []
+    for epoch in range(4):
+        a.epoch = epoch
+        samples.append(a[3][0])
+    assert any(not torch.equal(samples[0], s) for s in samples[1:])  # augmentation changes by epoch

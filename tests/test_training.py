@@ -1,0 +1,482 @@
+"""Training numerics (accumulation, scaler, skipped steps) and end-to-end runs of train()."""
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import train_unet
+from train_unet import (HISTORY_FIELDS, SegLoss, UserError, build_scaler, decide_precision,
+                        load_checkpoint, train, train_one_epoch)
+
+CKPT_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "best_iou", "rng", "config", "history"}
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers for the loop-level tests: a tiny model without BatchNorm and fixed data
+# ------------------------------------------------------------------------------------------------
+def tiny_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 1, 1))
+
+
+def fixed_data(n, size=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, size, size, generator=g)
+    y = (torch.rand(n, size, size, generator=g) > 0.5).long()
+    return TensorDataset(x, y)
+
+
+def loop_cfg(**overrides):
+    cfg = dict(train_unet.CONFIG, num_classes=1, progress=False, channels_last=False,
+               grad_clip_norm=None, accumulation_steps=1)
+    cfg.update(overrides)
+    return cfg
+
+
+def run_epoch(model, loader, cfg, hw, prec, scaler=None, lr=0.5):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    return train_one_epoch(model, loader, SegLoss(1, "ce"), optimizer, scheduler, scaler, prec, hw, cfg)
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same_weights(a, b, atol=1e-6):
+    for pa, pb in zip(a, b):
+        assert torch.allclose(pa, pb, rtol=0, atol=atol), (pa - pb).abs().max()
+
+
+def assert_changed(before, after):
+    assert any(not torch.equal(p, q) for p, q in zip(before, after)), "the optimizer did not step"
+
+
+@pytest.fixture
+def fp32(cpu_hw):
+    return decide_precision(cpu_hw, use_amp=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# a. Gradient accumulation equals one big batch
+# ------------------------------------------------------------------------------------------------
+def test_accumulation_equals_one_big_batch(cpu_hw, fp32):
+    data = fixed_data(8)
+    init = tiny_net()
+    small, big = tiny_net(), tiny_net()
+    small.load_state_dict(init.state_dict())
+    big.load_state_dict(init.state_dict())
+    r_small = run_epoch(small, DataLoader(data, batch_size=2, shuffle=False),
+                        loop_cfg(accumulation_steps=4), cpu_hw, fp32)
+    r_big = run_epoch(big, DataLoader(data, batch_size=8, shuffle=False),
+                      loop_cfg(accumulation_steps=1), cpu_hw, fp32)
+    assert r_small["stats"].optimizer_steps == 1 and r_big["stats"].optimizer_steps == 1
+    assert r_small["stats"].skipped_steps == 0
+    assert_changed(weights(init), weights(big))
+    assert_same_weights(weights(small), weights(big))
+    # the measured (pre-clip) gradient norm is the big batch's
+    assert r_small["stats"].grad_norm_sum == pytest.approx(r_big["stats"].grad_norm_sum, rel=1e-5)
+
+
+def test_short_last_group_is_averaged_over_its_own_length(cpu_hw, fp32):
+    """6 micro-batches with accumulation 4: steps after batches 1-4 and after 5-6, each the mean
+    over its own group (as if batches 1-4 and 5-6 were two big batches)."""
+    data = fixed_data(12)
+    init = tiny_net()
+    small, big = tiny_net(), tiny_net()
+    small.load_state_dict(init.state_dict())
+    big.load_state_dict(init.state_dict())
+    r_small = run_epoch(small, DataLoader(data, batch_size=2, shuffle=False),
+                        loop_cfg(accumulation_steps=4), cpu_hw, fp32)
+    groups = DataLoader(data, batch_sampler=[list(range(0, 8)), list(range(8, 12))])
+    r_big = run_epoch(big, groups, loop_cfg(accumulation_steps=1), cpu_hw, fp32)
+    assert r_small["stats"].optimizer_steps == 2
+    assert r_big["stats"].optimizer_steps == 2
+    assert train_unet.optimizer_steps_per_epoch(6, 4) == 2
+    assert_changed(weights(init), weights(big))
+    assert_same_weights(weights(small), weights(big))
+
+
+def test_gradient_clipping_limits_the_update(cpu_hw, fp32):
+    data = fixed_data(4)
+    model = tiny_net()
+    before = weights(model)
+    result = run_epoch(model, DataLoader(data, batch_size=4), loop_cfg(grad_clip_norm=1e-3),
+                       cpu_hw, fp32, lr=1.0)
+    measured = result["stats"].grad_norm_sum
+    assert measured > 1e-3  # the reported norm is the pre-clip one
+    step = torch.sqrt(sum(((a - b) ** 2).sum() for a, b in zip(before, weights(model))))
+    assert step.item() == pytest.approx(1e-3, rel=1e-3)  # SGD lr=1: |update| == clip norm
+
+
+def test_non_finite_gradients_skip_the_step_without_scaler(cpu_hw, fp32):
+    x, y = fixed_data(4).tensors
+    x = x.clone()
+    x[0, 0, 0, 0] = float("nan")
+    model = tiny_net()
+    before = weights(model)
+    result = run_epoch(model, DataLoader(TensorDataset(x, y), batch_size=2),
+                       loop_cfg(accumulation_steps=1), cpu_hw, fp32)
+    stats = result["stats"]
+    assert stats.optimizer_steps == 2
+    assert stats.skipped_steps == 1  # the NaN batch; the other one is applied
+    assert stats.grad_norm_count == 1 and math.isfinite(stats.grad_norm_sum)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert_changed(before, weights(model))
+
+
+# ------------------------------------------------------------------------------------------------
+# b. GradScaler only under fp16
+# ------------------------------------------------------------------------------------------------
+def record_output_dtypes(model):
+    seen = []
+    model.register_forward_hook(lambda m, inp, out: seen.append(out.dtype))
+    return seen
+
+
+def test_fp16_trains_with_a_grad_scaler(cpu_hw):
+    prec = decide_precision(cpu_hw, True, "float16", force=True)
+    cfg = loop_cfg(accumulation_steps=2)
+    scaler = build_scaler(prec, cpu_hw, cfg)
+    assert isinstance(scaler, torch.amp.GradScaler)
+    model = tiny_net()
+    dtypes = record_output_dtypes(model)
+    before = weights(model)
+    result = run_epoch(model, DataLoader(fixed_data(8), batch_size=2), cfg, cpu_hw, prec, scaler)
+    assert set(dtypes) == {torch.float16}  # autocast really ran in fp16
+    stats = result["stats"]
+    assert stats.optimizer_steps == 2
+    assert stats.skipped_steps == 0
+    scale = scaler.get_scale()
+    assert math.isfinite(scale) and scale > 0
+    assert math.isfinite(result["loss"])
+    assert_changed(before, weights(model))
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_fp16_overflow_is_skipped_and_the_scale_backs_off(cpu_hw):
+    prec = decide_precision(cpu_hw, True, "float16", force=True)
+    cfg = loop_cfg(init_scale=1e38)  # scaled gradients overflow fp16
+    scaler = build_scaler(prec, cpu_hw, cfg)
+    model = tiny_net()
+    before = weights(model)
+    result = run_epoch(model, DataLoader(fixed_data(4), batch_size=2), cfg, cpu_hw, prec, scaler)
+    stats = result["stats"]
+    assert stats.optimizer_steps == 2
+    assert stats.skipped_steps >= 1
+    assert scaler.get_scale() < 1e38
+    if stats.skipped_steps == 2:
+        assert_same_weights(before, weights(model), atol=0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_bf16_has_no_scaler(cpu_hw):
+    bf16 = train_unet.Precision(torch.bfloat16, False, "test")
+    assert build_scaler(bf16, cpu_hw, loop_cfg()) is None
+    model = tiny_net()
+    dtypes = record_output_dtypes(model)
+    result = run_epoch(model, DataLoader(fixed_data(4), batch_size=2), loop_cfg(), cpu_hw, bf16)
+    assert set(dtypes) == {torch.bfloat16}
+    assert result["stats"].optimizer_steps == 2 and result["stats"].skipped_steps == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# c. End to end
+# ------------------------------------------------------------------------------------------------
+def read_history(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+@pytest.fixture
+def model_dtypes(monkeypatch):
+    """Record (training?, output dtype) of every forward of the model train() builds."""
+    seen = []
+    build = train_unet.build_model
+
+    def build_and_watch(cfg):
+        model = build(cfg)
+        model.register_forward_hook(lambda m, inp, out: seen.append((m.training, out.dtype)))
+        model.register_forward_pre_hook(
+            lambda m, inp: seen.append(("channels_last", inp[0].is_contiguous(
+                memory_format=torch.channels_last))))
+        return model
+    monkeypatch.setattr(train_unet, "build_model", build_and_watch)
+    return seen
+
+
+@pytest.mark.parametrize("amp", ["fp32", "bf16"])
+def test_train_end_to_end(make_cfg, cpu_hw, model_dtypes, amp, capsys):
+    overrides = dict(use_amp=False) if amp == "fp32" else dict(use_amp=True, amp_dtype="bfloat16")
+    cfg = make_cfg(epochs=1, **overrides)
+    expected = "bf16" if amp == "bf16" and cpu_hw.bf16 else "fp32"
+    result = train(cfg)
+    out = capsys.readouterr().out
+    assert f"precision    {expected}" in out
+
+    history = result["history"]
+    assert len(history) == 1 and history[0]["epoch"] == 1
+    assert result["precision"] == expected
+    row = history[0]
+    assert row["precision"] == expected
+    assert row["optimizer_steps"] == 2        # 10 train images, batch 4, drop_last -> 2 batches
+    assert row["skipped_steps"] == 0
+    for key in ("train_loss", "val_loss", "lr", "grad_norm"):
+        assert math.isfinite(row[key]) and row[key] > 0
+    for key in ("train_iou", "val_iou", "val_dice"):
+        assert 0.0 <= row[key] <= 1.0
+    assert result["best_iou"] == row["val_iou"]
+
+    # training forwards ran in the requested dtype; validation in fp32 (eval_amp=False)
+    train_dtypes = {d for t, d in model_dtypes if t is True}
+    eval_dtypes = {d for t, d in model_dtypes if t is False}
+    want = torch.bfloat16 if expected == "bf16" else torch.float32
+    assert train_dtypes == {want}
+    assert eval_dtypes == {torch.float32}
+
+    ckpt = Path(cfg["checkpoint_dir"])
+    for name in ("last.pt", "best.pt", "history.csv", "config.json"):
+        assert (ckpt / name).is_file(), name
+    assert not list(ckpt.glob(".*.tmp*"))  # no temporary files left behind
+
+    fields, rows = read_history(ckpt / "history.csv")
+    assert fields == list(HISTORY_FIELDS)
+    assert len(rows) == 1
+    assert rows[0]["precision"] == expected
+    assert float(rows[0]["val_iou"]) == pytest.approx(row["val_iou"])
+
+    saved = json.loads((ckpt / "config.json").read_text())
+    assert saved["precision"] == expected
+    assert saved["config"]["batch_size"] == cfg["batch_size"]
+    assert saved["config"]["data_dir"] == cfg["data_dir"]
+
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    assert CKPT_KEYS <= set(state)
+    assert state["epoch"] == 1
+    assert state["scaler"] is None  # no GradScaler for bf16 / fp32
+    assert state["config"] == cfg
+    assert len(state["history"]) == 1
+    assert state["best_iou"] == pytest.approx(row["val_iou"])
+    assert load_checkpoint(ckpt / "best.pt")["epoch"] == 1
+    # the weights load into a freshly built model
+    train_unet.build_model(cfg).load_state_dict(state["model"])  # strict
+
+
+def test_train_main_cli(data_dir, tmp_path, capsys):
+    ckpt = tmp_path / "cli"
+    rc = train_unet.main([f"data_dir={data_dir}", f"checkpoint_dir={ckpt}", "image_size=32",
+                          "batch_size=4", "epochs=1", "progress=false", "device=cpu",
+                          "use_amp=false", "num_workers=0"])
+    assert rc == 0
+    assert (ckpt / "last.pt").is_file()
+    assert load_checkpoint(ckpt / "last.pt")["config"]["image_size"] == 32
+
+
+# ------------------------------------------------------------------------------------------------
+# d. Resume, and archiving an earlier run
+# ------------------------------------------------------------------------------------------------
+def test_resume_continues_exactly(make_cfg, tmp_path, monkeypatch, capsys):
+    """Two epochs straight == one epoch, interrupted, then resume=True for the second."""
+    common = dict(epochs=2, batch_size=2, image_size=32, early_stopping_patience=None)
+    dir_a, dir_b = tmp_path / "A", tmp_path / "B"
+    straight = train(make_cfg(checkpoint_dir=str(dir_a), **common))
+
+    # Run B: the same config, interrupted (Ctrl-C) right after epoch 1 was checkpointed.
+    summary = train_unet.epoch_summary
+
+    def interrupt_after_epoch_1(row, cfg, improved):
+        text = summary(row, cfg, improved)
+        if row["epoch"] == 1:
+            raise KeyboardInterrupt
+        return text
+    monkeypatch.setattr(train_unet, "epoch_summary", interrupt_after_epoch_1)
+    cfg_b = make_cfg(checkpoint_dir=str(dir_b), **common)
+    args = [f"{k}={v}" for k, v in cfg_b.items() if v != train_unet.CONFIG[k]]
+    assert train_unet.main(args) == 130
+    assert "interrupted" in capsys.readouterr().err
+    assert load_checkpoint(dir_b / "last.pt")["epoch"] == 1
+    monkeypatch.setattr(train_unet, "epoch_summary", summary)
+
+    resumed = train({**cfg_b, "resume": True})
+    assert "resumed from" in capsys.readouterr().out
+    assert [r["epoch"] for r in resumed["history"]] == [1, 2]
+    assert not (dir_b / "previous").exists()  # resuming does not archive
+
+    a = torch.load(dir_a / "last.pt", weights_only=True)
+    b = torch.load(dir_b / "last.pt", weights_only=True)
+    assert a["epoch"] == b["epoch"] == 2
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.allclose(a["model"][key].float(), b["model"][key].float(), rtol=0, atol=1e-6), key
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+    for ra, rb in zip(straight["history"], resumed["history"]):
+        for key in ("train_loss", "val_loss", "val_iou", "lr", "grad_norm"):
+            assert ra[key] == pytest.approx(rb[key], rel=1e-5, abs=1e-7), key
+    _, rows = read_history(dir_b / "history.csv")
+    assert [int(r["epoch"]) for r in rows] == [1, 2]
+
+
+def test_resume_without_checkpoint_is_a_user_error(make_cfg):
+    cfg = make_cfg(resume=True)
+    with pytest.raises(UserError) as info:
+        train(cfg)
+    assert "last.pt" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_resume_with_another_model_shape_is_a_user_error(make_cfg, tmp_path):
+    ckpt = Path(make_cfg()["checkpoint_dir"])
+    cfg = make_cfg(image_size=32)
+    state = {"model": {}, "config": dict(cfg, num_classes=2), "history": []}
+    ckpt.mkdir(parents=True)
+    torch.save(state, ckpt / "last.pt")
+    with pytest.raises(UserError) as info:
+        train(dict(cfg, resume=True))
+    assert "num_classes" in str(info.value)
+
+
+def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
+    cfg = make_cfg(image_size=32, batch_size=4)
+    ckpt = Path(cfg["checkpoint_dir"])
+    train(cfg)
+    first = {n: (ckpt / n).read_bytes() for n in ("last.pt", "best.pt", "history.csv", "config.json")}
+    train(cfg)
+    assert "was moved to" in capsys.readouterr().out
+    archived = list((ckpt / "previous").iterdir())
+    assert len(archived) == 1
+    for name, data in first.items():
+        assert (archived[0] / name).read_bytes() == data, name  # nothing lost
+    for name in first:
+        assert (ckpt / name).is_file()  # and the new run wrote its own
+
+
+def test_two_archives_in_the_same_second_lose_nothing(tmp_path, monkeypatch):
+    """archive_previous_run names the folder by the second; a second archive within that second
+    (e.g. two quick failed runs) must not overwrite the first archive's files."""
+    monkeypatch.setattr(train_unet.time, "strftime", lambda fmt, *a: "20250101-120000")
+    ckpt = tmp_path / "ck"
+    ckpt.mkdir()
+    for run in ("run1", "run2"):
+        for name in ("last.pt", "history.csv", "config.json"):
+            (ckpt / name).write_text(f"{run} {name}")
+        assert train_unet.archive_previous_run(ckpt) is not None
+        assert not (ckpt / "last.pt").exists()
+    contents = {p.read_text() for p in (ckpt / "previous").rglob("*") if p.is_file()}
+    for run in ("run1", "run2"):
+        for name in ("last.pt", "history.csv", "config.json"):
+            assert f"{run} {name}" in contents, f"{run}'s {name} was lost"
+
+
+# ------------------------------------------------------------------------------------------------
+# e. torch.compile and channels_last
+# ------------------------------------------------------------------------------------------------
+def test_compile_model(make_cfg, make_data):
+    """Slow (inductor compiles forward and backward; ~80 s with a cold cache on 2 cores)."""
+    root = make_data("tiny", count=6, size=32)
+    cfg = make_cfg(data_dir=str(root), image_size=32, batch_size=2, compile_model=True)
+    result = train(cfg)
+    assert len(result["history"]) == 1
+    assert math.isfinite(result["history"][0]["train_loss"])
+    for name in ("last.pt", "best.pt"):
+        state = load_checkpoint(Path(cfg["checkpoint_dir"]) / name)
+        assert not [k for k in state["model"] if "_orig_mod" in k]
+        train_unet.build_model(cfg).load_state_dict(state["model"])  # strict: plain keys
+
+
+def test_channels_last(make_cfg, model_dtypes, cpu_hw):
+    cfg = make_cfg(image_size=32, channels_last=True, use_amp=True, amp_dtype="bfloat16")
+    result = train(cfg)
+    assert len(result["history"]) == 1
+    assert math.isfinite(result["history"][0]["train_loss"])
+    layouts = [flag for tag, flag in model_dtypes if tag == "channels_last"]
+    assert layouts and all(layouts)  # every forward got an NHWC input
+    state = load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt")
+    assert not [k for k in state["model"] if "_orig_mod" in k]
+
+
+# ------------------------------------------------------------------------------------------------
+# f. Early stopping
+# ------------------------------------------------------------------------------------------------
+def expected_stop(val_ious, patience, epochs):
+    best, since = -1.0, 0
+    for epoch, iou in enumerate(val_ious, 1):
+        best, since = (iou, 0) if iou > best else (best, since + 1)
+        if since >= patience and epoch < epochs:
+            return epoch
+    return epochs
+
+
+def test_early_stopping_with_a_tiny_learning_rate(make_cfg):
+    """lr 1e-9: the weights stay put; only BatchNorm statistics drift, so val IoU soon stops
+    improving and patience=1 ends the run before `epochs`."""
+    epochs = 6
+    cfg = make_cfg(epochs=epochs, batch_size=2, learning_rate=1e-9, early_stopping_patience=1)
+    result = train(cfg)
+    history = result["history"]
+    ious = [r["val_iou"] for r in history]
+    assert len(history) < epochs, f"early stopping did not trigger: val IoU {ious}"
+    assert len(history) == expected_stop(ious, 1, epochs)
+    assert result["best_iou"] == max(ious)
+    best = load_checkpoint(Path(cfg["checkpoint_dir"]) / "best.pt")
+    assert best["epoch"] == ious.index(max(ious)) + 1
+
+
+def test_early_stopping_follows_patience(make_cfg, make_data, monkeypatch):
+    """Scripted val IoU 0.5, 0.6, 0.6, 0.55, 0.9 with patience 2: stop after epoch 4."""
+    scripted = iter([0.5, 0.6, 0.6, 0.55, 0.9])
+    evaluate = train_unet.evaluate
+
+    def fake_evaluate(*args, **kwargs):
+        return {**evaluate(*args, **kwargs), "iou": next(scripted)}
+    monkeypatch.setattr(train_unet, "evaluate", fake_evaluate)
+    root = make_data("tiny", count=6, size=32)
+    cfg = make_cfg(data_dir=str(root), image_size=32, batch_size=2, epochs=5,
+                   early_stopping_patience=2)
+    result = train(cfg)
+    assert [r["val_iou"] for r in result["history"]] == [0.5, 0.6, 0.6, 0.55]
+    assert result["best_iou"] == 0.6
+    assert load_checkpoint(Path(cfg["checkpoint_dir"]) / "best.pt")["epoch"] == 2
+    assert load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt")["epoch"] == 4
+
+
+# ------------------------------------------------------------------------------------------------
+# g. load_checkpoint refuses what is not a checkpoint of this trainer
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["garbage", "empty", "text", "list", "dict_without_model"])
+def test_load_checkpoint_rejects_non_checkpoints(tmp_path, kind):
+    path = tmp_path / f"{kind}.pt"
+    if kind == "garbage":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("hello, not a checkpoint\n")
+    elif kind == "list":
+        torch.save([1, 2, 3], path)
+    else:
+        torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(UserError) as info:
+        load_checkpoint(path)
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+
+
+def test_load_checkpoint_missing_file(tmp_path):
+    with pytest.raises(UserError) as info:
+        load_checkpoint(tmp_path / "nope.pt")
+    assert "nope.pt" in str(info.value)
+
+
+def test_resume_from_an_empty_last_pt_is_a_user_error(make_cfg):
+    cfg = make_cfg(resume=True)
+    ckpt = Path(cfg["checkpoint_dir"])
+    ckpt.mkdir(parents=True)
+    (ckpt / "last.pt").write_bytes(b"")
+    with pytest.raises(UserError) as info:
+        train(cfg)
+    assert "last.pt" in str(info.value)
