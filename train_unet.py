@@ -42,6 +42,7 @@ CONFIG = {
     "in_channels": 3,              # 3 = RGB (grayscale images are repeated), 1 = grayscale
     "num_classes": 1,              # 1 = binary (masks 0/1 or 0/255); N > 1 = masks hold class indices
     "val_fraction": 0.2,           # used when <data_dir> has no train/ and val/ folders
+    "max_train_images": None,      # None = all; a number = a quick run on the first N (benchmarks)
     "num_workers": None,           # None = auto: 0 on CPU (workers would steal the compute cores)
     # model
     "arch": "Unet",                # any segmentation_models_pytorch architecture
@@ -87,7 +88,7 @@ CHOICES = {
 }
 # Types for keys whose default is None.
 NONE_DEFAULT_TYPES = {
-    "num_workers": int, "encoder_weights": str, "grad_clip_norm": float,
+    "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
     "early_stopping_patience": int, "tf32_matmul_precision": str,
 }
 # Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
@@ -174,6 +175,8 @@ def validate_config(cfg):
         ("early_stopping_patience", cfg["early_stopping_patience"] is None
          or cfg["early_stopping_patience"] >= 1, "must be >= 1, or None to train every epoch"),
         ("num_workers", cfg["num_workers"] is None or cfg["num_workers"] >= 0, "must be >= 0 or None"),
+        ("max_train_images", cfg["max_train_images"] is None or cfg["max_train_images"] >= 1,
+         "must be >= 1, or None for all"),
         ("init_scale", cfg["init_scale"] > 0, "must be > 0"),
         ("growth_factor", cfg["growth_factor"] > 1, "must be > 1"),
         ("backoff_factor", 0 < cfg["backoff_factor"] < 1, "must be between 0 and 1"),
@@ -480,6 +483,7 @@ def prepare_data(cfg):
             raise UserError(f"{root} has only {len(pairs)} image(s): need at least 2 to split train/val")
         val = [pairs[i] for i in sorted(order[:n_val])]
         train = [pairs[i] for i in sorted(order[n_val:])]
+    train = train[:cfg["max_train_images"]]
     check_pairs(train + val, cfg)
     if len(train) < cfg["batch_size"]:
         raise UserError(f"the training set has {len(train)} image(s), fewer than batch_size="
@@ -693,6 +697,11 @@ class StepStats:
     grad_norm_count: int = 0
 
 
+def synchronize(hw):
+    if hw.kind == "cuda":
+        torch.cuda.synchronize(hw.device)
+
+
 def to_device(x, y, hw, channels_last):
     x = x.to(hw.device, non_blocking=True)
     if channels_last:
@@ -759,6 +768,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             bar.set_postfix(loss=f"{loss_sum.item() / (i + 1):.4f}", iou=f"{metric.compute()['iou']:.3f}",
                             img_s=f"{seen / (last_refresh - start):.1f}")
     bar.close()
+    synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
     result = metric.compute()
     return {"loss": loss_sum.item() / max(1, n), "iou": result["iou"], "dice": result["dice"],
@@ -840,7 +850,7 @@ def seed_everything(seed):
 
 
 HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "val_iou", "val_dice", "lr",
-                  "epoch_time_s", "images_per_s", "peak_mem_mb", "peak_mem_kind", "precision",
+                  "epoch_time_s", "val_time_s", "images_per_s", "peak_mem_mb", "peak_mem_kind", "precision",
                   "grad_norm", "optimizer_steps", "skipped_steps")
 
 
@@ -1026,6 +1036,205 @@ def predict(opts):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Benchmark: the same data, seed and model under several precision settings, one process each.
+# ----------------------------------------------------------------------------------------------------
+BENCHMARK_CONFIG = {
+    "configs": "fp32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # names from BENCHMARK_SETTINGS
+    "output": "checkpoints/benchmark",
+    "bare_steps": 6,        # timed steps of the bare reference loop (0 = skip it)
+}
+# Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size.
+BENCHMARK_SETTINGS = {
+    "fp32": {"use_amp": False},
+    "fp32_cl": {"use_amp": False, "channels_last": True},
+    "bf16": {"amp_dtype": "bfloat16"},
+    "bf16_cl": {"amp_dtype": "bfloat16", "channels_last": True},
+    "bf16_compile": {"amp_dtype": "bfloat16", "compile_model": True},
+    "bf16_2x": {"amp_dtype": "bfloat16", "batch_size": "2x"},
+    "fp16": {"amp_dtype": "float16"},
+}
+BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
+                    "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
+                    "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
+                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status")
+
+
+def parse_benchmark_args(args):
+    """Benchmark keys (BENCHMARK_CONFIG) and training keys (CONFIG) in one key=value list."""
+    bench_args = [a for a in args if a.partition("=")[0] in BENCHMARK_CONFIG]
+    opts = parse_overrides(bench_args, defaults=BENCHMARK_CONFIG)
+    train_args = [a for a in args if a not in bench_args]
+    base = parse_overrides(train_args + ["progress=False"])
+    names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
+    if unknown or not names:
+        raise UserError(f"configs={opts['configs']!r}: unknown {', '.join(unknown) or '(empty)'}; use a "
+                        f"comma-separated list of {', '.join(BENCHMARK_SETTINGS)}")
+    return opts, base, train_args, names
+
+
+def benchmark_overrides(name, base):
+    """CONFIG overrides (as key=value strings) for one named benchmark configuration."""
+    out = []
+    for key, value in BENCHMARK_SETTINGS[name].items():
+        value = base["batch_size"] * 2 if value == "2x" else value
+        out.append(f"{key}={value}")
+    return out
+
+
+def skip_reason(name, base, hw):
+    """Why a configuration cannot run as named on this hardware (None = it can)."""
+    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    return prec.warning
+
+
+def summarize_history(name, history, info):
+    """One benchmark row from a run's per-epoch history (first epoch reported apart)."""
+    times = [float(r["epoch_time_s"]) for r in history]
+    rates = [float(r["images_per_s"]) for r in history]
+    steady = slice(1, None) if len(history) > 1 else slice(0, None)
+    skipped = sum(int(r["skipped_steps"]) for r in history)
+    fp16 = history[-1]["precision"] == "fp16"
+    return {"config": name, "device": info["device"], "precision": history[-1]["precision"],
+            "batch": info["config"]["batch_size"], "channels_last": info["config"]["channels_last"],
+            "compile": info["config"]["compile_model"],
+            "time_per_epoch_s": float(np.median(times[steady])), "first_epoch_s": times[0],
+            "images_per_s": float(np.median(rates[steady])), "speedup_vs_fp32": None,
+            "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in history),
+            "peak_mem_kind": history[-1]["peak_mem_kind"],
+            "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
+            "nonfinite_steps": 0 if fp16 else skipped, "scaler_skipped_steps": skipped if fp16 else 0,
+            "epochs": len(history), "status": "ok"}
+
+
+def run_benchmark_config(name, base, train_args, out_dir):
+    """Train one configuration in a fresh process; returns (row, per-epoch history)."""
+    import subprocess
+
+    run_dir = out_dir / name
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *train_args, *benchmark_overrides(name, base),
+           "progress=False", "early_stopping_patience=None", "resume=False", f"checkpoint_dir={run_dir}"]
+    print(f"[benchmark] {name}: {' '.join(cmd[2:])}", flush=True)
+    log_path = out_dir / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+    history_path = run_dir / "history.csv"
+    if proc.returncode != 0 or not history_path.is_file():
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
+        return {"config": name, "status": f"failed (exit {proc.returncode}): {tail[0][:160]}"}, []
+    with open(history_path) as f:
+        history = list(csv.DictReader(f))
+    info = json.loads((run_dir / "config.json").read_text())
+    return summarize_history(name, history, info), history
+
+
+def bare_loop_speedups(base, hw, steps):
+    """Reference: a bare forward/backward/step loop on random data, no loader, metrics or bars.
+
+    Returns {"fp32": s/step, "bf16": ..., "bf16_cl": ...} (medians after a warm-up step).
+    """
+    if steps < 1 or not hw.bf16:
+        return {}
+    results = {}
+    for label, dtype, channels_last in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
+                                        ("bf16_cl", torch.bfloat16, True)):
+        torch.manual_seed(0)
+        model = build_model(base).to(hw.device)
+        x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
+                        device=hw.device)
+        y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
+             * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
+        if channels_last:
+            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+        opt, loss_fn, times = torch.optim.AdamW(model.parameters(), 1e-4), SegLoss(base["num_classes"]), []
+        for _ in range(steps + 1):
+            synchronize(hw)
+            t0 = time.perf_counter()
+            with torch.autocast(hw.kind, dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(x)
+            loss_fn(logits, y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            synchronize(hw)
+            times.append(time.perf_counter() - t0)
+        results[label] = float(np.median(times[1:]))
+        del model, opt
+    return results
+
+
+def format_benchmark_table(rows):
+    header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
+              "Note")
+    lines = [header]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append((r["config"], "-", "-", "-", "-", "-", "-", r.get("status", "")))
+            continue
+        speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
+        lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}",
+                      "compiled" if r["compile"] else ""))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(lines[0]), rule] + [fmt(line) for line in lines[1:]])
+
+
+def add_speedups(rows):
+    """Speed-up = training images/s over fp32's (same images per epoch, so batch size is fair)."""
+    ref = next((r for r in rows if r["config"] == "fp32" and r.get("status") == "ok"), None)
+    for r in rows:
+        if ref and r.get("status") == "ok":
+            r["speedup_vs_fp32"] = r["images_per_s"] / ref["images_per_s"]
+    return rows
+
+
+def run_benchmark(args=()):
+    """The `benchmark` command: returns {'rows', 'histories', 'bare_loop', ...} and writes CSV/JSON."""
+    opts, base, train_args, names = parse_benchmark_args(list(args))
+    hw = detect_hardware(base["device"])
+    out_dir = Path(opts["output"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prepare_data(base)  # write the embedded data set once, before the runs start
+    print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
+          f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
+    bare = bare_loop_speedups(base, hw, opts["bare_steps"])
+    rows, histories = [], {}
+    for name in names:
+        reason = skip_reason(name, base, hw)
+        if reason:
+            reason = reason.split(": using")[0]  # the "why", not the training fallback
+            rows.append({"config": name, "status": f"skipped: {reason}"})
+            print(f"[benchmark] {name}: skipped: {reason}", flush=True)
+            continue
+        row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
+        rows.append(row)
+    add_speedups(rows)
+    result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
+              "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
+              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
+    write_json(out_dir / "benchmark.json", result)
+    atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
+    print(format_benchmark_table(rows))
+    if bare:
+        print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16 {bare['bf16']:.3f} "
+              f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
+              f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
+    print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
+          "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.")
+    return result
+
+
+def write_rows_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=BENCHMARK_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Main: set up, train epoch by epoch, checkpoint, stop early.
 # ----------------------------------------------------------------------------------------------------
 def setup_precision(cfg):
@@ -1102,12 +1311,14 @@ def train(cfg):
         start_epoch_data(train_loader, epoch, cfg["seed"])
         tr = train_one_epoch(run_model, train_loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg,
                              desc=f"epoch {epoch}/{cfg['epochs']} train")
+        val_start = time.perf_counter()
         va = evaluate(run_model, val_loader, loss_fn, prec, hw, cfg, desc=f"epoch {epoch} val")
+        val_time = time.perf_counter() - val_start
         mem, mem_kind = peak_memory_mb(hw)
         stats = tr["stats"]
         row = {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
                "val_iou": va["iou"], "val_dice": va["dice"], "lr": scheduler.get_last_lr()[0],
-               "epoch_time_s": tr["time"], "images_per_s": tr["images_per_s"], "peak_mem_mb": mem,
+               "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"], "peak_mem_mb": mem,
                "peak_mem_kind": mem_kind, "precision": prec.name,
                "grad_norm": stats.grad_norm_sum / max(1, stats.grad_norm_count),
                "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps}
@@ -1149,8 +1360,11 @@ def main(argv=None):
             train(parse_overrides(args))
         elif command == "predict":
             return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
+        elif command == "benchmark":
+            rows = run_benchmark(args)["rows"]
+            return 1 if any(r["status"].startswith("failed") for r in rows) else 0
         else:
-            raise UserError(f"unknown command {command!r}: use train (the default) or predict, "
+            raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
                             f"followed by key=value settings")
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -22,6 +22,11 @@ import train_unet  # noqa: E402
 torch.set_num_threads(int(os.environ.get("UNET_TEST_THREADS", "1")))
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes a minute or more (torch.compile with a cold "
+                                       "inductor cache); deselect with -m 'not slow'")
+
+
 @pytest.fixture
 def make_data(tmp_path):
     """make_data(name="data", count=12, size=64, num_classes=1) -> a fresh shapes data set."""

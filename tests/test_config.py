@@ -26,7 +26,6 @@ def test_overrides_are_parsed_to_the_defaults_type():
     # everything else keeps its default, and the global CONFIG is untouched
     assert {k: v for k, v in cfg.items() if k not in ("batch_size", "amp_dtype", "epochs")} == \
         {k: v for k, v in CONFIG.items() if k not in ("batch_size", "amp_dtype", "epochs")}
-    assert CONFIG["batch_size"] != 2 or CONFIG["epochs"] != 3
 
 
 def test_parse_does_not_mutate_global_config():

@@ -317,3 +317,23 @@ def test_augmentation_is_seeded_by_epoch_and_index(make_cfg, data_dir):
         a.epoch = epoch
         samples.append(a[3][0])
     assert any(not torch.equal(samples[0], s) for s in samples[1:])  # augmentation changes by epoch
+
+
+def test_loader_is_the_same_for_any_worker_count_and_epoch_restart(make_cfg, cpu_hw):
+    """Shuffle and augmentation depend on (seed, epoch) only: the same with 0 or 2 workers, and the
+    same when an epoch is replayed (what resume relies on)."""
+    def epoch_batches(workers, epoch):
+        cfg = make_cfg(num_workers=workers, batch_size=4)
+        train, val = prepare_data(cfg)
+        loader, _ = train_unet.build_loaders(train, val, cfg, cpu_hw)
+        train_unet.start_epoch_data(loader, epoch, cfg["seed"])
+        return [(x.clone(), y.clone()) for x, y in loader]
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(xa, xb) and torch.equal(ya, yb)
+                                        for (xa, ya), (xb, yb) in zip(a, b))
+    epoch2 = epoch_batches(0, 2)
+    assert len(epoch2) == 2 and epoch2[0][0].shape == (4, 3, 64, 64)  # 10 images, drop_last
+    assert same(epoch2, epoch_batches(0, 2))
+    assert same(epoch2, epoch_batches(2, 2))
+    assert not same(epoch2, epoch_batches(0, 3))

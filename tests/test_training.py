@@ -114,6 +114,7 @@ def test_gradient_clipping_limits_the_update(cpu_hw, fp32):
     assert step.item() == pytest.approx(1e-3, rel=1e-3)  # SGD lr=1: |update| == clip norm
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 def test_non_finite_gradients_skip_the_step_without_scaler(cpu_hw, fp32):
     x, y = fixed_data(4).tensors
     x = x.clone()
@@ -159,6 +160,7 @@ def test_fp16_trains_with_a_grad_scaler(cpu_hw):
     assert all(torch.isfinite(p).all() and p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 def test_fp16_overflow_is_skipped_and_the_scale_backs_off(cpu_hw):
     prec = decide_precision(cpu_hw, True, "float16", force=True)
     cfg = loop_cfg(init_scale=1e38)  # scaled gradients overflow fp16
@@ -218,7 +220,8 @@ def test_train_end_to_end(make_cfg, cpu_hw, model_dtypes, amp, capsys):
     expected = "bf16" if amp == "bf16" and cpu_hw.bf16 else "fp32"
     result = train(cfg)
     out = capsys.readouterr().out
-    assert f"precision    {expected}" in out
+    banner_line = [line for line in out.splitlines() if line.startswith("precision")]
+    assert banner_line and expected in banner_line[0]
 
     history = result["history"]
     assert len(history) == 1 and history[0]["epoch"] == 1
@@ -375,6 +378,7 @@ def test_two_archives_in_the_same_second_lose_nothing(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # e. torch.compile and channels_last
 # ------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_compile_model(make_cfg, make_data):
     """Slow (inductor compiles forward and backward; ~80 s with a cold cache on 2 cores)."""
     root = make_data("tiny", count=6, size=32)
@@ -388,10 +392,16 @@ def test_compile_model(make_cfg, make_data):
         train_unet.build_model(cfg).load_state_dict(state["model"])  # strict: plain keys
 
 
-def test_channels_last(make_cfg, model_dtypes, cpu_hw):
-    cfg = make_cfg(image_size=32, channels_last=True, use_amp=True, amp_dtype="bfloat16")
+def test_channels_last_with_eval_amp(make_cfg, model_dtypes, cpu_hw, capsys):
+    cfg = make_cfg(image_size=32, channels_last=True, use_amp=True, amp_dtype="bfloat16",
+                   eval_amp=True)
     result = train(cfg)
+    out = capsys.readouterr().out
+    assert "channels_last" in [line for line in out.splitlines() if line.startswith("layout")][0]
     assert len(result["history"]) == 1
+    if cpu_hw.bf16:  # eval_amp=True: validation runs under autocast too
+        assert {d for t, d in model_dtypes if t is False} == {torch.bfloat16}
+        assert {d for t, d in model_dtypes if t is True} == {torch.bfloat16}
     assert math.isfinite(result["history"][0]["train_loss"])
     layouts = [flag for tag, flag in model_dtypes if tag == "channels_last"]
     assert layouts and all(layouts)  # every forward got an NHWC input
