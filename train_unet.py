@@ -21,6 +21,7 @@ import random
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,10 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
+
+# The LR schedule counts attempted optimizer steps, including those GradScaler skips; PyTorch warns
+# about that ordering on a skipped first step, which is expected here.
+warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
 # ----------------------------------------------------------------------------------------------------
 # Config: the defaults. Edit here, or override any key on the command line: key=value.
@@ -73,6 +78,10 @@ CONFIG = {
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
     "growth_interval": 2000,
+    # numerical safety
+    "nan_guard": True,             # skip non-finite steps; after nan_patience in a row fall back
+                                   # fp16 -> bf16 -> fp32 with a rollback; in fp32 stop with a diagnosis
+    "nan_patience": 3,             # consecutive non-finite optimizer steps before falling back
     # output
     "checkpoint_dir": "checkpoints",
     "resume": False,               # continue from <checkpoint_dir>/last.pt
@@ -156,7 +165,8 @@ def validate_config(cfg):
         if cfg[key] not in allowed:
             raise UserError(f"{key}={cfg[key]!r} is not allowed: use one of "
                             + ", ".join(repr(a) if a is None else str(a) for a in allowed))
-    positive_ints = ("epochs", "batch_size", "accumulation_steps", "num_classes", "growth_interval")
+    positive_ints = ("epochs", "batch_size", "accumulation_steps", "num_classes", "growth_interval",
+                     "nan_patience")
     for key in positive_ints:
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise UserError(f"{key}={cfg[key]!r} must be a whole number >= 1")
@@ -690,11 +700,30 @@ class SegMetric:
 # ----------------------------------------------------------------------------------------------------
 @dataclass
 class StepStats:
-    """What one epoch of training saw, reduced on the host once per bar refresh and at the end."""
+    """What one epoch of training saw: the history's gradient-health columns."""
     optimizer_steps: int = 0
-    skipped_steps: int = 0        # non-finite gradients: step not applied (fp16: the scaler skipped it)
-    grad_norm_sum: float = 0.0
-    grad_norm_count: int = 0
+    skipped_steps: int = 0        # not applied: non-finite loss/gradients (fp16: the scaler skipped)
+    grad_norm_sum: float = 0.0    # pre-clip gradient norm over the applied steps
+    grad_norm_max: float = 0.0
+    zero_grad_elems: int = 0      # gradient entries exactly 0 (fp16 underflow shows up here)
+    grad_elems: int = 0
+    bad_streak: int = 0           # consecutive bad steps, for the fallback decision
+
+    @property
+    def grad_norm(self):
+        return self.grad_norm_sum / max(1, self.optimizer_steps - self.skipped_steps)
+
+    @property
+    def zero_grad_pct(self):
+        return 100.0 * self.zero_grad_elems / max(1, self.grad_elems)
+
+
+class NonFiniteStreak(Exception):
+    """Internal: nan_patience bad steps in a row. train() falls back to a safer precision."""
+
+    def __init__(self, step, batch):
+        super().__init__(f"non-finite loss or gradients for several steps up to step {step}")
+        self.step, self.batch = step, batch
 
 
 def synchronize(hw):
@@ -709,30 +738,53 @@ def to_device(x, y, hw, channels_last):
     return x, y.to(hw.device, non_blocking=True)
 
 
-def optimizer_step(model, optimizer, scaler, cfg):
-    """Unscale once, measure (and clip) the gradient norm, step unless it is non-finite.
+def optimizer_step(model, optimizer, scaler, cfg, loss_ok):
+    """Unscale once, measure (and clip) the gradient norm, step unless something is non-finite.
 
-    Returns the pre-clip gradient norm as a device tensor. Costs one host sync per optimizer step
-    (not per micro-batch) to decide whether to skip; with fp16 the scaler makes that same check.
+    `loss_ok` is a device bool: every loss of this accumulation group was finite. Returns
+    (pre-clip norm, zero-gradient entries, gradient entries, applied, bad). With nan_guard on this
+    costs one host sync per optimizer step (never per micro-batch); under fp16 the scaler already
+    makes that sync. A step is `bad` when the loss itself was non-finite (no loss scale can fix a
+    forward overflow), or the gradients are non-finite without a GradScaler to back off.
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
     if cfg["grad_clip_norm"] is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip_norm"])
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
+                                              cfg["grad_clip_norm"])
     else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = torch.nn.utils.get_total_norm(grads)
+    zeros = sum((g == 0).sum() for g in grads) if grads else torch.zeros((), dtype=torch.int64)
+    elems = sum(g.numel() for g in grads)
     if scaler is not None:
         scale_before = scaler.get_scale()
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # skips the step itself when it finds inf/NaN gradients
         scaler.update()
         applied = scaler.get_scale() >= scale_before  # the scale backs off exactly when it skipped
-    else:
-        applied = bool(torch.isfinite(norm))
+        bad = cfg["nan_guard"] and not bool(loss_ok)
+    elif cfg["nan_guard"]:
+        applied = bool(torch.isfinite(norm) & loss_ok)
         if applied:
             optimizer.step()
+        bad = not applied
+    else:  # plain PyTorch behaviour: no check, no sync
+        optimizer.step()
+        applied, bad = True, False
     optimizer.zero_grad(set_to_none=True)
-    return norm.detach(), applied
+    return norm.detach(), zeros, elems, applied, bad
+
+
+def record_step(stats, norm, zeros, elems, applied, bad):
+    stats.optimizer_steps += 1
+    stats.skipped_steps += not applied
+    stats.bad_streak = stats.bad_streak + 1 if bad else 0
+    if applied:
+        value = float(norm)
+        stats.grad_norm_sum += value
+        stats.grad_norm_max = max(stats.grad_norm_max, value)
+        stats.zero_grad_elems += int(zeros)
+        stats.grad_elems += elems
 
 
 def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train"):
@@ -740,6 +792,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     n, k = len(loader), cfg["accumulation_steps"]
     metric = SegMetric(cfg["num_classes"], hw.device)
     loss_sum = torch.zeros((), device=hw.device, dtype=torch.float64)
+    finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
+    group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
     stats, seen, start, last_refresh = StepStats(), 0, time.perf_counter(), 0.0
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     optimizer.zero_grad(set_to_none=True)
@@ -752,27 +806,29 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
         loss = loss_fn(logits, y)  # fp32, outside autocast
         scaled = loss / group_len
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        loss_sum += loss.detach()
+        finite = torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
+        group_ok &= finite
+        loss_sum += torch.where(finite, loss.detach(), 0.0)
+        finite_losses += finite
         metric.update(logits.detach(), y)
         seen += x.shape[0]
         if i - group_start + 1 == group_len:
-            norm, applied = optimizer_step(model, optimizer, scaler, cfg)
+            record_step(stats, *optimizer_step(model, optimizer, scaler, cfg, group_ok))
             scheduler.step()
-            stats.optimizer_steps += 1
-            stats.skipped_steps += not applied
-            if applied:
-                stats.grad_norm_sum += float(norm)
-                stats.grad_norm_count += 1
+            group_ok.fill_(True)
+            if stats.bad_streak >= cfg["nan_patience"]:
+                raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
             last_refresh = time.perf_counter()
-            bar.set_postfix(loss=f"{loss_sum.item() / (i + 1):.4f}", iou=f"{metric.compute()['iou']:.3f}",
-                            img_s=f"{seen / (last_refresh - start):.1f}")
+            bar.set_postfix(loss=f"{loss_sum.item() / max(1, finite_losses.item()):.4f}",
+                            iou=f"{metric.compute()['iou']:.3f}", img_s=f"{seen / (last_refresh - start):.1f}")
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
     result = metric.compute()
-    return {"loss": loss_sum.item() / max(1, n), "iou": result["iou"], "dice": result["dice"],
-            "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0, "stats": stats}
+    return {"loss": loss_sum.item() / max(1, finite_losses.item()), "iou": result["iou"],
+            "dice": result["dice"], "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0,
+            "stats": stats}
 
 
 @torch.no_grad()
@@ -851,7 +907,8 @@ def seed_everything(seed):
 
 HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "val_iou", "val_dice", "lr",
                   "epoch_time_s", "val_time_s", "images_per_s", "peak_mem_mb", "peak_mem_kind", "precision",
-                  "grad_norm", "optimizer_steps", "skipped_steps")
+                  "grad_norm", "grad_norm_max", "zero_grad_pct", "scaler_scale", "optimizer_steps",
+                  "skipped_steps", "fallback")
 
 
 def write_history(path, history):
@@ -1267,8 +1324,157 @@ def resume_state(cfg, ckpt_dir):
     return state
 
 
+@dataclass
+class Run:
+    """Everything that changes while training; saved in checkpoints, restored on resume/rollback."""
+    model: nn.Module
+    run_model: nn.Module          # the compiled model when compile_model=True, else `model`
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    prec: Precision
+    history: list
+    fallbacks: list               # precision fallback events, kept so a resume stays safe
+    best_iou: float = -1.0
+    since_best: int = 0
+    epoch: int = 0                # last finished epoch
+
+    def state(self, cfg):
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
+                "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
+                "config": cfg, "history": self.history, "precision": self.prec.name,
+                "fallbacks": self.fallbacks}
+
+    def load(self, state):
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.best_iou, self.since_best = state["epoch"], state["best_iou"], state["epochs_since_best"]
+        self.history, self.fallbacks = list(state["history"]), list(state.get("fallbacks", []))
+
+
+def to_cpu(obj):
+    """A detached CPU copy of a (nested) state dict: the in-memory rollback snapshot."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+SAFETY_ORDER = ("fp16", "bf16", "fp32")  # a fallback only ever moves right
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def safer_precision(prec, hw):
+    """fp16 -> bf16 where native, else fp32; bf16 -> fp32; fp32 -> None (nothing safer)."""
+    if prec.dtype == torch.float16 and hw.bf16:
+        return Precision(torch.bfloat16, False, "fallback from fp16 (non-finite)")
+    if prec.amp:
+        return Precision(torch.float32, False, f"fallback from {prec.name} (non-finite)")
+    return None
+
+
+def keep_safer_precision(prec, state):
+    """On resume, a run that fell back earlier keeps its safer precision."""
+    if state.get("fallbacks") and SAFETY_ORDER.index(state["precision"]) > SAFETY_ORDER.index(prec.name):
+        name = state["precision"]
+        return Precision(DTYPES[name], False, f"kept from the checkpoint: this run fell back to {name} "
+                                              f"({state['fallbacks'][-1]['event']})")
+    return prec
+
+
+def diagnose_nonfinite(model, batch, loss_fn):
+    """Re-run one batch in fp32 with hooks (installed only here) to find where NaN/inf first appears."""
+    x, y = batch
+    if not torch.isfinite(x).all():
+        return "the input batch itself holds NaN/inf values (check the data)"
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        return f"the weights are already non-finite, first in {bad[0]}"
+    found = []
+
+    def hook(name):
+        def check(module, inputs, output):
+            if not found and isinstance(output, torch.Tensor) and not torch.isfinite(output).all():
+                found.append(f"the forward output of {name} ({type(module).__name__})")
+        return check
+
+    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook(n)) for n, m in leaves]
+    try:
+        loss = loss_fn(model(x.float()), y)
+        if not found and not torch.isfinite(loss):
+            found.append("the loss (the model's outputs are finite: check the masks)")
+        if not found:
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            owners = {id(p): n for n, m in leaves for p in m.parameters(recurse=False)}
+            for p in reversed(list(model.parameters())):  # backward runs from the output end
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    found.append(f"the gradient of {owners.get(id(p), 'a parameter')}")
+                    break
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return found[0] if found else "nothing is non-finite when this batch is re-run in fp32 (intermittent)"
+
+
+def banner_line(text):
+    rule = "!" * 78
+    print(f"{rule}\n{text}\n{rule}", flush=True)
+
+
+def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
+    """nan_patience bad steps in a row: roll back and continue in a safer precision, or stop in fp32."""
+    nxt = safer_precision(run.prec, hw)
+    ckpt = Path(cfg["checkpoint_dir"]) / "last.pt"
+    if nxt is None:
+        where = diagnose_nonfinite(unwrap(run.model), bad.batch, loss_fn)
+        kept = f"{ckpt} (epoch {run.epoch}) is intact" if run.epoch else "no checkpoint was written yet"
+        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): first "
+                        f"non-finite value in {where}; likely causes: learning_rate={cfg['learning_rate']} "
+                        f"too high, or NaN/inf/garbage in the data; {kept}")
+    events = run.fallbacks
+    run.load(snapshot)  # model, optimizer, scheduler, scaler as they were at the start of the epoch
+    run.fallbacks = events
+    set_rng_state(snapshot["rng"])
+    event = (f"{run.prec.name} went non-finite at step {bad.step}: falling back to {nxt.name}, "
+             f"rolled back to " + (f"epoch {run.epoch}" if run.epoch else "the start"))
+    run.fallbacks.append({"epoch": epoch, "step": bad.step, "from": run.prec.name, "to": nxt.name,
+                          "event": event})
+    run.prec, run.scaler = nxt, build_scaler(nxt, hw, cfg)
+    banner_line(event)
+
+
+def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
+    model = prepare_model(cfg, hw)
+    optimizer = build_optimizer(model, cfg)
+    run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch), None, prec, [], [])
+    if state is not None:
+        run.prec = keep_safer_precision(prec, state)
+        run.scaler = build_scaler(run.prec, hw, cfg)
+        run.load(state)
+        set_rng_state(state["rng"])
+        notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
+        notes.append(run.prec.reason if run.prec is not prec else None)
+    else:
+        run.scaler = build_scaler(prec, hw, cfg)
+        moved = archive_previous_run(cfg["checkpoint_dir"])
+        notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
+    run.run_model = torch.compile(model) if cfg["compile_model"] else model
+    return run
+
+
 def train(cfg):
-    """Train with a validated config; returns {'history', 'best_iou', 'checkpoint_dir', ...}."""
+    """Train with a validated config; returns {'history', 'best_iou', 'fallbacks', ...}."""
     cfg = validate_config(cfg)
     hw, prec, notes = setup_precision(cfg)
     seed_everything(cfg["seed"])
@@ -1276,80 +1482,87 @@ def train(cfg):
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
     train_pairs, val_pairs = prepare_data(cfg)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
-
-    model = prepare_model(cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
-    optimizer = build_optimizer(model, cfg)
-    scheduler = build_scheduler(optimizer, cfg, steps_per_epoch)
-    scaler = build_scaler(prec, hw, cfg)
+    run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
-    history, best_iou, start_epoch, since_best = [], -1.0, 1, 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        history, best_iou = state["history"], state["best_iou"]
-        start_epoch, since_best = state["epoch"] + 1, state["epochs_since_best"]
-        set_rng_state(state["rng"])
-        notes.append(f"resumed from {ckpt_dir / 'last.pt'} after epoch {state['epoch']}")
-    else:
-        moved = archive_previous_run(ckpt_dir)
-        notes.append(moved and f"an earlier run in {ckpt_dir} was moved to {moved}")
-    run_model = torch.compile(model) if cfg["compile_model"] else model
 
-    print(banner(hw, prec, cfg, notes))
+    print(banner(hw, run.prec, cfg, notes))
     print("config:\n" + format_config(cfg))
     print(f"data: {len(train_pairs)} train / {len(val_pairs)} val images from {cfg['data_dir']}; "
           f"{len(train_loader)} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
-    write_json(ckpt_dir / "config.json", {"config": cfg, "precision": prec.name, "device": describe(hw)})
+    write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name, "device": describe(hw)})
 
-    for epoch in range(start_epoch, cfg["epochs"] + 1):
-        if hw.kind == "cuda":
-            torch.cuda.reset_peak_memory_stats(hw.device)
-        start_epoch_data(train_loader, epoch, cfg["seed"])
-        tr = train_one_epoch(run_model, train_loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg,
-                             desc=f"epoch {epoch}/{cfg['epochs']} train")
-        val_start = time.perf_counter()
-        va = evaluate(run_model, val_loader, loss_fn, prec, hw, cfg, desc=f"epoch {epoch} val")
-        val_time = time.perf_counter() - val_start
-        mem, mem_kind = peak_memory_mb(hw)
-        stats = tr["stats"]
-        row = {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
-               "val_iou": va["iou"], "val_dice": va["dice"], "lr": scheduler.get_last_lr()[0],
-               "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"], "peak_mem_mb": mem,
-               "peak_mem_kind": mem_kind, "precision": prec.name,
-               "grad_norm": stats.grad_norm_sum / max(1, stats.grad_norm_count),
-               "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps}
-        history.append(row)
-        improved = va["iou"] > best_iou
-        best_iou, since_best = (va["iou"], 0) if improved else (best_iou, since_best + 1)
-        state = {"model": unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler else None,
-                 "epoch": epoch, "best_iou": best_iou, "epochs_since_best": since_best,
-                 "rng": rng_state(), "config": cfg, "history": history, "precision": prec.name}
-        save_checkpoint(ckpt_dir / "last.pt", state)
-        if improved:
-            save_checkpoint(ckpt_dir / "best.pt", state)
-        write_history(ckpt_dir / "history.csv", history)
-        print(epoch_summary(row, cfg, improved))
+    epoch = run.epoch + 1
+    while epoch <= cfg["epochs"]:
+        snapshot = to_cpu(run.state(cfg)) if cfg["nan_guard"] else None  # last known-good state
+        try:
+            row = run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg)
+        except NonFiniteStreak as bad:
+            fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch)
+            continue  # the same epoch again, same data order, safer precision
+        finish_epoch(run, row, cfg)
         patience = cfg["early_stopping_patience"]
-        if patience is not None and since_best >= patience and epoch < cfg["epochs"]:
-            print(f"early stopping: val IoU has not improved for {patience} epochs (best {best_iou:.4f})")
+        if patience is not None and run.since_best >= patience and epoch < cfg["epochs"]:
+            print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
             break
-    print(f"done: best val IoU {best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
-    return {"history": history, "best_iou": best_iou, "checkpoint_dir": str(ckpt_dir),
-            "precision": prec.name, "device": describe(hw)}
+        epoch += 1
+    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
+    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
+            "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
+
+
+def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
+    """Train and validate one epoch; returns its history row."""
+    if hw.kind == "cuda":
+        torch.cuda.reset_peak_memory_stats(hw.device)
+    start_epoch_data(train_loader, epoch, cfg["seed"])
+    tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
+                         run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train")
+    val_start = time.perf_counter()
+    va = evaluate(run.run_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
+    val_time = time.perf_counter() - val_start
+    mem, mem_kind = peak_memory_mb(hw)
+    stats = tr["stats"]
+    events = [f["event"] for f in run.fallbacks if f["epoch"] == epoch]
+    return {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
+            "val_iou": va["iou"], "val_dice": va["dice"], "lr": run.scheduler.get_last_lr()[0],
+            "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"],
+            "peak_mem_mb": mem, "peak_mem_kind": mem_kind, "precision": run.prec.name,
+            "grad_norm": stats.grad_norm, "grad_norm_max": stats.grad_norm_max,
+            "zero_grad_pct": stats.zero_grad_pct,
+            "scaler_scale": run.scaler.get_scale() if run.scaler else None,
+            "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps,
+            "fallback": "; ".join(events)}
+
+
+def finish_epoch(run, row, cfg):
+    """Record the epoch, write last.pt (and best.pt when it improved) and the history CSV."""
+    ckpt_dir = Path(cfg["checkpoint_dir"])
+    run.history.append(row)
+    run.epoch = row["epoch"]
+    improved = row["val_iou"] > run.best_iou
+    run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
+    state = run.state(cfg)
+    save_checkpoint(ckpt_dir / "last.pt", state)
+    if improved:
+        save_checkpoint(ckpt_dir / "best.pt", state)
+    write_history(ckpt_dir / "history.csv", run.history)
+    print(epoch_summary(row, cfg, improved))
+    # Some zero gradients are normal (dead ReLUs: ~5-7% here in fp32); under fp16 a high share is
+    # the sign of gradients underflowing below fp16's smallest values.
+    if row["precision"] == "fp16" and row["zero_grad_pct"] > 5:
+        print(f"warning: {row['zero_grad_pct']:.1f}% of gradient entries were exactly zero: fp16 underflow? "
+              f"Compare with a bf16/fp32 run; try amp_dtype=bfloat16 or a larger init_scale")
 
 
 def epoch_summary(row, cfg, improved):
     skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+    scale = f" | scale {row['scaler_scale']:.0f}" if row["scaler_scale"] else ""
     return (f"epoch {row['epoch']:>3}/{cfg['epochs']} | train loss {row['train_loss']:.4f} "
             f"IoU {row['train_iou']:.4f} | val loss {row['val_loss']:.4f} IoU {row['val_iou']:.4f} "
             f"Dice {row['val_dice']:.4f} | lr {row['lr']:.2e} | {row['epoch_time_s']:.1f}s "
             f"{row['images_per_s']:.1f} img/s | peak {row['peak_mem_mb']:.0f} MB | {row['precision']}"
-            f"{skipped}{' | best' if improved else ''}")
+            f" | grad {row['grad_norm']:.2f}{scale}{skipped}{' | best' if improved else ''}")
 
 
 def main(argv=None):

