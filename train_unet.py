@@ -10,6 +10,7 @@ checkpoints, main. The script imports cleanly as a module; tests and the noteboo
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import difflib
@@ -72,6 +73,7 @@ CONFIG = {
     "eval_amp": False,             # False = validate in fp32, so fp32 and bf16 runs are judged alike
     "channels_last": False,        # NHWC memory layout: faster convolutions under bf16/fp16
     "compile_model": False,        # torch.compile: pays off on GPUs; 30-70 s compile, slower on CPU
+    "sync_batchnorm": False,       # under torchrun: BatchNorm statistics over all GPUs (CUDA only)
     "tf32_matmul_precision": None, # None | "highest" | "high" | "medium" (fp32 matmuls on Ampere+)
     # GradScaler (used only with float16)
     "init_scale": 2.0**16,
@@ -106,6 +108,61 @@ MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 
 class UserError(Exception):
     """A problem the user can fix (bad config, bad data). Printed as one line, no traceback."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; one process per device. Module-level like
+# nanoGPT's ddp variables: every function reads the same facts, nothing is threaded through.
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def enabled(self):
+        return self.world > 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+DIST = Dist()
+
+
+def setup_distributed():
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU); a no-op in a plain run."""
+    global DIST
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return DIST
+    DIST = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(DIST.local_rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    return DIST
+
+
+def cleanup_distributed():
+    global DIST
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    DIST = Dist()
+
+
+def barrier():
+    if DIST.enabled:
+        torch.distributed.barrier()
+
+
+def all_reduce_(tensor, op="sum"):
+    """In-place sum/min over ranks (no-op in a single process); returns the tensor."""
+    if DIST.enabled:
+        reduce_op = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(tensor, reduce_op)
+    return tensor
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -259,6 +316,8 @@ def cpu_name():
 
 
 def detect_hardware(device="auto"):
+    if DIST.enabled and device in ("auto", "cuda") and torch.cuda.is_available():
+        device = f"cuda:{DIST.local_rank}"  # one GPU per process
     if device == "auto":
         mps = getattr(torch.backends, "mps", None)
         device = "cuda" if torch.cuda.is_available() else "mps" if mps and mps.is_available() else "cpu"
@@ -477,9 +536,10 @@ def check_pairs(pairs, cfg):
 def prepare_data(cfg):
     """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
     root = Path(cfg["data_dir"])
-    if Path(cfg["data_dir"]) == Path(EMBEDDED_DATA_DIR) and not any(root.glob("images/*.png")):
+    if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not any(root.glob("images/*.png")):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
         generate_shapes_dataset(root)
+    barrier()  # the other ranks wait until rank 0 has written it
     if not root.is_dir():
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
                         f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
@@ -495,8 +555,9 @@ def prepare_data(cfg):
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     check_pairs(train + val, cfg)
-    if len(train) < cfg["batch_size"]:
-        raise UserError(f"the training set has {len(train)} image(s), fewer than batch_size="
+    if len(train) // DIST.world < cfg["batch_size"]:
+        per = f" ({len(train) // DIST.world} per process)" if DIST.enabled else ""
+        raise UserError(f"the training set has {len(train)} image(s){per}, fewer than batch_size="
                         f"{cfg['batch_size']}: lower batch_size or add images")
     return train, val
 
@@ -553,16 +614,26 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     train_set, val_set = SegDataset(train_pairs, cfg, True), SegDataset(val_pairs, cfg, False)
     # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
     # BatchNorm never sees a batch of one.
-    train_loader = DataLoader(train_set, cfg["batch_size"], shuffle=True, drop_last=True,
-                              generator=torch.Generator().manual_seed(cfg["seed"]), **common)
-    val_loader = DataLoader(val_set, cfg["batch_size"], shuffle=False, **common)
+    if DIST.enabled:
+        sampler = torch.utils.data.DistributedSampler(train_set, DIST.world, DIST.rank, shuffle=True,
+                                                      seed=cfg["seed"], drop_last=True)
+        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True, **common)
+    else:
+        train_loader = DataLoader(train_set, cfg["batch_size"], shuffle=True, drop_last=True,
+                                  generator=torch.Generator().manual_seed(cfg["seed"]), **common)
+    # Validation shards the set without padding (rank r takes r, r+world, ...): with the counts
+    # all-reduced, every image is counted exactly once, so the IoU equals a single process's.
+    val_order = list(range(DIST.rank, len(val_set), DIST.world))
+    val_loader = DataLoader(val_set, cfg["batch_size"], sampler=val_order, **common)
     return train_loader, val_loader
 
 
 def start_epoch_data(loader, epoch, seed):
     """Same shuffle and augmentation for a given epoch, whether or not the run was resumed."""
     loader.dataset.epoch = epoch
-    if loader.generator is not None:
+    if isinstance(loader.sampler, torch.utils.data.DistributedSampler):
+        loader.sampler.set_epoch(epoch)
+    elif loader.generator is not None:
         loader.generator.manual_seed(seed * 1000 + epoch)
 
 
@@ -649,8 +720,13 @@ def optimizer_steps_per_epoch(n_batches, accumulation_steps):
 
 def unwrap(model):
     """The plain nn.Module under torch.compile / DDP wrappers (state_dict keys without prefixes)."""
-    model = getattr(model, "_orig_mod", model)
-    return getattr(model, "module", model)
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -675,6 +751,11 @@ class SegMetric:
         pred = (logits[:, 0] > 0).long() if self.binary else logits.argmax(1)
         index = target.reshape(-1).long() * self.n + pred.reshape(-1)
         self.matrix += torch.bincount(index, minlength=self.n * self.n).reshape(self.n, self.n)
+
+    def all_reduce(self):
+        """Sum the counts over ranks (exact: integers), so every rank sees the whole set's IoU."""
+        all_reduce_(self.matrix)
+        return self
 
     def counts(self):
         """Per-class (TP, FP, FN) as int64 tensors; rows of the matrix are targets, columns predictions."""
@@ -801,21 +882,27 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
         x, y = to_device(x, y, hw, cfg["channels_last"])
         group_start = i - i % k
         group_len = min(k, n - group_start)  # the last group of an epoch may be short
-        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-            logits = model(x)
-        loss = loss_fn(logits, y)  # fp32, outside autocast
-        scaled = loss / group_len
-        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        boundary = i - group_start + 1 == group_len
+        # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
+        sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
+        with sync:
+            with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+                logits = model(x)
+            loss = loss_fn(logits, y)  # fp32, outside autocast
+            scaled = loss / group_len
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
         finite = torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
         group_ok &= finite
         loss_sum += torch.where(finite, loss.detach(), 0.0)
         finite_losses += finite
         metric.update(logits.detach(), y)
         seen += x.shape[0]
-        if i - group_start + 1 == group_len:
+        if boundary:
+            if DIST.enabled:  # every rank must take the same decision: bad if any rank's loss was
+                group_ok = all_reduce_(group_ok.to(torch.int32), "min").bool()
             record_step(stats, *optimizer_step(model, optimizer, scaler, cfg, group_ok))
             scheduler.step()
-            group_ok.fill_(True)
+            group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
             if stats.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
@@ -825,7 +912,9 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
-    result = metric.compute()
+    result = metric.all_reduce().compute()
+    all_reduce_(loss_sum), all_reduce_(finite_losses)
+    seen *= DIST.world
     return {"loss": loss_sum.item() / max(1, finite_losses.item()), "iou": result["iou"],
             "dice": result["dice"], "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0,
             "stats": stats}
@@ -837,15 +926,16 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     model.eval()
     use_amp = prec.amp and cfg["eval_amp"]
     metric = SegMetric(cfg["num_classes"], hw.device)
-    loss_sum, count = torch.zeros((), device=hw.device, dtype=torch.float64), 0
+    totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
     for x, y in tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True):
         x, y = to_device(x, y, hw, cfg["channels_last"])
         with torch.autocast(hw.kind, dtype=prec.dtype, enabled=use_amp):
             logits = model(x)
-        loss_sum += loss_fn(logits, y).detach() * x.shape[0]
-        count += x.shape[0]
+        totals[0] += loss_fn(logits, y).detach() * x.shape[0]
+        totals[1] += x.shape[0]
         metric.update(logits, y)
-    return {"loss": loss_sum.item() / max(1, count), **metric.compute()}
+    loss_sum, count = all_reduce_(totals).tolist()
+    return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1328,7 +1418,7 @@ def resume_state(cfg, ckpt_dir):
 class Run:
     """Everything that changes while training; saved in checkpoints, restored on resume/rollback."""
     model: nn.Module
-    run_model: nn.Module          # the compiled model when compile_model=True, else `model`
+    run_model: nn.Module          # what trains: `model`, compiled and/or wrapped in DDP
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
@@ -1338,6 +1428,7 @@ class Run:
     best_iou: float = -1.0
     since_best: int = 0
     epoch: int = 0                # last finished epoch
+    eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
 
     def state(self, cfg):
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -1456,6 +1547,8 @@ def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
 
 def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     model = prepare_model(cfg, hw)
+    if cfg["sync_batchnorm"] and DIST.enabled:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = build_optimizer(model, cfg)
     run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch), None, prec, [], [])
     if state is not None:
@@ -1467,9 +1560,13 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         notes.append(run.prec.reason if run.prec is not prec else None)
     else:
         run.scaler = build_scaler(prec, hw, cfg)
-        moved = archive_previous_run(cfg["checkpoint_dir"])
+        moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
-    run.run_model = torch.compile(model) if cfg["compile_model"] else model
+    run.eval_model = torch.compile(model) if cfg["compile_model"] else model
+    run.run_model = run.eval_model
+    if DIST.enabled:  # wrapped after compile; gradients are all-reduced in buckets during backward
+        ids = [hw.device] if hw.kind == "cuda" else None
+        run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
     return run
 
 
@@ -1477,6 +1574,9 @@ def train(cfg):
     """Train with a validated config; returns {'history', 'best_iou', 'fallbacks', ...}."""
     cfg = validate_config(cfg)
     hw, prec, notes = setup_precision(cfg)
+    if cfg["sync_batchnorm"] and hw.kind != "cuda":
+        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
+                        "set sync_batchnorm=False")
     seed_everything(cfg["seed"])
     ckpt_dir = Path(cfg["checkpoint_dir"])
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
@@ -1490,7 +1590,12 @@ def train(cfg):
     print("config:\n" + format_config(cfg))
     print(f"data: {len(train_pairs)} train / {len(val_pairs)} val images from {cfg['data_dir']}; "
           f"{len(train_loader)} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
-    write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name, "device": describe(hw)})
+    if DIST.enabled:
+        print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
+              f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
+    if DIST.is_main:
+        write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name,
+                                              "device": describe(hw), "world_size": DIST.world})
 
     epoch = run.epoch + 1
     while epoch <= cfg["epochs"]:
@@ -1519,7 +1624,8 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
     tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
                          run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train")
     val_start = time.perf_counter()
-    va = evaluate(run.run_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
+    broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
+    va = evaluate(run.eval_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
     val_time = time.perf_counter() - val_start
     mem, mem_kind = peak_memory_mb(hw)
     stats = tr["stats"]
@@ -1535,6 +1641,12 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
             "fallback": "; ".join(events)}
 
 
+def broadcast_buffers(model):
+    if DIST.enabled:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
 def finish_epoch(run, row, cfg):
     """Record the epoch, write last.pt (and best.pt when it improved) and the history CSV."""
     ckpt_dir = Path(cfg["checkpoint_dir"])
@@ -1542,11 +1654,12 @@ def finish_epoch(run, row, cfg):
     run.epoch = row["epoch"]
     improved = row["val_iou"] > run.best_iou
     run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
-    state = run.state(cfg)
-    save_checkpoint(ckpt_dir / "last.pt", state)
-    if improved:
-        save_checkpoint(ckpt_dir / "best.pt", state)
-    write_history(ckpt_dir / "history.csv", run.history)
+    if DIST.is_main:  # one writer; the other ranks hold the same weights
+        state = run.state(cfg)
+        save_checkpoint(ckpt_dir / "last.pt", state)
+        if improved:
+            save_checkpoint(ckpt_dir / "best.pt", state)
+        write_history(ckpt_dir / "history.csv", run.history)
     print(epoch_summary(row, cfg, improved))
     # Some zero gradients are normal (dead ReLUs: ~5-7% here in fp32); under fp16 a high share is
     # the sign of gradients underflowing below fp16's smallest values.
@@ -1565,12 +1678,28 @@ def epoch_summary(row, cfg, improved):
             f" | grad {row['grad_norm']:.2f}{scale}{skipped}{' | best' if improved else ''}")
 
 
+def train_main(cfg):
+    """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
+    setup_distributed()
+    try:
+        if not DIST.is_main:
+            with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+                return train({**cfg, "progress": False})
+        return train(cfg)
+    except UserError as exc:
+        if DIST.enabled:  # say which process failed; torchrun then stops the others
+            raise UserError(f"[rank {DIST.rank}] {exc}") from None
+        raise
+    finally:
+        cleanup_distributed()
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
     try:
         if command == "train":
-            train(parse_overrides(args))
+            train_main(parse_overrides(args))
         elif command == "predict":
             return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
         elif command == "benchmark":
