@@ -1,0 +1,90 @@
+"""The benchmark command (one process per configuration) and the notebook that plots it."""
+import csv
+import json
+import os
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+import train_unet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    data = train_unet.generate_shapes_dataset(tmp / "data", count=12, size=32)
+    out = tmp / "out"
+    result = train_unet.run_benchmark(["configs=fp32,bf16,fp16", "epochs=2", "image_size=32", "batch_size=2",
+                                       "max_train_images=8", "bare_steps=1", "encoder_name=resnet18",
+                                       f"data_dir={data}", f"output={out}"])
+    return result, out
+
+
+def test_benchmark_rows_files_and_table(bench, capsys):
+    result, out = bench
+    rows = {r["config"]: r for r in result["rows"]}
+    assert rows["fp32"]["status"] == "ok" and rows["bf16"]["status"] == "ok"
+    assert rows["fp32"]["precision"] == "fp32" and rows["bf16"]["precision"] == "bf16"
+    assert rows["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
+    assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(rows["bf16"]["images_per_s"]
+                                                            / rows["fp32"]["images_per_s"])
+    # This CPU has no fast fp16 kernels: the fp16 configuration is skipped with the reason.
+    assert rows["fp16"]["status"].startswith("skipped:") and "fp16" in rows["fp16"]["status"]
+    for name in ("fp32", "bf16"):
+        assert rows[name]["epochs"] == 2 and len(result["histories"][name]) == 2
+        assert rows[name]["first_epoch_s"] == pytest.approx(float(result["histories"][name][0]["epoch_time_s"]))
+        assert rows[name]["peak_mem_kind"] == "process_peak_rss" and rows[name]["peak_mem_mb"] > 0
+        assert 0.0 <= rows[name]["final_val_iou"] <= 1.0
+        assert (out / name / "best.pt").is_file() and (out / f"{name}.log").is_file()
+    saved = json.loads((out / "benchmark.json").read_text())
+    assert [r["config"] for r in saved["rows"]] == ["fp32", "bf16", "fp16"]
+    with open(out / "benchmark.csv") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert [r["config"] for r in csv_rows] == ["fp32", "bf16", "fp16"]
+    assert set(train_unet.BENCHMARK_FIELDS) == set(csv_rows[0])
+    assert set(result["bare_loop_s_per_step"]) == {"fp32", "bf16", "bf16_cl"}
+    table = train_unet.format_benchmark_table(result["rows"])
+    for column in ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU"):
+        assert column in table.splitlines()[0]
+
+
+def test_each_configuration_ran_in_its_own_process(bench):
+    _, out = bench
+    for name in ("fp32", "bf16"):
+        log = (out / f"{name}.log").read_text()
+        assert log.count("unet-amp") == 1 and "done: best val IoU" in log
+
+
+def test_summary_excludes_the_first_epoch_from_the_median():
+    hist = [{"epoch_time_s": t, "images_per_s": 100 / t, "peak_mem_mb": m, "peak_mem_kind": "x",
+             "precision": "fp16", "val_iou": 0.5, "val_dice": 0.6, "skipped_steps": k}
+            for t, m, k in ((50.0, 10, 3), (2.0, 30, 1), (4.0, 20, 0), (3.0, 20, 0))]
+    info = {"device": "d", "config": {"batch_size": 4, "channels_last": False, "compile_model": True}}
+    row = train_unet.summarize_history("x", hist, info)
+    assert row["time_per_epoch_s"] == 3.0 and row["first_epoch_s"] == 50.0
+    assert row["peak_mem_mb"] == 30 and row["scaler_skipped_steps"] == 4 and row["nonfinite_steps"] == 0
+
+
+def test_unknown_configuration_is_a_clear_error():
+    with pytest.raises(train_unet.UserError, match="unknown fp8.*fp32"):
+        train_unet.parse_benchmark_args(["configs=fp32,fp8"])
+
+
+def test_notebook_runs_top_to_bottom_on_the_benchmark(bench):
+    _, out = bench
+    nb = nbformat.read(ROOT / "notebooks" / "fp32_vs_bf16.ipynb", as_version=4)
+    os.environ["UNET_AMP_BENCH_DIR"] = str(out)
+    try:
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    finally:
+        del os.environ["UNET_AMP_BENCH_DIR"]
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3  # bars, curves, predictions
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "fp32" in text and "bf16" in text and "best.pt" in text

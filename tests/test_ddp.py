@@ -1,0 +1,84 @@
+"""DDP under torchrun on the CPU (2 processes, gloo): a short run, exact validation, cross-loading."""
+import csv
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_unet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(*args, nproc=2, timeout=240):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(ROOT / "train_unet.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def history(ckpt):
+    with open(Path(ckpt) / "history.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def single_process_val_iou(ckpt_path):
+    hw = train_unet.detect_hardware("cpu")
+    model, cfg = train_unet.load_model(ckpt_path, hw)
+    cfg = {**cfg, "progress": False}
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    _, val_loader = train_unet.build_loaders(train_pairs, val_pairs, cfg, hw)
+    prec = train_unet.decide_precision(hw, use_amp=False)
+    return train_unet.evaluate(model, val_loader, train_unet.SegLoss(cfg["num_classes"], cfg["loss"]),
+                               prec, hw, cfg)["iou"]
+
+
+@pytest.fixture
+def ddp_args(make_data, tmp_path):
+    # 9 val images: 5 on rank 0 and 4 on rank 1, so an uneven split is exercised.
+    data = make_data(count=30, size=32)
+    return [f"data_dir={data}", "image_size=32", "batch_size=2", "device=cpu", "progress=False",
+            "encoder_name=resnet18", "val_fraction=0.3"]
+
+
+def test_ddp_run_matches_single_process_evaluation_and_cross_loads(ddp_args, tmp_path):
+    ckpt = tmp_path / "ddp"
+    out = torchrun(*ddp_args, "epochs=1", "accumulation_steps=2", f"checkpoint_dir={ckpt}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("unet-amp") == 1, "only rank 0 prints the banner"
+    assert "distributed: 2 processes (gloo)" in out.stdout
+    assert sorted(p.name for p in ckpt.iterdir()) == ["best.pt", "config.json", "history.csv", "last.pt"]
+    rows = history(ckpt)
+    assert len(rows) == 1
+    # 21 train images -> 10 per rank -> 5 batches of 2 -> 3 optimizer steps (2 + a short group of 1)
+    assert int(rows[0]["optimizer_steps"]) == 3
+    assert single_process_val_iou(ckpt / "last.pt") == pytest.approx(float(rows[0]["val_iou"]), abs=1e-12)
+
+    # A DDP checkpoint resumes in a single process ...
+    cfg = train_unet.parse_overrides(ddp_args + ["epochs=2", "resume=True", f"checkpoint_dir={ckpt}"])
+    result = train_unet.train(cfg)
+    assert [int(r["epoch"]) for r in result["history"]] == [1, 2]
+    # ... and a single-process checkpoint resumes under DDP.
+    out = torchrun(*ddp_args, "epochs=3", "resume=True", f"checkpoint_dir={ckpt}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [int(r["epoch"]) for r in history(ckpt)] == [1, 2, 3]
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
+    assert single_process_val_iou(ckpt / "last.pt") == pytest.approx(float(history(ckpt)[-1]["val_iou"]),
+                                                                     abs=1e-12)
+
+
+def test_ddp_user_error_stops_the_group_with_its_message(tmp_path):
+    out = torchrun(f"data_dir={tmp_path / 'missing'}", "device=cpu", f"checkpoint_dir={tmp_path / 'c'}",
+                   timeout=120)
+    assert out.returncode != 0
+    # Our one-line message comes first (torchrun then prints its own summary of the failed group).
+    first = next(line for line in out.stderr.splitlines() if not line.startswith(("W", "*")))
+    assert re.match(r"error: \[rank \d\] data_dir .*missing not found: create", first), first
+
+
+def test_sync_batchnorm_on_cpu_is_a_clear_error(make_cfg):
+    with pytest.raises(train_unet.UserError, match="sync_batchnorm=True needs CUDA"):
+        train_unet.train(make_cfg(sync_batchnorm=True))
