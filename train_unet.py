@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import sys
 import time
@@ -233,7 +234,8 @@ def validate_config(cfg):
         raise UserError(f"image_size={size!r} must be a multiple of 32 (the U-Net halves it 5 times): "
                         f"try image_size={ok}")
     checks = [
-        ("learning_rate", cfg["learning_rate"] > 0, "must be > 0"),
+        ("learning_rate", 0 < cfg["learning_rate"] < math.inf, "must be a finite number > 0"),
+        ("seed", 0 <= cfg["seed"] < 2**32, "must be a whole number in [0, 2**32)"),
         ("weight_decay", cfg["weight_decay"] >= 0, "must be >= 0"),
         ("val_fraction", 0 < cfg["val_fraction"] < 1, "must be between 0 and 1, e.g. 0.2"),
         ("warmup_fraction", 0 <= cfg["warmup_fraction"] < 1, "must be in [0, 1)"),
@@ -247,7 +249,7 @@ def validate_config(cfg):
         ("init_scale", cfg["init_scale"] > 0, "must be > 0"),
         ("growth_factor", cfg["growth_factor"] > 1, "must be > 1"),
         ("backoff_factor", 0 < cfg["backoff_factor"] < 1, "must be between 0 and 1"),
-        ("device", cfg["device"] in ("auto", "cpu", "mps") or str(cfg["device"]).startswith("cuda"),
+        ("device", re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(cfg["device"])) is not None,
          "must be auto, cpu, cuda, cuda:N or mps"),
     ]
     for key, ok, rule in checks:
@@ -269,6 +271,10 @@ def check_model_names(cfg):
         near = difflib.get_close_matches(cfg["encoder_name"], names, n=3)
         raise UserError(f"encoder_name={cfg['encoder_name']!r} is unknown: did you mean "
                         f"{', '.join(near) or 'resnet34'}? (smp.encoders.get_encoder_names() lists all)")
+
+
+def first_line(exc, limit=160):
+    return (str(exc).splitlines() or [""])[0][:limit]
 
 
 def format_config(cfg):
@@ -825,8 +831,8 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok):
     `loss_ok` is a device bool: every loss of this accumulation group was finite. Returns
     (pre-clip norm, zero-gradient entries, gradient entries, applied, bad). With nan_guard on this
     costs one host sync per optimizer step (never per micro-batch); under fp16 the scaler already
-    makes that sync. A step is `bad` when the loss itself was non-finite (no loss scale can fix a
-    forward overflow), or the gradients are non-finite without a GradScaler to back off.
+    makes that sync. A step is `bad` when it is skipped for non-finite values; under fp16 a skip
+    with a finite loss is the scaler's normal business, unless its scale has fallen below 1.
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -843,7 +849,9 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok):
         scaler.step(optimizer)  # skips the step itself when it finds inf/NaN gradients
         scaler.update()
         applied = scaler.get_scale() >= scale_before  # the scale backs off exactly when it skipped
-        bad = cfg["nan_guard"] and not bool(loss_ok)
+        # Bad: a non-finite loss (a forward overflow no scale can fix), or gradients that overflow
+        # even with the loss scaled *down* (scale < 1): fp16 cannot hold them.
+        bad = cfg["nan_guard"] and (not bool(loss_ok) or (not applied and scaler.get_scale() < 1.0))
     elif cfg["nan_guard"]:
         applied = bool(torch.isfinite(norm) & loss_ok)
         if applied:
@@ -868,20 +876,29 @@ def record_step(stats, norm, zeros, elems, applied, bad):
         stats.grad_elems += elems
 
 
-def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train"):
+def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
+                    streak=0):
+    """One pass over `loader`; `streak` carries consecutive bad steps over from the last epoch."""
     model.train()
     n, k = len(loader), cfg["accumulation_steps"]
     metric = SegMetric(cfg["num_classes"], hw.device)
     loss_sum = torch.zeros((), device=hw.device, dtype=torch.float64)
     finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
     group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
-    stats, seen, start, last_refresh = StepStats(), 0, time.perf_counter(), 0.0
+    stats, seen, start, last_refresh = StepStats(bad_streak=streak), 0, time.perf_counter(), 0.0
+    # A NaN batch would poison BatchNorm's running statistics even though its step is skipped: keep
+    # the buffers as they were at the start of each accumulation group (a device copy, no sync).
+    buffers = list(model.buffers()) if cfg["nan_guard"] else []
+    saved = [b.detach().clone() for b in buffers]
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     optimizer.zero_grad(set_to_none=True)
     for i, (x, y) in enumerate(bar):
         x, y = to_device(x, y, hw, cfg["channels_last"])
         group_start = i - i % k
         group_len = min(k, n - group_start)  # the last group of an epoch may be short
+        if i == group_start:
+            for b, keep in zip(buffers, saved):
+                keep.copy_(b)
         boundary = i - group_start + 1 == group_len
         # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
         sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
@@ -900,6 +917,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
         if boundary:
             if DIST.enabled:  # every rank must take the same decision: bad if any rank's loss was
                 group_ok = all_reduce_(group_ok.to(torch.int32), "min").bool()
+            for b, keep in zip(buffers, saved):
+                b.copy_(torch.where(group_ok, b, keep))
             record_step(stats, *optimizer_step(model, optimizer, scaler, cfg, group_ok))
             scheduler.step()
             group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
@@ -966,7 +985,7 @@ def load_checkpoint(path, map_location="cpu"):
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # pickle, zip and weights_only errors all mean "not our checkpoint"
         raise UserError(f"{path} is not a readable checkpoint of this trainer "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})") from None
+                        f"({type(exc).__name__}: {first_line(exc)})") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):
         raise UserError(f"{path} is not a checkpoint of this trainer (no 'model'/'config' inside)")
     return state
@@ -1021,8 +1040,12 @@ def archive_previous_run(ckpt_dir):
            if (ckpt_dir / n).exists()]
     if not old:
         return None
-    dest = ckpt_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
-    dest.mkdir(parents=True, exist_ok=True)
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    dest = ckpt_dir / "previous" / stamp
+    while dest.exists():  # two runs in one second must not share (and overwrite) a folder
+        n += 1
+        dest = ckpt_dir / "previous" / f"{stamp}-{n}"
+    dest.mkdir(parents=True)
     for path in old:
         shutil.move(str(path), dest / path.name)
     return dest
@@ -1066,7 +1089,7 @@ def load_model(checkpoint, hw):
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
         raise UserError(f"{checkpoint} does not match the model its config describes: "
-                        f"{str(exc).splitlines()[0][:160]}") from None
+                        f"{first_line(exc)}") from None
     return model.to(hw.device).eval(), cfg
 
 
@@ -1428,6 +1451,7 @@ class Run:
     best_iou: float = -1.0
     since_best: int = 0
     epoch: int = 0                # last finished epoch
+    bad_streak: int = 0           # consecutive bad optimizer steps, across epoch boundaries
     eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
 
     def state(self, cfg):
@@ -1485,16 +1509,17 @@ def diagnose_nonfinite(model, batch, loss_fn):
     """Re-run one batch in fp32 with hooks (installed only here) to find where NaN/inf first appears."""
     x, y = batch
     if not torch.isfinite(x).all():
-        return "the input batch itself holds NaN/inf values (check the data)"
+        return "the input batch itself holds NaN/inf values: check the data"
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
-        return f"the weights are already non-finite, first in {bad[0]}"
+        return f"the weights are already non-finite, first {bad[0]}"
     found = []
 
     def hook(name):
         def check(module, inputs, output):
             if not found and isinstance(output, torch.Tensor) and not torch.isfinite(output).all():
-                found.append(f"the forward output of {name} ({type(module).__name__})")
+                found.append(f"the first non-finite value is the forward output of {name} "
+                             f"({type(module).__name__})")
         return check
 
     leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
@@ -1502,14 +1527,15 @@ def diagnose_nonfinite(model, batch, loss_fn):
     try:
         loss = loss_fn(model(x.float()), y)
         if not found and not torch.isfinite(loss):
-            found.append("the loss (the model's outputs are finite: check the masks)")
+            found.append("the loss is non-finite while the model's outputs are finite: check the masks")
         if not found:
             model.zero_grad(set_to_none=True)
             loss.backward()
             owners = {id(p): n for n, m in leaves for p in m.parameters(recurse=False)}
             for p in reversed(list(model.parameters())):  # backward runs from the output end
                 if p.grad is not None and not torch.isfinite(p.grad).all():
-                    found.append(f"the gradient of {owners.get(id(p), 'a parameter')}")
+                    found.append(f"the first non-finite gradient is that of "
+                                 f"{owners.get(id(p), 'a parameter')}")
                     break
     finally:
         for h in handles:
@@ -1530,8 +1556,8 @@ def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
     if nxt is None:
         where = diagnose_nonfinite(unwrap(run.model), bad.batch, loss_fn)
         kept = f"{ckpt} (epoch {run.epoch}) is intact" if run.epoch else "no checkpoint was written yet"
-        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): first "
-                        f"non-finite value in {where}; likely causes: learning_rate={cfg['learning_rate']} "
+        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): "
+                        f"{where}; likely causes: learning_rate={cfg['learning_rate']} "
                         f"too high, or NaN/inf/garbage in the data; {kept}")
     events = run.fallbacks
     run.load(snapshot)  # model, optimizer, scheduler, scaler as they were at the start of the epoch
@@ -1541,7 +1567,7 @@ def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
              f"rolled back to " + (f"epoch {run.epoch}" if run.epoch else "the start"))
     run.fallbacks.append({"epoch": epoch, "step": bad.step, "from": run.prec.name, "to": nxt.name,
                           "event": event})
-    run.prec, run.scaler = nxt, build_scaler(nxt, hw, cfg)
+    run.prec, run.scaler, run.bad_streak = nxt, build_scaler(nxt, hw, cfg), 0
     banner_line(event)
 
 
@@ -1557,6 +1583,9 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
+        if state["config"]["epochs"] != cfg["epochs"]:
+            notes.append(f"epochs changed from {state['config']['epochs']} to {cfg['epochs']}: the learning "
+                         f"rate schedule now spans {cfg['epochs']} epochs")
         notes.append(run.prec.reason if run.prec is not prec else None)
     else:
         run.scaler = build_scaler(prec, hw, cfg)
@@ -1622,7 +1651,8 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
         torch.cuda.reset_peak_memory_stats(hw.device)
     start_epoch_data(train_loader, epoch, cfg["seed"])
     tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
-                         run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train")
+                         run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train", streak=run.bad_streak)
+    run.bad_streak = tr["stats"].bad_streak
     val_start = time.perf_counter()
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     va = evaluate(run.eval_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")

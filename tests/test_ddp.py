@@ -74,9 +74,11 @@ def test_ddp_user_error_stops_the_group_with_its_message(tmp_path):
     out = torchrun(f"data_dir={tmp_path / 'missing'}", "device=cpu", f"checkpoint_dir={tmp_path / 'c'}",
                    timeout=120)
     assert out.returncode != 0
-    # Our one-line message comes first (torchrun then prints its own summary of the failed group).
-    first = next(line for line in out.stderr.splitlines() if not line.startswith(("W", "*")))
-    assert re.match(r"error: \[rank \d\] data_dir .*missing not found: create", first), first
+    # Our one-line message comes before anything else torchrun prints about the failed group.
+    lines = out.stderr.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("error:"))
+    assert re.match(r"error: \[rank \d\] data_dir .*missing not found: create", lines[first]), lines[first]
+    assert not any("Traceback" in line for line in lines[:first])
 
 
 def test_sync_batchnorm_on_cpu_is_a_clear_error(make_cfg):

@@ -1,0 +1,415 @@
+"""The `predict` command: masks for new images from a checkpoint, at each image's original size.
+
+Two tiny models are trained once for the whole module (32x32, 1 epoch, fp32, a few seconds each):
+a binary RGB one and a 3-class grayscale (in_channels=1) one. Everything else is inference.
+"""
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import train_unet  # noqa: E402
+
+SIZE = 32
+
+
+def train_tiny(root, **overrides):
+    data = train_unet.generate_shapes_dataset(root / "data", count=10, size=SIZE,
+                                              num_classes=overrides.get("num_classes", 1))
+    cfg = dict(data_dir=str(data), checkpoint_dir=str(root / "ckpt"), image_size=SIZE, epochs=1,
+               max_train_images=8, batch_size=2, use_amp=False, encoder_name="resnet18",
+               encoder_weights=None, device="cpu", progress=False, num_workers=0)
+    cfg.update(overrides)
+    train_unet.train(cfg)
+    ckpt = root / "ckpt" / "last.pt"
+    assert ckpt.is_file()
+    return ckpt, data
+
+
+@pytest.fixture(scope="module")
+def binary_model(tmp_path_factory):
+    """(checkpoint path, data dir) of a binary RGB model."""
+    return train_tiny(tmp_path_factory.mktemp("binary"))
+
+
+@pytest.fixture(scope="module")
+def multiclass_model(tmp_path_factory):
+    """(checkpoint path, data dir) of a 3-class grayscale (in_channels=1) model."""
+    return train_tiny(tmp_path_factory.mktemp("multi"), num_classes=3, in_channels=1)
+
+
+@pytest.fixture(scope="module")
+def hw():
+    return train_unet.detect_hardware("cpu")
+
+
+@pytest.fixture(scope="module")
+def fp32(hw):
+    return train_unet.decide_precision(hw, use_amp=False)
+
+
+def opts(ckpt, inp, out, **kw):
+    return {**train_unet.PREDICT_CONFIG, "checkpoint": str(ckpt), "input": str(inp), "output": str(out),
+            "device": "cpu", "use_amp": False, "progress": False, **kw}
+
+
+def read_png(path):
+    image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    assert image is not None, f"{path} was not written or is not an image"
+    return image
+
+
+def write_odd_images(folder, source_dir):
+    """Real shape images resized to awkward sizes, RGB and grayscale: {stem: (h, w)}."""
+    folder.mkdir(parents=True, exist_ok=True)
+    src = cv2.imread(str(sorted((Path(source_dir) / "images").glob("*.png"))[0]), cv2.IMREAD_COLOR)
+    sizes = {"rgb_45x77": (45, 77, True), "gray_100x50": (100, 50, False), "rgb_7x10": (7, 10, True),
+             "gray_1x200": (1, 200, False), "rgb_131x33": (131, 33, True)}
+    for stem, (h, w, colour) in sizes.items():
+        image = cv2.resize(src, (w, h), interpolation=cv2.INTER_LINEAR)
+        if not colour:
+            image = cv2.cvtColor(image, cv2.COLOR_BGR2GRAY)
+            assert image.ndim == 2
+        assert cv2.imwrite(str(folder / f"{stem}.png"), image)
+    return {stem: (h, w) for stem, (h, w, _) in sizes.items()}
+
+
+def centre_head_bias(model, x, width=None):
+    """Shift the final bias so the logits straddle the decision threshold on these images.
+
+    A 1-epoch model may predict all background; then "masks equal" would be vacuous. Shifting by
+    the median logit (per class; over the first `width` columns if given) puts pixels on both
+    sides of the threshold.
+    """
+    head = model.segmentation_head[0]
+    with torch.no_grad():
+        logits = model(x)[..., :width]
+        median = logits.transpose(0, 1).reshape(logits.shape[1], -1).median(dim=1).values
+        head.bias -= median
+
+
+# ---------------------------------------------------------------------------------------------------
+# a. predictions are exactly what validation computes
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["binary", "multiclass"])
+def test_predict_batch_equals_validation_forward(which, request, hw, fp32):
+    ckpt, data = request.getfixturevalue(f"{which}_model")
+    model, cfg = train_unet.load_model(ckpt, hw)
+    assert not model.training
+    pairs = train_unet.find_pairs(data)  # every image is already image_size x image_size
+    dataset = train_unet.SegDataset(pairs, cfg, train=False)
+    loader = DataLoader(dataset, batch_size=len(pairs), shuffle=False)
+    x, _ = next(iter(loader))
+    binary = cfg["num_classes"] == 1
+    centre_head_bias(model, x)
+
+    # Run the real validation loop and capture the logits it computes.
+    captured = []
+    handle = model.register_forward_hook(lambda m, i, out: captured.append(out.detach().clone()))
+    try:
+        train_unet.evaluate(model, loader, train_unet.SegLoss(cfg["num_classes"]), fp32, hw, cfg)
+    finally:
+        handle.remove()
+    assert len(captured) == 1
+    logits = captured[0]
+    expected = (logits[:, 0] > 0) if binary else logits.argmax(1)
+    expected = expected.to(torch.uint8).numpy()
+
+    images = [train_unet.read_image(img, cfg["in_channels"]) for img, _ in pairs]
+    masks = train_unet.predict_batch(model, images, cfg, fp32, hw)
+    assert len(masks) == len(images)
+    if binary:
+        assert len(np.unique(expected)) == 2, "test setup: the centred logits should straddle 0"
+    for i, (mask, want) in enumerate(zip(masks, expected)):
+        assert mask.dtype == np.uint8
+        assert mask.shape == want.shape == (SIZE, SIZE)
+        assert np.array_equal(mask, want), f"image {i}: {int((mask != want).sum())} pixels differ"
+
+
+def test_predict_command_writes_the_validation_masks(binary_model, hw, fp32, tmp_path):
+    """End to end: predict() on the data folder writes mask*255 of the validation forward pass."""
+    ckpt, data = binary_model
+    result = train_unet.predict(opts(ckpt, data / "images", tmp_path / "out"))
+    model, cfg = train_unet.load_model(ckpt, hw)
+    pairs = train_unet.find_pairs(data)
+    dataset = train_unet.SegDataset(pairs, cfg, train=False)
+    x = torch.stack([dataset[i][0] for i in range(len(dataset))])
+    with torch.no_grad():
+        expected = (model(x)[:, 0] > 0).to(torch.uint8).numpy() * 255
+    assert result["predicted"] == len(pairs) and result["failed"] == []
+    assert result["precision"] == "fp32"
+    assert Path(result["output"]) == tmp_path / "out"
+    for (image_path, _), want in zip(pairs, expected):
+        got = read_png(tmp_path / "out" / f"{image_path.stem}.png")
+        assert got.ndim == 2 and got.dtype == np.uint8
+        assert np.array_equal(got, want), image_path.name
+
+
+def test_predict_batch_runs_under_inference_mode(binary_model, hw, fp32):
+    ckpt, data = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    seen = []
+    model.register_forward_hook(lambda m, i, out: seen.append((torch.is_inference_mode_enabled(),
+                                                               out.requires_grad)))
+    image = train_unet.read_image(sorted((data / "images").glob("*.png"))[0], 3)
+    train_unet.predict_batch(model, [image], cfg, fp32, hw)
+    assert seen == [(True, False)]
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------
+# b. any size, RGB or grayscale: masks at the original size
+# ---------------------------------------------------------------------------------------------------
+def test_odd_sizes_round_trip_binary(binary_model, tmp_path):
+    ckpt, data = binary_model
+    sizes = write_odd_images(tmp_path / "in", data)
+    result = train_unet.predict(opts(ckpt, tmp_path / "in", tmp_path / "out"))
+    assert result["failed"] == []
+    assert result["predicted"] == len(sizes)
+    for stem, (h, w) in sizes.items():
+        mask = read_png(tmp_path / "out" / f"{stem}.png")
+        assert mask.shape == (h, w), stem  # one channel, the input's exact height and width
+        assert mask.dtype == np.uint8
+        assert set(np.unique(mask).tolist()) <= {0, 255}, stem
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{s}.png" for s in sizes)
+
+
+def test_padding_is_cropped_from_the_right_place(binary_model, hw, fp32):
+    """A 32x20 image is padded on the right to 32x32: the mask is the left 20 columns."""
+    ckpt, data = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    full = train_unet.read_image(sorted((data / "images").glob("*.png"))[0], 3)
+    image = np.ascontiguousarray(full[:, :20])
+    x = train_unet.build_transforms(cfg, train=False)(image=image)["image"]
+    assert x.shape[:2] == (SIZE, SIZE)
+    x = torch.from_numpy(x.transpose(2, 0, 1).copy())[None]
+    centre_head_bias(model, x, width=20)
+    with torch.no_grad():
+        logits = model(x)[0, 0]
+    expected = (logits[:, :20] > 0).to(torch.uint8).numpy()
+    assert len(np.unique(expected)) == 2, "test setup: the centred logits should straddle 0"
+    mask = train_unet.predict_batch(model, [image], cfg, fp32, hw)[0]
+    assert mask.shape == (SIZE, 20)
+    assert np.array_equal(mask, expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+# c. multi-class (and a grayscale model, rebuilt from the checkpoint's config)
+# ---------------------------------------------------------------------------------------------------
+def test_multiclass_masks_hold_class_indices(multiclass_model, hw, tmp_path):
+    ckpt, data = multiclass_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    assert (cfg["num_classes"], cfg["in_channels"]) == (3, 1)  # from the checkpoint, not PREDICT_CONFIG
+    assert model.segmentation_head[0].out_channels == 3
+    sizes = write_odd_images(tmp_path / "in", data)
+    result = train_unet.predict(opts(ckpt, tmp_path / "in", tmp_path / "out"))
+    assert result["failed"] == [] and result["predicted"] == len(sizes)
+    for stem, (h, w) in sizes.items():
+        mask = read_png(tmp_path / "out" / f"{stem}.png")
+        assert mask.shape == (h, w)
+        assert mask.dtype == np.uint8
+        assert mask.max() <= 2, f"{stem}: class indices of a 3-class model, not 0/255"
+
+
+# ---------------------------------------------------------------------------------------------------
+# d. overlays
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["binary", "multiclass"])
+def test_overlay_written_and_only_tints_the_mask(which, request, tmp_path):
+    ckpt, data = request.getfixturevalue(f"{which}_model")
+    channels = torch.load(ckpt, map_location="cpu", weights_only=True)["config"]["in_channels"]
+    sizes = write_odd_images(tmp_path / "in", data)
+    result = train_unet.predict(opts(ckpt, tmp_path / "in", tmp_path / "out", overlay=True))
+    assert result["failed"] == [] and result["predicted"] == len(sizes)
+    for stem, (h, w) in sizes.items():
+        overlay = read_png(tmp_path / "out" / f"{stem}_overlay.png")
+        mask = read_png(tmp_path / "out" / f"{stem}.png")
+        assert overlay.shape == (h, w, 3), stem
+        # The overlay is drawn on the image as the model saw it (grayscale for an in_channels=1 model).
+        flag = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
+        original = cv2.imread(str(tmp_path / "in" / f"{stem}.png"), flag)
+        if original.ndim == 2:
+            original = np.repeat(original[..., None], 3, axis=2)
+        background = mask == 0
+        assert np.array_equal(overlay[background], original[background]), \
+            f"{stem}: the overlay changed pixels outside the mask"
+
+
+def test_no_overlay_by_default(binary_model, tmp_path):
+    ckpt, data = binary_model
+    train_unet.predict(opts(ckpt, data / "images", tmp_path / "out"))
+    assert not list((tmp_path / "out").glob("*_overlay.png"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# e. a single file or a folder
+# ---------------------------------------------------------------------------------------------------
+def test_single_file_input(binary_model, tmp_path):
+    ckpt, data = binary_model
+    image = sorted((data / "images").glob("*.png"))[3]
+    result = train_unet.predict(opts(ckpt, image, tmp_path / "out"))
+    assert result["predicted"] == 1 and result["failed"] == []
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [image.name]
+    assert read_png(tmp_path / "out" / image.name).shape == cv2.imread(str(image)).shape[:2]
+
+
+def test_folder_input_predicts_every_image_and_ignores_other_files(binary_model, tmp_path):
+    ckpt, data = binary_model
+    folder = tmp_path / "in"
+    folder.mkdir()
+    stems = []
+    for i, src in enumerate(sorted((data / "images").glob("*.png"))[:4]):
+        image = cv2.imread(str(src))
+        ext = ".jpg" if i % 2 else ".png"
+        cv2.imwrite(str(folder / f"img{i}{ext}"), image)
+        stems.append(f"img{i}")
+    (folder / "notes.txt").write_text("not an image")
+    result = train_unet.predict(opts(ckpt, folder, tmp_path / "out", batch_size=3))
+    assert result["failed"] == []
+    assert result["predicted"] == len(stems)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(f"{s}.png" for s in stems)
+
+
+def test_main_predict_returns_0(binary_model, tmp_path, capsys):
+    ckpt, data = binary_model
+    code = train_unet.main(["predict", f"checkpoint={ckpt}", f"input={data / 'images'}",
+                            f"output={tmp_path / 'out'}", "overlay=True", "use_amp=False", "device=cpu",
+                            "progress=False"])
+    assert code == 0
+    n = len(list((data / "images").glob("*.png")))
+    assert len(list((tmp_path / "out").glob("*_overlay.png"))) == n
+    assert len(list((tmp_path / "out").glob("*.png"))) == 2 * n
+
+
+# ---------------------------------------------------------------------------------------------------
+# f. clear errors
+# ---------------------------------------------------------------------------------------------------
+def test_missing_checkpoint(binary_model, tmp_path, capsys):
+    _, data = binary_model
+    missing = tmp_path / "nope" / "best.pt"
+    with pytest.raises(train_unet.UserError, match="not found"):
+        train_unet.predict(opts(missing, data / "images", tmp_path / "out"))
+    code = train_unet.main(["predict", f"checkpoint={missing}", f"input={data / 'images'}",
+                            f"output={tmp_path / 'out'}", "progress=False", "device=cpu"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and str(missing) in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("content", ["garbage", "foreign_torch_file"])
+def test_not_a_checkpoint(content, binary_model, tmp_path):
+    _, data = binary_model
+    path = tmp_path / "model.pt"
+    if content == "garbage":
+        path.write_bytes(b"this is not a checkpoint\x00\x01\x02" * 10)
+    else:
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    with pytest.raises(train_unet.UserError, match="not a (readable )?checkpoint") as info:
+        train_unet.predict(opts(path, data / "images", tmp_path / "out"))
+    assert str(path) in str(info.value)
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+class _Payload:
+    """Pickles to `open(marker, 'w')`: a full unpickler would create the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoint_is_loaded_with_weights_only(binary_model, tmp_path):
+    """A checkpoint carrying arbitrary pickled code is refused and the code never runs."""
+    ckpt, data = binary_model
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    marker = tmp_path / "payload_ran"
+    state["extra"] = _Payload(str(marker))
+    evil = tmp_path / "evil.pt"
+    torch.save(state, evil)
+    with pytest.raises(train_unet.UserError, match="not a readable checkpoint"):
+        train_unet.predict(opts(evil, data / "images", tmp_path / "out"))
+    assert not marker.exists()
+
+
+def test_corrupt_image_is_named_and_the_others_are_predicted(binary_model, tmp_path, capsys):
+    ckpt, data = binary_model
+    folder = tmp_path / "in"
+    folder.mkdir()
+    good = []
+    for src in sorted((data / "images").glob("*.png"))[:3]:
+        (folder / src.name).write_bytes(src.read_bytes())
+        good.append(src.stem)
+    bad = folder / "broken.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + b"truncated garbage")
+    result = train_unet.predict(opts(ckpt, folder, tmp_path / "out", batch_size=2))
+    assert result["predicted"] == len(good)
+    assert len(result["failed"]) == 1
+    failed_path, reason = result["failed"][0]
+    assert Path(failed_path).name == "broken.png"
+    assert "broken.png" in reason
+    assert sorted(p.stem for p in (tmp_path / "out").iterdir()) == sorted(good)
+    out = capsys.readouterr().out
+    assert "broken.png" in out  # the run reports which failed
+
+    code = train_unet.main(["predict", f"checkpoint={ckpt}", f"input={folder}",
+                            f"output={tmp_path / 'out2'}", "use_amp=False", "device=cpu", "progress=False"])
+    assert code == 1
+    assert sorted(p.stem for p in (tmp_path / "out2").iterdir()) == sorted(good)
+
+
+def test_missing_input(binary_model, tmp_path):
+    ckpt, _ = binary_model
+    with pytest.raises(train_unet.UserError, match="not found"):
+        train_unet.predict(opts(ckpt, tmp_path / "no_such_folder", tmp_path / "out"))
+
+
+def test_input_folder_without_images(binary_model, tmp_path):
+    ckpt, _ = binary_model
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "readme.txt").write_text("hi")
+    with pytest.raises(train_unet.UserError, match="no images"):
+        train_unet.predict(opts(ckpt, tmp_path / "empty", tmp_path / "out"))
+
+
+def test_output_not_writable(binary_model, tmp_path, capsys):
+    ckpt, data = binary_model
+    blocker = tmp_path / "afile"
+    blocker.write_text("a regular file, not a folder")
+    out = blocker / "out"
+    with pytest.raises(train_unet.UserError, match="not writable") as info:
+        train_unet.predict(opts(ckpt, data / "images", out))
+    assert str(out) in str(info.value)
+    assert blocker.read_text() == "a regular file, not a folder"
+    code = train_unet.main(["predict", f"checkpoint={ckpt}", f"input={data / 'images'}", f"output={out}",
+                            "progress=False", "device=cpu"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("error: ")
+
+
+# ---------------------------------------------------------------------------------------------------
+# g. the same capability check as training
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use_amp, amp_dtype", [(True, "auto"), (False, "auto"), (True, "float16")])
+def test_predict_precision_follows_the_capability_check(use_amp, amp_dtype, binary_model, hw, tmp_path):
+    ckpt, data = binary_model
+    image = sorted((data / "images").glob("*.png"))[0]
+    result = train_unet.predict(opts(ckpt, image, tmp_path / "out", use_amp=use_amp, amp_dtype=amp_dtype))
+    expected = train_unet.decide_precision(train_unet.detect_hardware("cpu"), use_amp, amp_dtype, False)
+    assert result["precision"] == expected.name
+    if not use_amp:
+        assert result["precision"] == "fp32"
+    assert result["predicted"] == 1
+    mask = read_png(tmp_path / "out" / image.name)
+    assert mask.shape == (SIZE, SIZE) and set(np.unique(mask).tolist()) <= {0, 255}
