@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 # The LR schedule counts attempted optimizer steps, including those GradScaler skips; PyTorch warns
 # about that ordering on a skipped first step, which is expected here.
@@ -346,8 +346,8 @@ def detect_hardware(device="auto"):
         return Hardware("mps", "mps", "Apple MPS", None, bf16=bf16, fp16=True)
     if kind != "cpu":
         raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda, cuda:N or mps")
-    # CPU fp16 autocast is never treated as native: measured ~70x slower than fp32 on a Zen 4 CPU
-    # that advertises avx512_fp16, because PyTorch's CPU convolutions have no fast fp16 path.
+    # CPU fp16 autocast is never treated as native: measured ~70x slower than fp32 here, on a CPU
+    # that even advertises avx512_fp16, because PyTorch's CPU convolutions have no fast fp16 path.
     return Hardware("cpu", "cpu", cpu_name(), None,
                     bf16=bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), fp16=False)
 
@@ -359,9 +359,6 @@ def describe(hw):
 
 def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     """The one place that chooses bf16 / fp16 / fp32, and says why."""
-    bf16 = Precision(torch.bfloat16, False, "")
-    fp16 = Precision(torch.float16, True, "")
-    fp32 = Precision(torch.float32, False, "")
     if not use_amp:
         return Precision(torch.float32, False, "use_amp=False: plain fp32")
     if amp_dtype == "auto":
@@ -370,21 +367,25 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
         if hw.fp16:
             return Precision(torch.float16, True, "auto: no native bf16, native fp16 -> fp16 + GradScaler")
         return Precision(torch.float32, False, "auto: no native bf16 or fp16 kernels -> fp32")
-    want, have = (bf16, hw.bf16) if amp_dtype == "bfloat16" else (fp16, hw.fp16)
-    if have or force:
-        why = "as requested" + ("" if have else " (force_amp_dtype=True: no native kernels, slow)")
-        return Precision(want.dtype, want.use_scaler, f"{amp_dtype} {why}")
-    fallback = (bf16 if amp_dtype == "float16" and hw.bf16 else
-                fp16 if amp_dtype == "bfloat16" and hw.fp16 and hw.kind != "cpu" else fp32)
-    need = ("compute capability >= 8.0" if amp_dtype == "bfloat16" else "compute capability >= 7.0") \
-        if hw.kind == "cuda" else "native kernels"
-    have_txt = f"has {hw.capability[0]}.{hw.capability[1]}" if hw.capability else \
-        "fp16 autocast runs 10-100x slower than fp32 there" if hw.kind == "cpu" and amp_dtype == "float16" \
-        else "has none"
-    warning = (f"amp_dtype={amp_dtype} needs {need} but {hw.device} {have_txt}: using "
-               f"{_dtype_label(fallback)} instead "
-               f"(force_amp_dtype=True insists)")
-    return Precision(fallback.dtype, fallback.use_scaler, f"fallback from {amp_dtype}", warning)
+    dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
+    native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
+    if native or force:
+        note = "" if native else " (force_amp_dtype=True: no native kernels, slow)"
+        return Precision(dtype, dtype == torch.float16, f"{amp_dtype} as requested{note}")
+    # Not native here: the automatic choice is the fallback (it can never be the requested dtype).
+    auto = decide_precision(hw)
+    return Precision(auto.dtype, auto.use_scaler, f"fallback from {amp_dtype}",
+                     f"amp_dtype={amp_dtype} {missing_support(hw, amp_dtype)}: using {_dtype_label(auto)} "
+                     f"instead (force_amp_dtype=True insists)")
+
+
+def missing_support(hw, amp_dtype):
+    if hw.kind == "cuda":
+        need = "8.0" if amp_dtype == "bfloat16" else "7.0"
+        return f"needs compute capability >= {need}, {hw.device} has {hw.capability[0]}.{hw.capability[1]}"
+    if hw.kind == "cpu" and amp_dtype == "float16":
+        return "has no fast CPU kernels (fp16 autocast runs 10-100x slower than fp32 there)"
+    return f"is not native on {hw.device}"
 
 
 def _dtype_label(p):
@@ -467,6 +468,19 @@ def draw_shapes(rng, size, num_classes):
     return image.clip(0, 255).astype(np.uint8), mask
 
 
+def write_embedded_dataset(root):
+    """Write into a temporary folder, then rename: an interrupted first run leaves no half data set."""
+    root = Path(root)
+    if root.exists() and any(p.is_file() for p in root.rglob("*")):
+        return generate_shapes_dataset(root)  # never delete a user's files
+    tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    generate_shapes_dataset(tmp)
+    shutil.rmtree(root, ignore_errors=True)  # empty folders only (checked above)
+    os.replace(tmp, root)
+    return root
+
+
 def find_pairs(folder):
     """Match <folder>/images/* with <folder>/masks/* by file stem."""
     folder = Path(folder)
@@ -512,6 +526,7 @@ def read_mask(path, num_classes):
     if mask is None:
         raise UserError(f"cannot read mask {path} (corrupt or not an image): fix or remove it")
     if mask.ndim == 3:
+        mask = mask[..., :3]  # ignore an alpha channel
         if not (mask == mask[..., :1]).all():
             raise UserError(f"mask {path} is a colour image: save masks as one channel of class indices")
         mask = mask[..., 0]
@@ -544,7 +559,7 @@ def prepare_data(cfg):
     root = Path(cfg["data_dir"])
     if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not any(root.glob("images/*.png")):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
-        generate_shapes_dataset(root)
+        write_embedded_dataset(root)
     barrier()  # the other ranks wait until rank 0 has written it
     if not root.is_dir():
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
@@ -876,6 +891,19 @@ def record_step(stats, norm, zeros, elems, applied, bad):
         stats.grad_elems += elems
 
 
+def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary):
+    """Forward under autocast, fp32 loss outside it, backward of loss / group size (scaled for fp16)."""
+    # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
+    sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
+    with sync:
+        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+            logits = model(x)
+        loss = loss_fn(logits, y)
+        scaled = loss / group_len
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    return logits, loss
+
+
 def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
                     streak=0):
     """One pass over `loader`; `streak` carries consecutive bad steps over from the last epoch."""
@@ -900,14 +928,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             for b, keep in zip(buffers, saved):
                 keep.copy_(b)
         boundary = i - group_start + 1 == group_len
-        # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
-        sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
-        with sync:
-            with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-                logits = model(x)
-            loss = loss_fn(logits, y)  # fp32, outside autocast
-            scaled = loss / group_len
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary)
         finite = torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
         group_ok &= finite
         loss_sum += torch.where(finite, loss.detach(), 0.0)
@@ -946,13 +967,21 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     use_amp = prec.amp and cfg["eval_amp"]
     metric = SegMetric(cfg["num_classes"], hw.device)
     totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
-    for x, y in tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True):
+    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
+    start, last_refresh = time.perf_counter(), 0.0
+    for x, y in bar:
         x, y = to_device(x, y, hw, cfg["channels_last"])
         with torch.autocast(hw.kind, dtype=prec.dtype, enabled=use_amp):
             logits = model(x)
         totals[0] += loss_fn(logits, y).detach() * x.shape[0]
         totals[1] += x.shape[0]
         metric.update(logits, y)
+        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
+            last_refresh = time.perf_counter()
+            loss_now, seen = totals.tolist()
+            bar.set_postfix(loss=f"{loss_now / seen:.4f}", iou=f"{metric.compute()['iou']:.3f}",
+                            img_s=f"{seen / (last_refresh - start):.1f}")
+    bar.close()
     loss_sum, count = all_reduce_(totals).tolist()
     return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
 
@@ -1014,7 +1043,7 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
-HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "val_iou", "val_dice", "lr",
+HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "train_dice", "val_iou", "val_dice", "lr",
                   "epoch_time_s", "val_time_s", "images_per_s", "peak_mem_mb", "peak_mem_kind", "precision",
                   "grad_norm", "grad_norm_max", "zero_grad_pct", "scaler_scale", "optimizer_steps",
                   "skipped_steps", "fallback")
@@ -1345,7 +1374,7 @@ def format_benchmark_table(rows):
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
                       speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}",
-                      "compiled" if r["compile"] else ""))
+                      f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
@@ -1661,7 +1690,7 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
     stats = tr["stats"]
     events = [f["event"] for f in run.fallbacks if f["epoch"] == epoch]
     return {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
-            "val_iou": va["iou"], "val_dice": va["dice"], "lr": run.scheduler.get_last_lr()[0],
+            "train_dice": tr["dice"], "val_iou": va["iou"], "val_dice": va["dice"], "lr": run.scheduler.get_last_lr()[0],
             "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"],
             "peak_mem_mb": mem, "peak_mem_kind": mem_kind, "precision": run.prec.name,
             "grad_norm": stats.grad_norm, "grad_norm_max": stats.grad_norm_max,

@@ -57,6 +57,14 @@ def assert_changed(before, after):
     assert any(not torch.equal(p, q) for p, q in zip(before, after)), "the optimizer did not step"
 
 
+def same_tiny_nets(n):
+    """n copies of one freshly initialised tiny_net()."""
+    nets = [tiny_net() for _ in range(n)]
+    for net in nets[1:]:
+        net.load_state_dict(nets[0].state_dict())
+    return nets
+
+
 @pytest.fixture
 def fp32(cpu_hw):
     return decide_precision(cpu_hw, use_amp=False)
@@ -67,10 +75,7 @@ def fp32(cpu_hw):
 # ------------------------------------------------------------------------------------------------
 def test_accumulation_equals_one_big_batch(cpu_hw, fp32):
     data = fixed_data(8)
-    init = tiny_net()
-    small, big = tiny_net(), tiny_net()
-    small.load_state_dict(init.state_dict())
-    big.load_state_dict(init.state_dict())
+    init, small, big = same_tiny_nets(3)
     r_small = run_epoch(small, DataLoader(data, batch_size=2, shuffle=False),
                         loop_cfg(accumulation_steps=4), cpu_hw, fp32)
     r_big = run_epoch(big, DataLoader(data, batch_size=8, shuffle=False),
@@ -87,10 +92,7 @@ def test_short_last_group_is_averaged_over_its_own_length(cpu_hw, fp32):
     """6 micro-batches with accumulation 4: steps after batches 1-4 and after 5-6, each the mean
     over its own group (as if batches 1-4 and 5-6 were two big batches)."""
     data = fixed_data(12)
-    init = tiny_net()
-    small, big = tiny_net(), tiny_net()
-    small.load_state_dict(init.state_dict())
-    big.load_state_dict(init.state_dict())
+    init, small, big = same_tiny_nets(3)
     r_small = run_epoch(small, DataLoader(data, batch_size=2, shuffle=False),
                         loop_cfg(accumulation_steps=4), cpu_hw, fp32)
     groups = DataLoader(data, batch_sampler=[list(range(0, 8)), list(range(8, 12))])
