@@ -3,10 +3,14 @@ unet-amp: train a U-Net segmentation model with mixed precision done right.
 
     python train_unet.py                              # train with CONFIG below
     python train_unet.py batch_size=2 epochs=3        # override any CONFIG key
-    python train_unet.py amp_dtype=float16 resume=True
+    python train_unet.py resume=True epochs=20        # continue checkpoints/last.pt exactly
+    python train_unet.py predict checkpoint=checkpoints/best.pt input=photos/ output=masks/
+    python train_unet.py benchmark                    # FP32 vs BF16 (and more), one process each
+    torchrun --nproc_per_node=8 train_unet.py         # several GPUs
 
-Sections, in order: config, command line, precision, data, model, metrics, train/eval step,
-checkpoints, main. The script imports cleanly as a module; tests and the notebook use its functions.
+Sections, in order: config, distributed, command line, precision, data, model, metrics,
+train/eval step, checkpoints, predict, benchmark, main. The script imports cleanly as a module;
+tests and the notebook use its functions.
 """
 from __future__ import annotations
 
@@ -105,6 +109,10 @@ NONE_DEFAULT_TYPES = {
 }
 # Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
 MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
+# ... and those that define the data and the optimisation: a resume continues exactly only if they
+# are unchanged (epochs may grow; precision, speed and output settings may change).
+RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "batch_size",
+                            "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed")
 
 
 class UserError(Exception):
@@ -133,13 +141,13 @@ class Dist:
 DIST = Dist()
 
 
-def setup_distributed():
+def setup_distributed(device="auto"):
     """Join torchrun's process group (nccl on CUDA, gloo on CPU); a no-op in a plain run."""
     global DIST
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
         return DIST
     DIST = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() and not device.startswith(("cpu", "mps"))
     if cuda:
         torch.cuda.set_device(DIST.local_rank)
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
@@ -196,15 +204,23 @@ def parse_overrides(args, base=None, defaults=None):
     Training configs are validated here; other commands pass their own `defaults` and validate.
     """
     defaults = CONFIG if defaults is None else defaults
-    cfg = copy.deepcopy(defaults if base is None else base)
+    cfg, seen = copy.deepcopy(defaults if base is None else base), set()
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
             raise UserError(f"argument {arg!r} is not key=value, e.g. batch_size=2")
-        key = key.strip().lstrip("-").replace("-", "_")
+        key = normalize_key(key)
         check_known_key(key, defaults)
+        if key in seen:
+            raise UserError(f"{key} is given twice on the command line: keep one")
+        seen.add(key)
         cfg[key] = parse_value(key, text, defaults[key])
     return validate_config(cfg) if defaults is CONFIG else cfg
+
+
+def normalize_key(key):
+    """'--batch-size' -> 'batch_size'."""
+    return key.strip().lstrip("-").replace("-", "_")
 
 
 def check_known_key(key, defaults=CONFIG):
@@ -214,17 +230,36 @@ def check_known_key(key, defaults=CONFIG):
         raise UserError(f"unknown key {key!r}: {hint}known keys: {', '.join(defaults)}")
 
 
+def check_types(cfg, defaults):
+    """Every value has its default's type (None only where the default allows it)."""
+    names = {bool: "true or false", int: "whole number", float: "number", str: "string"}
+    for key, value in cfg.items():
+        kind = NONE_DEFAULT_TYPES.get(key, type(defaults[key]))
+        if value is None and (defaults[key] is None or key in NONE_DEFAULT_TYPES):
+            continue
+        ok = (isinstance(value, bool) if kind is bool else
+              isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+              if kind is float else isinstance(value, kind) and not isinstance(value, bool))
+        if not ok:
+            none = " or None" if key in NONE_DEFAULT_TYPES or defaults[key] is None else ""
+            raise UserError(f"{key}={value!r} must be a {names.get(kind, kind.__name__)}{none}")
+
+
 def validate_config(cfg):
     """Stop early, with a one-line message, on values that cannot be right."""
     for key in cfg:
         check_known_key(key)
     cfg = {**CONFIG, **cfg}
+    check_types(cfg, CONFIG)
     for key, allowed in CHOICES.items():
         if cfg[key] not in allowed:
             raise UserError(f"{key}={cfg[key]!r} is not allowed: use one of "
                             + ", ".join(repr(a) if a is None else str(a) for a in allowed))
     positive_ints = ("epochs", "batch_size", "accumulation_steps", "num_classes", "growth_interval",
                      "nan_patience")
+    if cfg["num_classes"] >= IGNORE_INDEX:
+        raise UserError(f"num_classes={cfg['num_classes']} must be below {IGNORE_INDEX} (mask value "
+                        f"{IGNORE_INDEX} marks padding)")
     for key in positive_ints:
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise UserError(f"{key}={cfg[key]!r} must be a whole number >= 1")
@@ -249,14 +284,20 @@ def validate_config(cfg):
         ("init_scale", cfg["init_scale"] > 0, "must be > 0"),
         ("growth_factor", cfg["growth_factor"] > 1, "must be > 1"),
         ("backoff_factor", 0 < cfg["backoff_factor"] < 1, "must be between 0 and 1"),
-        ("device", re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(cfg["device"])) is not None,
-         "must be auto, cpu, cuda, cuda:N or mps"),
+        ("device", valid_device(cfg["device"]), "must be auto, cpu, cuda, cuda:N or mps"),
+        ("batch_size", cfg["batch_size"] * (cfg["image_size"] // 32) ** 2 > 1,
+         f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
+         f"bottleneck: use batch_size >= 2 or image_size >= 64"),
     ]
     for key, ok, rule in checks:
         if not ok:
             raise UserError(f"{key}={cfg[key]!r} {rule}")
     check_model_names(cfg)
     return cfg
+
+
+def valid_device(device):
+    return re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(device)) is not None
 
 
 def check_model_names(cfg):
@@ -322,8 +363,8 @@ def cpu_name():
 
 
 def detect_hardware(device="auto"):
-    if DIST.enabled and device in ("auto", "cuda") and torch.cuda.is_available():
-        device = f"cuda:{DIST.local_rank}"  # one GPU per process
+    if DIST.enabled and (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():
+        device = f"cuda:{DIST.local_rank}"  # one GPU per process: LOCAL_RANK decides which
     if device == "auto":
         mps = getattr(torch.backends, "mps", None)
         device = "cuda" if torch.cuda.is_available() else "mps" if mps and mps.is_available() else "cpu"
@@ -367,6 +408,7 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
         if hw.fp16:
             return Precision(torch.float16, True, "auto: no native bf16, native fp16 -> fp16 + GradScaler")
         return Precision(torch.float32, False, "auto: no native bf16 or fp16 kernels -> fp32")
+    assert amp_dtype in CHOICES["amp_dtype"], amp_dtype  # validated before; a bug otherwise
     dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
     native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
     if native or force:
@@ -422,6 +464,9 @@ def banner(hw, prec, cfg, notes=()):
 # Data: the embedded shapes data set, the folder layout, checks with clear errors, loaders.
 # ----------------------------------------------------------------------------------------------------
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
+# Mask value of pixels that are not part of the image (padding, areas rotated in by augmentation):
+# ignored by the loss and the metrics, so IoU is measured on real pixels only.
+IGNORE_INDEX = 255
 EMBEDDED_DATA_DIR = "data/shapes"
 
 
@@ -468,15 +513,20 @@ def draw_shapes(rng, size, num_classes):
     return image.clip(0, 255).astype(np.uint8), mask
 
 
+def has_files(folder):
+    return Path(folder).exists() and any(p.is_file() for p in Path(folder).rglob("*"))
+
+
 def write_embedded_dataset(root):
-    """Write into a temporary folder, then rename: an interrupted first run leaves no half data set."""
+    """Write into a temporary folder, then rename: an interrupted first run leaves no half data set.
+
+    Only ever called for a missing or empty folder: a user's files are never mixed or deleted.
+    """
     root = Path(root)
-    if root.exists() and any(p.is_file() for p in root.rglob("*")):
-        return generate_shapes_dataset(root)  # never delete a user's files
     tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     generate_shapes_dataset(tmp)
-    shutil.rmtree(root, ignore_errors=True)  # empty folders only (checked above)
+    shutil.rmtree(root, ignore_errors=True)  # empty folders only (has_files checked by the caller)
     os.replace(tmp, root)
     return root
 
@@ -530,16 +580,27 @@ def read_mask(path, num_classes):
         if not (mask == mask[..., :1]).all():
             raise UserError(f"mask {path} is a colour image: save masks as one channel of class indices")
         mask = mask[..., 0]
-    values = np.unique(mask)
+    values = set(np.unique(mask).tolist())
     if num_classes == 1:
-        if not set(values.tolist()) <= {0, 1, 255} or {1, 255} <= set(values.tolist()):
-            raise UserError(f"mask {path} holds values {values[:8].tolist()}: with num_classes=1 masks must "
-                            f"be 0/1 or 0/255 (save masks as PNG: JPEG blurs the edges)")
-        return (mask > 0).astype(np.uint8)
-    if values.max() >= num_classes:
-        raise UserError(f"mask {path} holds class {int(values.max())} but num_classes={num_classes}: "
-                        f"set num_classes={int(values.max()) + 1} or fix the mask")
+        if values <= {0, 1} or values <= {0, 255}:
+            return (mask > 0).astype(np.uint8)
+        raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
+                        f"0/1 or 0/255; {mask_hint(path, mask, values)}")
+    if max(values) >= num_classes:
+        hint = ("0/255 masks are binary: use num_classes=1" if values == {0, 255} else
+                f"set num_classes={max(values) + 1} or fix the mask")
+        raise UserError(f"mask {path} holds class {max(values)} but num_classes={num_classes}: {hint}")
     return mask.astype(np.uint8)
+
+
+def mask_hint(path, mask, values):
+    if mask.dtype != np.uint8:
+        return f"this {mask.dtype} mask needs saving as 8-bit 0/255 or 0/1"
+    if Path(path).suffix.lower() in (".jpg", ".jpeg"):
+        return "JPEG blurs the edges: save masks as PNG"
+    if len(values) <= 16 and max(values) < 16:
+        return f"class indices? set num_classes={max(values) + 1}"
+    return "anti-aliased edges? save masks with exact values only"
 
 
 def check_pairs(pairs, cfg):
@@ -557,14 +618,19 @@ def check_pairs(pairs, cfg):
 def prepare_data(cfg):
     """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
     root = Path(cfg["data_dir"])
-    if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not any(root.glob("images/*.png")):
+    if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
         write_embedded_dataset(root)
     barrier()  # the other ranks wait until rank 0 has written it
     if not root.is_dir():
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
                         f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
-    if (root / "train").is_dir() and (root / "val").is_dir():
+    split = [(root / name).is_dir() for name in ("train", "val")]
+    if split == [True, False] or split == [False, True]:
+        have, missing = ("train", "val") if split[0] else ("val", "train")
+        raise UserError(f"{root} has {have}/ but no {missing}/: add {root}/{missing}/images and masks, or "
+                        f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
+    if all(split):
         train, val = find_pairs(root / "train"), find_pairs(root / "val")
     else:
         pairs = find_pairs(root)
@@ -590,9 +656,10 @@ def build_transforms(cfg, train):
     # Keep the aspect ratio and pad at the bottom/right, so predictions crop back exactly.
     fit = [A.LongestMaxSize(max_size=size),
            A.PadIfNeeded(size, size, position="top_left", border_mode=cv2.BORDER_CONSTANT, fill=0,
-                         fill_mask=0)]
+                         fill_mask=IGNORE_INDEX)]
     augment = [A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5),
-               A.Affine(scale=(0.9, 1.1), translate_percent=(-0.05, 0.05), rotate=(-15, 15), p=0.5),
+               A.Affine(scale=(0.9, 1.1), translate_percent=(-0.05, 0.05), rotate=(-15, 15),
+                        fill_mask=IGNORE_INDEX, p=0.5),
                A.RandomBrightnessContrast(0.2, 0.2, p=0.5)] if train else []
     mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if cfg["in_channels"] == 3 else \
         ((0.5,), (0.25,))
@@ -681,7 +748,7 @@ def build_model(cfg):
 
 
 class SegLoss(nn.Module):
-    """Cross-entropy (BCE for binary) + Dice from smp, always evaluated in fp32."""
+    """Cross-entropy (BCE for binary) + Dice from smp, always evaluated in fp32; padding ignored."""
 
     def __init__(self, num_classes, kind="dice+ce"):
         super().__init__()
@@ -689,16 +756,21 @@ class SegLoss(nn.Module):
 
         self.binary = num_classes == 1
         mode = "binary" if self.binary else "multiclass"
-        self.dice = smp.losses.DiceLoss(mode, from_logits=True) if "dice" in kind else None
-        self.ce = (nn.BCEWithLogitsLoss() if self.binary else nn.CrossEntropyLoss()) \
-            if "ce" in kind else None
+        self.dice = smp.losses.DiceLoss(mode, from_logits=True, ignore_index=IGNORE_INDEX) \
+            if "dice" in kind else None
+        self.ce = "ce" in kind
+        self.multi_ce = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
 
     def forward(self, logits, target):
         logits = logits.float()
-        ce_target = target.unsqueeze(1).float() if self.binary else target
         loss = logits.new_zeros(())
-        if self.ce is not None:
-            loss = loss + self.ce(logits, ce_target)
+        if self.ce and self.binary:  # BCE averaged over the real (not ignored) pixels
+            valid = (target != IGNORE_INDEX).unsqueeze(1).float()
+            bce = nn.functional.binary_cross_entropy_with_logits(
+                logits, (target.unsqueeze(1) == 1).float(), reduction="none")
+            loss = loss + (bce * valid).sum() / valid.sum().clamp(min=1)
+        elif self.ce:
+            loss = loss + self.multi_ce(logits, target)
         if self.dice is not None:
             loss = loss + self.dice(logits, target.unsqueeze(1) if self.binary else target)
         return loss
@@ -756,7 +828,8 @@ def unwrap(model):
 class SegMetric:
     """Accumulates a class confusion matrix (int64, on the device: no host sync per batch).
 
-    Binary (num_classes=1): IoU and Dice are those of the foreground class.
+    Binary (num_classes=1): IoU and Dice are those of the foreground class. Target pixels equal to
+    IGNORE_INDEX (padding) are not counted.
     Multi-class: per-class IoU/Dice; the mean is over classes present in the target or the
     prediction. A class absent from both over the whole set (TP+FP+FN = 0) has no IoU (NaN) and is
     left out of the mean; if every class is absent, the mean is 1.0 (nothing to find, nothing found).
@@ -770,8 +843,11 @@ class SegMetric:
     @torch.no_grad()
     def update(self, logits, target):
         pred = (logits[:, 0] > 0).long() if self.binary else logits.argmax(1)
-        index = target.reshape(-1).long() * self.n + pred.reshape(-1)
-        self.matrix += torch.bincount(index, minlength=self.n * self.n).reshape(self.n, self.n)
+        target = target.reshape(-1).long()
+        # Ignored pixels go to an extra bin that is dropped: no boolean indexing, so no host sync.
+        index = torch.where(target == IGNORE_INDEX, self.n * self.n, target * self.n + pred.reshape(-1))
+        counts = torch.bincount(index, minlength=self.n * self.n + 1)[:self.n * self.n]
+        self.matrix += counts.reshape(self.n, self.n)
 
     def all_reduce(self):
         """Sum the counts over ranks (exact: integers), so every rank sees the whole set's IoU."""
@@ -1062,11 +1138,10 @@ def write_json(path, data):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
 
-def archive_previous_run(ckpt_dir):
+def archive_previous_run(ckpt_dir, names=("last.pt", "best.pt", "history.csv", "config.json")):
     """A fresh run never overwrites an earlier one: its files move to <ckpt_dir>/previous/<time>/."""
     ckpt_dir = Path(ckpt_dir)
-    old = [ckpt_dir / n for n in ("last.pt", "best.pt", "history.csv", "config.json")
-           if (ckpt_dir / n).exists()]
+    old = [ckpt_dir / n for n in names if (ckpt_dir / n).exists()]
     if not old:
         return None
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
@@ -1134,23 +1209,25 @@ def list_images(path):
     return images
 
 
-def check_writable(folder):
+def check_writable(folder, key="output"):
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{key} {folder} is a file, not a folder: choose another {key}=...")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write_test_{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"output folder {folder} is not writable ({exc.strerror}): choose another "
-                        f"output=...") from None
+        raise UserError(f"{key} folder {folder} is not writable ({exc.strerror}): choose another "
+                        f"{key}=...") from None
 
 
 def valid_region(transform, height, width):
     """Where the image lands inside the padded square: transform an all-ones mask and look."""
     ones = np.ones((height, width), np.uint8)
     placed = transform(image=np.zeros((height, width, 3), np.uint8), mask=ones)["mask"]
-    rows, cols = np.nonzero(placed)
+    rows, cols = np.nonzero(placed == 1)
     return rows.max() + 1, cols.max() + 1  # padding is at the bottom/right (position="top_left")
 
 
@@ -1198,13 +1275,41 @@ def overlay_image(image, mask, alpha=0.45):
     return cv2.cvtColor(blended.astype(np.uint8), cv2.COLOR_RGB2BGR)
 
 
+def validate_predict(opts):
+    check_types(opts, PREDICT_CONFIG)
+    if opts["batch_size"] < 1:
+        raise UserError(f"batch_size={opts['batch_size']} must be a whole number >= 1")
+    if not valid_device(opts["device"]):
+        raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
+    if opts["amp_dtype"] not in CHOICES["amp_dtype"]:
+        raise UserError(f"amp_dtype={opts['amp_dtype']!r} is not allowed: use one of auto, bfloat16, float16")
+    return opts
+
+
+def output_paths(paths, out_dir):
+    """<out_dir>/<stem>.png per input; refuses to overwrite an input or to write one name twice."""
+    outputs = [out_dir / f"{p.stem}.png" for p in paths]
+    inputs = {p.resolve() for p in paths}
+    clash = next((o for o in outputs if o.resolve() in inputs), None)
+    if clash is not None:
+        raise UserError(f"predicting would overwrite the input {clash}: choose another output=... folder")
+    stems = [p.stem for p in paths]
+    twice = next((p for p in paths if stems.count(p.stem) > 1), None)
+    if twice is not None:
+        raise UserError(f"two inputs share the name {twice.stem!r} (e.g. {twice.name}): their masks would "
+                        f"overwrite each other; rename one")
+    return outputs
+
+
 def predict(opts):
     """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
+    opts = validate_predict({**PREDICT_CONFIG, **opts})
     hw = detect_hardware(opts["device"])
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_model(opts["checkpoint"], hw)
     paths = list_images(opts["input"])
     out_dir = Path(opts["output"])
+    outputs = dict(zip(paths, output_paths(paths, out_dir)))
     check_writable(out_dir)
     print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
           + (f" ({prec.warning})" if prec.warning else ""))
@@ -1219,7 +1324,7 @@ def predict(opts):
                 failed.append((str(path), str(exc)))
         masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
         for (path, image), mask in zip(batch, masks):
-            cv2.imwrite(str(out_dir / f"{path.stem}.png"), mask_to_png(mask, cfg["num_classes"]))
+            cv2.imwrite(str(outputs[path]), mask_to_png(mask, cfg["num_classes"]))
             if opts["overlay"]:
                 cv2.imwrite(str(out_dir / f"{path.stem}_overlay.png"), overlay_image(image, mask))
             done += 1
@@ -1252,6 +1357,8 @@ BENCHMARK_SETTINGS = {
     "bf16_2x": {"amp_dtype": "bfloat16", "batch_size": "2x"},
     "fp16": {"amp_dtype": "float16"},
 }
+# Training keys every benchmark run sets itself.
+BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patience")
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
@@ -1260,10 +1367,13 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
 
 def parse_benchmark_args(args):
     """Benchmark keys (BENCHMARK_CONFIG) and training keys (CONFIG) in one key=value list."""
-    bench_args = [a for a in args if a.partition("=")[0] in BENCHMARK_CONFIG]
+    bench_args = [a for a in args if normalize_key(a.partition("=")[0]) in BENCHMARK_CONFIG]
     opts = parse_overrides(bench_args, defaults=BENCHMARK_CONFIG)
     train_args = [a for a in args if a not in bench_args]
-    base = parse_overrides(train_args + ["progress=False"])
+    base = parse_overrides(train_args)
+    for key in BENCHMARK_FIXED:
+        if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
+            raise UserError(f"{key} is set by the benchmark itself (results go to output=...): leave it out")
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
     if unknown or not names:
@@ -1307,14 +1417,23 @@ def summarize_history(name, history, info):
             "epochs": len(history), "status": "ok"}
 
 
+def merge_args(*lists):
+    """key=value lists merged left to right, one entry per key (a later list wins)."""
+    merged = {}
+    for arg in (a for lst in lists for a in lst):
+        key, _, value = arg.partition("=")
+        merged[normalize_key(key)] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
 def run_benchmark_config(name, base, train_args, out_dir):
     """Train one configuration in a fresh process; returns (row, per-epoch history)."""
     import subprocess
 
     run_dir = out_dir / name
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), *train_args, *benchmark_overrides(name, base),
-           "progress=False", "early_stopping_patience=None", "resume=False", f"checkpoint_dir={run_dir}"]
+    fixed = ["progress=False", "early_stopping_patience=None", "resume=False", f"checkpoint_dir={run_dir}"]
+    cmd = [sys.executable, str(Path(__file__).resolve()),
+           *merge_args(train_args, benchmark_overrides(name, base), fixed)]
     print(f"[benchmark] {name}: {' '.join(cmd[2:])}", flush=True)
     log_path = out_dir / f"{name}.log"
     with open(log_path, "w") as log:
@@ -1395,7 +1514,10 @@ def run_benchmark(args=()):
     opts, base, train_args, names = parse_benchmark_args(list(args))
     hw = detect_hardware(base["device"])
     out_dir = Path(opts["output"])
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(out_dir)
+    moved = archive_previous_run(out_dir, [p.name for p in sorted(out_dir.iterdir()) if p.name != "previous"])
+    if moved:
+        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
     prepare_data(base)  # write the embedded data set once, before the runs start
     print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
           f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
@@ -1459,10 +1581,14 @@ def resume_state(cfg, ckpt_dir):
         raise UserError(f"resume=True but {path} does not exist: start without resume, or set "
                         f"checkpoint_dir to the run you want to continue")
     state = load_checkpoint(path)
-    for key in MODEL_KEYS:
+    for key in RESUME_KEYS:
         if state["config"].get(key) != cfg[key]:
-            raise UserError(f"cannot resume: {path} was trained with {key}={state['config'].get(key)!r}, "
-                            f"this run has {key}={cfg[key]!r}")
+            raise UserError(f"cannot resume exactly: {path} was trained with {key}="
+                            f"{state['config'].get(key)!r}, this run has {key}={cfg[key]!r}: resume with "
+                            f"the same value, or start a new run in another checkpoint_dir")
+    if state["epoch"] >= cfg["epochs"]:
+        raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
+                        f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
     return state
 
 
@@ -1637,6 +1763,8 @@ def train(cfg):
                         "set sync_batchnorm=False")
     seed_everything(cfg["seed"])
     ckpt_dir = Path(cfg["checkpoint_dir"])
+    if DIST.is_main:
+        check_writable(ckpt_dir, "checkpoint_dir")
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
     train_pairs, val_pairs = prepare_data(cfg)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
@@ -1739,7 +1867,7 @@ def epoch_summary(row, cfg, improved):
 
 def train_main(cfg):
     """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
-    setup_distributed()
+    setup_distributed(cfg["device"])
     try:
         if not DIST.is_main:
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
@@ -1756,6 +1884,9 @@ def train_main(cfg):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
+    if command in ("-h", "--help", "help"):
+        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG))
+        return 0
     try:
         if command == "train":
             train_main(parse_overrides(args))

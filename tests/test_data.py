@@ -230,7 +230,7 @@ def test_rgb_images_with_one_channel(make_cfg, data_dir):
 
 
 def test_odd_sizes_come_out_square_padded_bottom_right(make_cfg, data_dir):
-    """50 (high) x 70 (wide) -> longest side 64, aspect kept, zero padding below."""
+    """50 (high) x 70 (wide) -> longest side 64, aspect kept, padding below marked IGNORE_INDEX."""
     for path in (data_dir / "images").glob("*.png"):
         cv2.imwrite(str(path), cv2.resize(cv2.imread(str(path)), (70, 50)))
     for path in (data_dir / "masks").glob("*.png"):
@@ -241,9 +241,10 @@ def test_odd_sizes_come_out_square_padded_bottom_right(make_cfg, data_dir):
         x, y = dataset[0]
         assert x.shape == (3, 64, 64) and y.shape == (64, 64)
     x, y = SegDataset(val, cfg, train=False)[0]
-    rows = y.any(1).nonzero().flatten()
-    assert y[:44].all() and y[:, :].any(0).all()       # the image area: 64 wide, ~46 high
-    assert not y[48:].any()                             # padding at the bottom is background
+    rows = (y == 1).any(1).nonzero().flatten()
+    assert (y[:44] == 1).all()                          # the image area: 64 wide, ~46 high
+    assert (y[48:] == train_unet.IGNORE_INDEX).all()    # padding is ignored by loss and metrics
+    assert set(y.unique().tolist()) == {1, train_unet.IGNORE_INDEX}
     assert rows.max().item() in (44, 45, 46)
     assert torch.all(x[:, 48:] == x[:, 63:64])          # padded rows are one constant value
 

@@ -40,12 +40,12 @@ def ddp_args(make_data, tmp_path):
     # 9 val images: 5 on rank 0 and 4 on rank 1, so an uneven split is exercised.
     data = make_data(count=30, size=32)
     return [f"data_dir={data}", "image_size=32", "batch_size=2", "device=cpu", "progress=False",
-            "encoder_name=resnet18", "val_fraction=0.3"]
+            "encoder_name=resnet18", "val_fraction=0.3", "accumulation_steps=2"]
 
 
 def test_ddp_run_matches_single_process_evaluation_and_cross_loads(ddp_args, tmp_path):
     ckpt = tmp_path / "ddp"
-    out = torchrun(*ddp_args, "epochs=1", "accumulation_steps=2", f"checkpoint_dir={ckpt}")
+    out = torchrun(*ddp_args, "epochs=1", f"checkpoint_dir={ckpt}")
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("unet-amp") == 1, "only rank 0 prints the banner"
     assert "distributed: 2 processes (gloo)" in out.stdout

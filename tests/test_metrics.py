@@ -5,6 +5,7 @@ import pytest
 import segmentation_models_pytorch as smp
 import torch
 
+import train_unet
 from train_unet import SegMetric
 
 
@@ -173,3 +174,22 @@ def test_counts_do_not_overflow_int32():
     logits, target = random_batches(2)[0]
     metric.update(logits, target)
     assert metric.matrix[0, 0].item() >= 2**31 + 5
+
+
+def test_ignored_pixels_count_nowhere():
+    """Padding (IGNORE_INDEX in the target) changes neither the counts nor the loss."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 8, 8)
+    target = torch.randint(0, 3, (2, 8, 8))
+    padded_logits = torch.cat([logits, torch.randn(2, 3, 8, 4)], dim=3)
+    padded_target = torch.cat([target, torch.full((2, 8, 4), train_unet.IGNORE_INDEX)], dim=2)
+    plain, padded = train_unet.SegMetric(3), train_unet.SegMetric(3)
+    plain.update(logits, target)
+    padded.update(padded_logits, padded_target)
+    assert torch.equal(plain.matrix, padded.matrix)
+    for num_classes, lg, plg, tg, ptg in (
+            (3, logits, padded_logits, target, padded_target),
+            (1, logits[:, :1], padded_logits[:, :1], target.clamp(max=1),
+             torch.where(padded_target == train_unet.IGNORE_INDEX, padded_target, padded_target.clamp(max=1)))):
+        loss = train_unet.SegLoss(num_classes)
+        assert loss(plg, ptg).item() == pytest.approx(loss(lg, tg).item(), rel=1e-5)
