@@ -336,6 +336,9 @@ class Hardware:
     fp16: bool                    # native (fast) fp16 kernels
 
 
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # short names
+
+
 @dataclass(frozen=True)
 class Precision:
     dtype: torch.dtype            # autocast dtype; float32 means autocast off
@@ -349,7 +352,7 @@ class Precision:
 
     @property
     def name(self):
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
+        return next(name for name, dtype in DTYPES.items() if dtype == self.dtype)
 
 
 def cpu_name():
@@ -927,10 +930,10 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok):
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     if cfg["grad_clip_norm"] is not None:
-        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None],
-                                              cfg["grad_clip_norm"])
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip_norm"])
     else:
         norm = torch.nn.utils.get_total_norm(grads)
     zeros = sum((g == 0).sum() for g in grads) if grads else torch.zeros((), dtype=torch.int64)
@@ -965,6 +968,13 @@ def record_step(stats, norm, zeros, elems, applied, bad):
         stats.grad_norm_max = max(stats.grad_norm_max, value)
         stats.zero_grad_elems += int(zeros)
         stats.grad_elems += elems
+
+
+def show_progress(bar, loss, metric, seen, start):
+    """Loss, IoU so far and images/s on a tqdm bar; returns the time of this refresh."""
+    now = time.perf_counter()
+    bar.set_postfix(loss=f"{loss:.4f}", iou=f"{metric.compute()['iou']:.3f}", img_s=f"{seen / (now - start):.1f}")
+    return now
 
 
 def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary):
@@ -1022,9 +1032,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             if stats.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
-            last_refresh = time.perf_counter()
-            bar.set_postfix(loss=f"{loss_sum.item() / max(1, finite_losses.item()):.4f}",
-                            iou=f"{metric.compute()['iou']:.3f}", img_s=f"{seen / (last_refresh - start):.1f}")
+            last_refresh = show_progress(bar, loss_sum.item() / max(1, finite_losses.item()), metric, seen, start)
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
@@ -1053,10 +1061,8 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
         totals[1] += x.shape[0]
         metric.update(logits, y)
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
-            last_refresh = time.perf_counter()
             loss_now, seen = totals.tolist()
-            bar.set_postfix(loss=f"{loss_now / seen:.4f}", iou=f"{metric.compute()['iou']:.3f}",
-                            img_s=f"{seen / (last_refresh - start):.1f}")
+            last_refresh = show_progress(bar, loss_now / seen, metric, seen, start)
     bar.close()
     loss_sum, count = all_reduce_(totals).tolist()
     return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
@@ -1395,7 +1401,7 @@ def skip_reason(name, base, hw):
     """Why a configuration cannot run as named on this hardware (None = it can)."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
     prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    return prec.warning
+    return prec.warning and f"amp_dtype={cfg['amp_dtype']} {missing_support(hw, cfg['amp_dtype'])}"
 
 
 def summarize_history(name, history, info):
@@ -1526,7 +1532,6 @@ def run_benchmark(args=()):
     for name in names:
         reason = skip_reason(name, base, hw)
         if reason:
-            reason = reason.split(": using")[0]  # the "why", not the training fallback
             rows.append({"config": name, "status": f"skipped: {reason}"})
             print(f"[benchmark] {name}: skipped: {reason}", flush=True)
             continue
@@ -1639,7 +1644,6 @@ def to_cpu(obj):
 
 
 SAFETY_ORDER = ("fp16", "bf16", "fp32")  # a fallback only ever moves right
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def safer_precision(prec, hw):
