@@ -76,7 +76,7 @@ CONFIG = {
     "amp_dtype": "auto",           # "auto" | "bfloat16" | "float16"
     "force_amp_dtype": False,      # True = use amp_dtype even where it has no fast kernels (slow; tests)
     "eval_amp": False,             # False = validate in fp32, so fp32 and bf16 runs are judged alike
-    "channels_last": False,        # NHWC memory layout: faster convolutions under bf16/fp16
+    "channels_last": "auto",       # NHWC memory layout: "auto" (on where it is faster), True, False
     "compile_model": False,        # torch.compile: pays off on GPUs; 30-70 s compile, slower on CPU
     "sync_batchnorm": False,       # under torchrun: BatchNorm statistics over all GPUs (CUDA only)
     "tf32_matmul_precision": None, # None | "highest" | "high" | "medium" (fp32 matmuls on Ampere+)
@@ -99,6 +99,7 @@ CONFIG = {
 CHOICES = {
     "amp_dtype": ("auto", "bfloat16", "float16"),
     "tf32_matmul_precision": (None, "highest", "high", "medium"),
+    "channels_last": ("auto", True, False),
     "loss": ("dice+ce", "ce", "dice"),
     "in_channels": (1, 3),
 }
@@ -107,6 +108,8 @@ NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
     "early_stopping_patience": int, "tf32_matmul_precision": str,
 }
+# Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
+BOOL_OR_TEXT = ("channels_last",)
 # Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
 MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 # ... and those that define the data and the optimisation: a resume continues exactly only if they
@@ -180,6 +183,9 @@ def all_reduce_(tensor, op="sum"):
 def parse_value(key, text, default):
     kind = NONE_DEFAULT_TYPES.get(key, type(default))
     low = text.strip().lower()
+    if key in BOOL_OR_TEXT:
+        return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
+                "off": False}.get(low, low)
     if low in ("none", "null") and (default is None or key in NONE_DEFAULT_TYPES):
         return None
     try:
@@ -234,6 +240,8 @@ def check_types(cfg, defaults):
     """Every value has its default's type (None only where the default allows it)."""
     names = {bool: "true or false", int: "whole number", float: "number", str: "string"}
     for key, value in cfg.items():
+        if key in BOOL_OR_TEXT:
+            continue  # checked against CHOICES
         kind = NONE_DEFAULT_TYPES.get(key, type(defaults[key]))
         if value is None and (defaults[key] is None or key in NONE_DEFAULT_TYPES):
             continue
@@ -334,6 +342,7 @@ class Hardware:
     capability: tuple | None      # CUDA compute capability, e.g. (8, 0)
     bf16: bool                    # native (fast) bf16 kernels
     fp16: bool                    # native (fast) fp16 kernels
+    bf16_feature: str = ""        # what makes bf16 native here ("AVX512-BF16", ...), or why it is not
 
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # short names
@@ -365,6 +374,53 @@ def cpu_name():
     return platform.processor() or "CPU"
 
 
+HIDE_NATIVE_BF16_ENV = "UNET_HIDE_NATIVE_BF16"  # =1: treat the CPU as lacking native bf16 (tests)
+
+
+def cpu_flags():
+    """The CPU feature words of /proc/cpuinfo ('flags' on x86, 'Features' on arm64); empty elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("flags", "Features"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_bf16_feature():
+    """(native, feature or reason). Native only with real bf16 instructions: AMX or AVX512-BF16 on x86,
+    the BF16 extension on arm64. Not mkldnn._is_mkldnn_bf16_supported(): that is true on any AVX512 CPU
+    (Skylake to Ice Lake), where oneDNN emulates bf16, ~30x slower than fp32."""
+    if os.environ.get(HIDE_NATIVE_BF16_ENV, "") not in ("", "0"):
+        return False, f"native bf16 hidden by {HIDE_NATIVE_BF16_ENV}=1"
+    probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64", "i386", "i686"):
+        if probe("_is_amx_tile_supported"):
+            return True, "AMX"
+        if probe("_is_avx512_bf16_supported"):
+            return True, "AVX512-BF16"
+        avx512 = probe("_is_avx512_supported")
+        return False, "AVX512 without AVX512-BF16 or AMX" if avx512 else "no AVX512-BF16 or AMX (AVX2 at best)"
+    if machine in ("aarch64", "arm64"):
+        if "bf16" in cpu_flags() or macos_has_arm_bf16():
+            return True, "ARM BF16"
+        return False, "arm64 without the BF16 extension"
+    return False, f"no known bf16 instructions on {machine or 'this CPU'}"
+
+
+def macos_has_arm_bf16():
+    if sys.platform != "darwin":
+        return False
+    import subprocess
+    try:
+        out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_BF16"], capture_output=True, text=True)
+        return out.stdout.strip() == "1"
+    except OSError:
+        return False
+
+
 def detect_hardware(device="auto"):
     if DIST.enabled and (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():
         device = f"cuda:{DIST.local_rank}"  # one GPU per process: LOCAL_RANK decides which
@@ -382,18 +438,20 @@ def detect_hardware(device="auto"):
         # Capability, not torch.cuda.is_bf16_supported(): that one says True on a T4 (7.5), where
         # bf16 is emulated and slow.
         return Hardware(f"cuda:{index}", "cuda", torch.cuda.get_device_name(index), cap,
-                        bf16=cap >= (8, 0), fp16=cap >= (7, 0))
+                        bf16=cap >= (8, 0), fp16=cap >= (7, 0),
+                        bf16_feature=f"compute capability {cap[0]}.{cap[1]}" + (" < 8.0" if cap < (8, 0) else ""))
     if kind == "mps":
         if not torch.backends.mps.is_available():
             raise UserError("device='mps' but MPS is not available: use device=auto or device=cpu")
         bf16 = bool(getattr(torch.backends.mps, "is_macos_or_newer", lambda *a: False)(14, 0))
-        return Hardware("mps", "mps", "Apple MPS", None, bf16=bf16, fp16=True)
+        return Hardware("mps", "mps", "Apple MPS", None, bf16=bf16, fp16=True,
+                        bf16_feature="macOS 14+" if bf16 else "needs macOS 14+")
     if kind != "cpu":
         raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda, cuda:N or mps")
     # CPU fp16 autocast is never treated as native: measured ~70x slower than fp32 here, on a CPU
     # that even advertises avx512_fp16, because PyTorch's CPU convolutions have no fast fp16 path.
-    return Hardware("cpu", "cpu", cpu_name(), None,
-                    bf16=bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()), fp16=False)
+    bf16, feature = cpu_bf16_feature()
+    return Hardware("cpu", "cpu", cpu_name(), None, bf16=bf16, fp16=False, bf16_feature=feature)
 
 
 def describe(hw):
@@ -410,7 +468,7 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
             return Precision(torch.bfloat16, False, "auto: native bf16 (fp32's range, no loss scaling)")
         if hw.fp16:
             return Precision(torch.float16, True, "auto: no native bf16, native fp16 -> fp16 + GradScaler")
-        return Precision(torch.float32, False, "auto: no native bf16 or fp16 kernels -> fp32")
+        return Precision(torch.float32, False, f"auto: no native bf16 ({hw.bf16_feature}) or fp16 -> fp32")
     assert amp_dtype in CHOICES["amp_dtype"], amp_dtype  # validated before; a bug otherwise
     dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
     native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
@@ -430,7 +488,8 @@ def missing_support(hw, amp_dtype):
         return f"needs compute capability >= {need}, {hw.device} has {hw.capability[0]}.{hw.capability[1]}"
     if hw.kind == "cpu" and amp_dtype == "float16":
         return "has no fast CPU kernels (fp16 autocast runs 10-100x slower than fp32 there)"
-    return f"is not native on {hw.device}"
+    return f"is not native on {hw.device} ({hw.bf16_feature})" if amp_dtype == "bfloat16" and hw.bf16_feature \
+        else f"is not native on {hw.device}"
 
 
 def _dtype_label(p):
@@ -449,15 +508,65 @@ def apply_tf32(setting, prec):
     return None
 
 
-def banner(hw, prec, cfg, notes=()):
+# Pixels per batch (batch_size * image_size**2) from which NHWC beats NCHW on a CPU. Measured (short
+# forward/backward/step loops, smp U-Net): NHWC lost at 64 px, batch 2 (8k px: 0.66x and worse) and
+# won from 128 px, batch 8 (131k px) up, in fp32 (1.15x at 256 px, Zen 3) and bf16 (1.38x, Zen 4;
+# 2.01x vs 1.77x over fp32 at 128 px, batch 8 on Zen 4). At 32k px (64 px x 8, 128 px x 2) short loops
+# on Zen 4 were within noise (0.96-1.04x): the line sits there, where NHWC stops losing.
+CPU_CHANNELS_LAST_MIN_PIXELS = 64 * 64 * 8
+
+
+def decide_channels_last(cfg, hw, prec):
+    """The one place that chooses the memory layout: (channels_last, why)."""
+    setting = cfg["channels_last"]
+    if setting is True or setting is False:
+        return setting, f"channels_last={setting} as set"
+    assert setting == "auto", setting  # validated before; a bug otherwise
+    if hw.kind == "cuda":
+        if prec.amp or (hw.capability and hw.capability >= (8, 0)):
+            return True, f"auto: {'AMP' if prec.amp else 'TF32'} convolutions on tensor cores want NHWC"
+        return False, "auto: fp32 without tensor cores gains nothing from NHWC"
+    if hw.kind == "mps":
+        return False, "auto: NHWC is not faster on MPS"
+    pixels = cfg["batch_size"] * cfg["image_size"] ** 2
+    if pixels >= CPU_CHANNELS_LAST_MIN_PIXELS:
+        return True, f"auto: CPU convolutions are faster in NHWC at batch {cfg['batch_size']} x " \
+                     f"{cfg['image_size']}px"
+    return False, f"auto: batch {cfg['batch_size']} x {cfg['image_size']}px is too small for NHWC to pay " \
+                  f"off on a CPU (from {CPU_CHANNELS_LAST_MIN_PIXELS} pixels per batch)"
+
+
+def fp32_math(hw):
+    """What plain fp32 convolutions/matmuls really run in here: 'tf32' or 'strict fp32'."""
+    if hw.kind != "cuda" or not hw.capability or hw.capability < (8, 0):
+        return "strict fp32"
+    conv = torch.backends.cudnn.allow_tf32  # True by default: cuDNN runs fp32 convolutions in TF32
+    matmul = torch.get_float32_matmul_precision() != "highest"
+    return "tf32" if conv or matmul else "strict fp32"
+
+
+def setup_cudnn(hw):
+    """Input shapes are fixed (image_size): let cuDNN time its algorithms once and keep the fastest."""
+    if hw.kind == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def banner(hw, prec, cfg, notes=(), layout=None):
+    """The run's settings at a glance; `layout` = decide_channels_last's answer when cfg is resolved."""
+    layout, why = layout or decide_channels_last(cfg, hw, prec)
+    fp32 = fp32_math(hw)
+    tf32_detail = (" (convolutions in TF32: cudnn.allow_tf32=True is PyTorch's default on Ampere+; "
+                   "tf32_matmul_precision=highest makes fp32 strict)" if fp32 == "tf32" else "")
     lines = [
-        f"device       {describe(hw)}  native bf16: {'yes' if hw.bf16 else 'no'}, "
+        f"device       {describe(hw)}  native bf16: {'yes' if hw.bf16 else 'no'} ({hw.bf16_feature}), "
         f"native fp16: {'yes' if hw.fp16 else 'no'}",
         f"precision    {prec.name} ({prec.reason}); GradScaler {'on' if prec.use_scaler else 'off'}",
         f"validation   {prec.name if cfg['eval_amp'] and prec.amp else 'fp32'}",
-        f"tf32         {cfg['tf32_matmul_precision'] or 'not set (PyTorch default)'}",
-        f"layout       {'channels_last' if cfg['channels_last'] else 'contiguous (NCHW)'}; "
-        f"compile {'on' if cfg['compile_model'] else 'off'}",
+        f"fp32 means   {fp32}{tf32_detail}; tf32_matmul_precision "
+        f"{cfg['tf32_matmul_precision'] or 'not set (PyTorch default)'}",
+        f"layout       {'channels_last (NHWC)' if layout else 'contiguous (NCHW)'} ({why}); "
+        f"compile {'on' if cfg['compile_model'] else 'off'}"
+        + ("; cudnn.benchmark on (fixed input shapes)" if hw.kind == "cuda" else ""),
     ] + [f"note         {n}" for n in notes if n]
     rule = "=" * 78
     return "\n".join([rule, "unet-amp", *lines, rule])
@@ -1116,7 +1225,9 @@ def set_rng_state(state):
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # A checkpoint may come from a machine with more (or fewer) GPUs: restore those both have.
+        for index in range(min(len(state["cuda"]), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(state["cuda"][index], index)
 
 
 def seed_everything(seed):
@@ -1250,7 +1361,7 @@ def predict_batch(model, images, cfg, prec, hw):
         out = out[..., None] if out.ndim == 2 else out
         tensors.append(torch.from_numpy(out.transpose(2, 0, 1).copy()))
     x = torch.stack(tensors).to(hw.device)
-    if cfg["channels_last"]:
+    if cfg["channels_last"] is True:  # predict() resolves it and converts the model to match
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.inference_mode(), torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
         logits = model(x)
@@ -1307,12 +1418,23 @@ def output_paths(paths, out_dir):
     return outputs
 
 
+def predict_layout(model, cfg, opts, hw, prec):
+    """Layout decided for this machine and predict's batch ("auto": the checkpoint's layout was a
+    speed choice of the machine that trained it); the model is converted with its inputs."""
+    channels_last, _ = decide_channels_last({**cfg, "channels_last": "auto",
+                                             "batch_size": opts["batch_size"]}, hw, prec)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model, {**cfg, "channels_last": channels_last}
+
+
 def predict(opts):
     """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
     opts = validate_predict({**PREDICT_CONFIG, **opts})
     hw = detect_hardware(opts["device"])
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_model(opts["checkpoint"], hw)
+    model, cfg = predict_layout(model, cfg, opts, hw, prec)
     paths = list_images(opts["input"])
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir)))
@@ -1349,26 +1471,31 @@ def predict(opts):
 # Benchmark: the same data, seed and model under several precision settings, one process each.
 # ----------------------------------------------------------------------------------------------------
 BENCHMARK_CONFIG = {
-    "configs": "fp32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # names from BENCHMARK_SETTINGS
+    "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS
     "output": "checkpoints/benchmark",
     "bare_steps": 6,        # timed steps of the bare reference loop (0 = skip it)
+    "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
 }
-# Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size.
+# Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size. The layout is pinned (NCHW
+# unless named _cl) and fp32 is strict (TF32 off) except in `tf32`; `default` is the config as given.
+STRICT_FP32 = {"tf32_matmul_precision": "highest"}  # also turns cuDNN's TF32 convolutions off
 BENCHMARK_SETTINGS = {
-    "fp32": {"use_amp": False},
-    "fp32_cl": {"use_amp": False, "channels_last": True},
-    "bf16": {"amp_dtype": "bfloat16"},
+    "default": {},
+    "fp32": {"use_amp": False, "channels_last": False, **STRICT_FP32},
+    "tf32": {"use_amp": False, "channels_last": False, "tf32_matmul_precision": "high"},
+    "fp32_cl": {"use_amp": False, "channels_last": True, **STRICT_FP32},
+    "bf16": {"amp_dtype": "bfloat16", "channels_last": False},
     "bf16_cl": {"amp_dtype": "bfloat16", "channels_last": True},
-    "bf16_compile": {"amp_dtype": "bfloat16", "compile_model": True},
-    "bf16_2x": {"amp_dtype": "bfloat16", "batch_size": "2x"},
-    "fp16": {"amp_dtype": "float16"},
+    "bf16_compile": {"amp_dtype": "bfloat16", "channels_last": False, "compile_model": True},
+    "bf16_2x": {"amp_dtype": "bfloat16", "channels_last": False, "batch_size": "2x"},
+    "fp16": {"amp_dtype": "float16", "channels_last": False},
 }
 # Training keys every benchmark run sets itself.
 BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patience")
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
-                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status")
+                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status", "slowdown_vs_fp32")
 
 
 def parse_benchmark_args(args):
@@ -1380,6 +1507,8 @@ def parse_benchmark_args(args):
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
             raise UserError(f"{key} is set by the benchmark itself (results go to output=...): leave it out")
+    if opts["probe_steps"] < 1 or opts["bare_steps"] < 0:
+        raise UserError(f"probe_steps={opts['probe_steps']} must be >= 1 and bare_steps={opts['bare_steps']} >= 0")
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
     if unknown or not names:
@@ -1400,8 +1529,33 @@ def benchmark_overrides(name, base):
 def skip_reason(name, base, hw):
     """Why a configuration cannot run as named on this hardware (None = it can)."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    if name == "tf32" and (hw.kind != "cuda" or hw.capability < (8, 0)):
+        return "TF32 needs a CUDA GPU of compute capability >= 8.0"
     prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     return prec.warning and f"amp_dtype={cfg['amp_dtype']} {missing_support(hw, cfg['amp_dtype'])}"
+
+
+def probe_instead(name, base, hw):
+    """bf16 where it is not native: a short timed probe answers "how much slower?" (a full run would
+    take ~30x as long). Compiled runs are not probed: their first epoch is the compile."""
+    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    return (cfg["use_amp"] and cfg["amp_dtype"] == "bfloat16" and not hw.bf16 and not cfg["compile_model"]
+            and hw.kind == "cpu")
+
+
+def probe_row(name, base, hw, steps, fp32_times):
+    """A bf16 configuration timed for a few bare steps against fp32 at the same batch (emulated bf16)."""
+    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    layout = cfg["channels_last"] is True
+    if cfg["batch_size"] not in fp32_times:
+        fp32_times[cfg["batch_size"]] = time_train_steps(cfg, hw, torch.float32, False, steps)
+    bf16 = time_train_steps(cfg, hw, torch.bfloat16, layout, steps)
+    ref = fp32_times[cfg["batch_size"]]
+    print(f"[benchmark] {name}: probe, {steps} steps: emulated bf16 {bf16:.3f} s/step, fp32 {ref:.3f} s/step: "
+          f"{bf16 / ref:.1f}x slower", flush=True)
+    return {"config": name, "device": describe(hw), "precision": "bf16 (emulated)", "batch": cfg["batch_size"],
+            "channels_last": layout, "compile": False, "speedup_vs_fp32": ref / bf16,
+            "slowdown_vs_fp32": bf16 / ref, "status": f"probe: {steps} bare steps, {hw.bf16_feature}"}
 
 
 def summarize_history(name, history, info):
@@ -1411,7 +1565,10 @@ def summarize_history(name, history, info):
     steady = slice(1, None) if len(history) > 1 else slice(0, None)
     skipped = sum(int(r["skipped_steps"]) for r in history)
     fp16 = history[-1]["precision"] == "fp16"
-    return {"config": name, "device": info["device"], "precision": history[-1]["precision"],
+    precision = history[-1]["precision"]
+    if precision == "fp32" and info.get("fp32_math") == "tf32":
+        precision = "tf32"  # fp32 whose convolutions/matmuls ran in TF32 (CUDA Ampere+)
+    return {"config": name, "device": info["device"], "precision": precision,
             "batch": info["config"]["batch_size"], "channels_last": info["config"]["channels_last"],
             "compile": info["config"]["compile_model"],
             "time_per_epoch_s": float(np.median(times[steady])), "first_epoch_s": times[0],
@@ -1454,38 +1611,42 @@ def run_benchmark_config(name, base, train_args, out_dir):
     return summarize_history(name, history, info), history
 
 
-def bare_loop_speedups(base, hw, steps):
+def bare_loop_speedups(base, hw, steps, probe_steps=2):
     """Reference: a bare forward/backward/step loop on random data, no loader, metrics or bars.
 
-    Returns {"fp32": s/step, "bf16": ..., "bf16_cl": ...} (medians after a warm-up step).
+    Returns {"fp32": s/step, "bf16": ..., "bf16_cl": ...} (medians after a warm-up step). Where bf16 is
+    emulated (no native kernels) it runs min(steps, probe_steps) steps: the answer, not a long wait.
     """
-    if steps < 1 or not hw.bf16:
+    if steps < 1:
         return {}
-    results = {}
-    for label, dtype, channels_last in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                                        ("bf16_cl", torch.bfloat16, True)):
-        torch.manual_seed(0)
-        model = build_model(base).to(hw.device)
-        x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
-                        device=hw.device)
-        y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
-             * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
-        if channels_last:
-            model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-        opt, loss_fn, times = torch.optim.AdamW(model.parameters(), 1e-4), SegLoss(base["num_classes"]), []
-        for _ in range(steps + 1):
-            synchronize(hw)
-            t0 = time.perf_counter()
-            with torch.autocast(hw.kind, dtype=dtype, enabled=dtype != torch.float32):
-                logits = model(x)
-            loss_fn(logits, y).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            synchronize(hw)
-            times.append(time.perf_counter() - t0)
-        results[label] = float(np.median(times[1:]))
-        del model, opt
-    return results
+    bf16_steps = steps if hw.bf16 else max(1, min(steps, probe_steps))
+    return {label: time_train_steps(base, hw, dtype, channels_last, steps if dtype == torch.float32 else bf16_steps)
+            for label, dtype, channels_last in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
+                                                ("bf16_cl", torch.bfloat16, True))}
+
+
+def time_train_steps(base, hw, dtype, channels_last, steps):
+    """Median seconds per bare training step (after one warm-up step) at base's batch and image size."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device)
+    x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
+                    device=hw.device)
+    y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
+         * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    opt, loss_fn, times = torch.optim.AdamW(model.parameters(), 1e-4), SegLoss(base["num_classes"]), []
+    for _ in range(steps + 1):
+        synchronize(hw)
+        t0 = time.perf_counter()
+        with torch.autocast(hw.kind, dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(x)
+        loss_fn(logits, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        synchronize(hw)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
 
 
 def format_benchmark_table(rows):
@@ -1493,6 +1654,10 @@ def format_benchmark_table(rows):
               "Note")
     lines = [header]
     for r in rows:
+        if r.get("status", "").startswith("probe"):
+            lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
+                          "-", f"{r['slowdown_vs_fp32']:.1f}x slower than fp32 ({r['status']})"))
+            continue
         if r.get("status") != "ok":
             lines.append((r["config"], "-", "-", "-", "-", "-", "-", r.get("status", "")))
             continue
@@ -1527,9 +1692,12 @@ def run_benchmark(args=()):
     prepare_data(base)  # write the embedded data set once, before the runs start
     print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
           f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
-    bare = bare_loop_speedups(base, hw, opts["bare_steps"])
-    rows, histories = [], {}
+    bare = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
+    rows, histories, fp32_times = [], {}, {}
     for name in names:
+        if probe_instead(name, base, hw):
+            rows.append(probe_row(name, base, hw, opts["probe_steps"], fp32_times))
+            continue
         reason = skip_reason(name, base, hw)
         if reason:
             rows.append({"config": name, "status": f"skipped: {reason}"})
@@ -1545,11 +1713,14 @@ def run_benchmark(args=()):
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print(format_benchmark_table(rows))
     if bare:
-        print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16 {bare['bf16']:.3f} "
+        print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16{'' if hw.bf16 else ' (emulated)'} "
+              f"{bare['bf16']:.3f} "
               f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
               f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
     print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
-          "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.")
+          "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.\n"
+          f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
+          f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
     return result
 
 
@@ -1567,6 +1738,7 @@ def setup_precision(cfg):
     hw = detect_hardware(cfg["device"])
     prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     tf32_note = apply_tf32(cfg["tf32_matmul_precision"], prec)
+    setup_cudnn(hw)
     notes = [prec.warning, tf32_note]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
@@ -1655,13 +1827,18 @@ def safer_precision(prec, hw):
     return None
 
 
-def keep_safer_precision(prec, state):
-    """On resume, a run that fell back earlier keeps its safer precision."""
-    if state.get("fallbacks") and SAFETY_ORDER.index(state["precision"]) > SAFETY_ORDER.index(prec.name):
-        name = state["precision"]
-        return Precision(DTYPES[name], False, f"kept from the checkpoint: this run fell back to {name} "
-                                              f"({state['fallbacks'][-1]['event']})")
-    return prec
+def keep_safer_precision(prec, state, hw):
+    """On resume, a run that fell back earlier keeps its safer precision, on the hardware it runs on now:
+    where that precision is not native here (bf16 on a CPU without AVX512-BF16), one step safer still."""
+    if not state.get("fallbacks") or SAFETY_ORDER.index(state["precision"]) <= SAFETY_ORDER.index(prec.name):
+        return prec
+    name = state["precision"]
+    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
+    safer = next(n for n in SAFETY_ORDER[SAFETY_ORDER.index(name):] if native[n])
+    why = f"this run fell back to {name} ({state['fallbacks'][-1]['event']})"
+    if safer != name:
+        why += f"; {name} is not native on {hw.device}, so {safer}"
+    return Precision(DTYPES[safer], safer == "fp16", f"kept from the checkpoint: {why}")
 
 
 def diagnose_nonfinite(model, batch, loss_fn):
@@ -1737,7 +1914,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     optimizer = build_optimizer(model, cfg)
     run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch), None, prec, [], [])
     if state is not None:
-        run.prec = keep_safer_precision(prec, state)
+        run.prec = keep_safer_precision(prec, state, hw)
         run.scaler = build_scaler(run.prec, hw, cfg)
         run.load(state)
         set_rng_state(state["rng"])
@@ -1762,6 +1939,8 @@ def train(cfg):
     """Train with a validated config; returns {'history', 'best_iou', 'fallbacks', ...}."""
     cfg = validate_config(cfg)
     hw, prec, notes = setup_precision(cfg)
+    layout = decide_channels_last(cfg, hw, prec)
+    cfg = {**cfg, "channels_last": layout[0]}  # what this run uses (saved so in its config)
     if cfg["sync_batchnorm"] and hw.kind != "cuda":
         raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
                         "set sync_batchnorm=False")
@@ -1776,7 +1955,7 @@ def train(cfg):
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
-    print(banner(hw, run.prec, cfg, notes))
+    print(banner(hw, run.prec, cfg, notes, layout))
     print("config:\n" + format_config(cfg))
     print(f"data: {len(train_pairs)} train / {len(val_pairs)} val images from {cfg['data_dir']}; "
           f"{len(train_loader)} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
@@ -1784,7 +1963,7 @@ def train(cfg):
         print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
               f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
     if DIST.is_main:
-        write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name,
+        write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
                                               "device": describe(hw), "world_size": DIST.world})
 
     epoch = run.epoch + 1

@@ -1,7 +1,8 @@
 """Shared fixtures for the train_unet.py test suite.
 
 Everything runs on the CPU with tiny data (12 images of 64x64 by default), so the whole suite
-stays within a few minutes on a 2-core machine.
+stays within a few minutes on a 2-core machine. Tests marked @pytest.mark.cuda run only where a GPU is.
+The suite passes on CPUs with and without native bf16: UNET_HIDE_NATIVE_BF16=1 runs it as the latter.
 """
 import os
 import sys
@@ -25,6 +26,18 @@ torch.set_num_threads(int(os.environ.get("UNET_TEST_THREADS", "1")))
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes a minute or more (torch.compile with a cold "
                                        "inductor cache); deselect with -m 'not slow'")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped where torch.cuda.is_available() "
+                                       "is False, run wherever one is present")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Decided once, before any test monkeypatches torch.cuda.
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -3,7 +3,9 @@
 Every failure here is real, not a mock of the guard: fp16 overflow from scaled-up weights, a NaN
 written into an input image, an inf gradient from a tensor hook. Runs are tiny (32x32 images,
 4 training images in batches of 2 = 2 optimizer steps per epoch) so fp16 autocast, ~70x slower
-than fp32 on a CPU, stays affordable.
+than fp32 on a CPU, stays affordable, and so does bf16 on a CPU without native bf16: the runs force
+the dtype they test (force_amp_dtype=True), and where a path depends on the hardware (fp16 -> bf16 or
+-> fp32), the hardware is faked both ways, so every path runs on every machine.
 """
 import contextlib
 import csv
@@ -44,7 +46,7 @@ def cfg_for(data, ckpt_dir, **overrides):
     cfg = dict(data_dir=str(data), checkpoint_dir=str(ckpt_dir), image_size=SIZE, max_train_images=4,
                batch_size=2, epochs=2, encoder_name="resnet18", encoder_weights=None, device="cpu",
                progress=False, num_workers=0, nan_patience=2, early_stopping_patience=None,
-               use_amp=True, amp_dtype="bfloat16")
+               use_amp=True, amp_dtype="bfloat16", force_amp_dtype=True)
     cfg.update(overrides)
     return cfg
 
@@ -129,8 +131,15 @@ def assert_checkpoint_dir_complete(ckpt_dir, epochs):
     return last
 
 
+def with_native_bf16(native):
+    """detect_hardware replacement: the real device, with native bf16 faked on or off."""
+    real_detect = train_unet.detect_hardware
+    return lambda device="auto": dataclasses.replace(real_detect(device), bf16=native,
+                                                     bf16_feature=f"faked native={native}")
+
+
 # ---------------------------------------------------------------------------------------------------
-# a. fp16 overflow -> bf16 (this CPU has native bf16)
+# a. fp16 overflow -> bf16 (hardware with native bf16, faked so this runs on every CPU)
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fp16_overflow_run(data, tmp_path_factory):
@@ -138,13 +147,16 @@ def fp16_overflow_run(data, tmp_path_factory):
     cfg = cfg_for(data, ckpt_dir, amp_dtype="float16", force_amp_dtype=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train_unet, "build_model", overflowing_model)
+        mp.setattr(train_unet, "detect_hardware", with_native_bf16(True))
         result, log = train_logged(cfg)
     return cfg, result, log
 
 
-def test_cpu_has_native_bf16():
-    """The fp16 -> bf16 test below relies on it (the brief: this CPU has native bf16)."""
-    assert train_unet.detect_hardware("cpu").bf16
+def test_fp16_fallback_target_on_this_machine():
+    """What the capability check decides for THIS CPU: fp16 falls back to bf16 only where bf16 is native."""
+    hw = train_unet.detect_hardware("cpu")
+    fp16 = train_unet.decide_precision(hw, True, "float16", force=True)
+    assert train_unet.safer_precision(fp16, hw).name == ("bf16" if hw.bf16 else "fp32")
 
 
 def test_fp16_overflow_falls_back_to_bf16(fp16_overflow_run):
@@ -183,9 +195,7 @@ def test_fp16_overflow_fallback_is_on_disk(fp16_overflow_run):
 # b. fp16 overflow on hardware without native bf16 -> fp32
 # ---------------------------------------------------------------------------------------------------
 def test_fp16_overflow_without_native_bf16_falls_back_to_fp32(data, tmp_path, monkeypatch):
-    real_detect = train_unet.detect_hardware
-    monkeypatch.setattr(train_unet, "detect_hardware",
-                        lambda device="auto": dataclasses.replace(real_detect(device), bf16=False))
+    monkeypatch.setattr(train_unet, "detect_hardware", with_native_bf16(False))
     monkeypatch.setattr(train_unet, "build_model", overflowing_model)
     cfg = cfg_for(data, tmp_path / "ckpt", amp_dtype="float16", force_amp_dtype=True)
     result, log = train_logged(cfg)
@@ -345,22 +355,28 @@ def test_persistent_nan_input_in_fp32_stops_naming_the_input(data, tmp_path, mon
 # ---------------------------------------------------------------------------------------------------
 # f. resume keeps the safer precision
 # ---------------------------------------------------------------------------------------------------
-def test_resume_after_fallback_keeps_the_safer_precision(fp16_overflow_run, tmp_path):
+@pytest.mark.parametrize("native_bf16", [True, False], ids=["same-hardware", "no-native-bf16-now"])
+def test_resume_after_fallback_keeps_the_safer_precision(fp16_overflow_run, tmp_path, monkeypatch, native_bf16):
+    """The run fell back fp16 -> bf16. Resumed where bf16 is native it stays bf16; resumed on hardware
+    without native bf16 it goes one step safer (fp32), never to emulated bf16 and never back to fp16."""
     cfg, first, _ = fp16_overflow_run
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(cfg["checkpoint_dir"], ckpt_dir)  # leave the module fixture's files alone
+    monkeypatch.setattr(train_unet, "detect_hardware", with_native_bf16(native_bf16))
     resumed_cfg = {**cfg, "checkpoint_dir": str(ckpt_dir), "resume": True, "epochs": cfg["epochs"] + 1,
                    "amp_dtype": "float16", "force_amp_dtype": True}
     result, log = train_logged(resumed_cfg)
+    expected = "bf16" if native_bf16 else "fp32"
     assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
     new = result["history"][-1]
-    assert new["precision"] == "bf16", "a resumed run went back to fp16 after falling back to bf16"
+    assert new["precision"] == expected, "a resumed run left the safer precision (or chose an emulated one)"
     assert new["fallback"] == ""  # no second overflow: it never ran fp16 again
     assert new["scaler_scale"] is None
     assert result["fallbacks"] == first["fallbacks"]  # the earlier event is kept, none added
-    assert result["precision"] == "bf16"
+    assert result["precision"] == expected
+    assert "kept from the checkpoint" in log and (native_bf16 or "not native" in log)
     last = assert_checkpoint_dir_complete(ckpt_dir, 3)
-    assert last["precision"] == "bf16" and last["fallbacks"] == first["fallbacks"]
+    assert last["precision"] == expected and last["fallbacks"] == first["fallbacks"]
 
 
 # ---------------------------------------------------------------------------------------------------
