@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test benchmark notebook clean
+.PHONY: setup train test benchmark notebook clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,9 @@ train: setup            ## train on the embedded data set (or: make train ARGS="
 
 test: setup             ## the test suite (what CI runs)
 	$(PY) -m pytest -q tests $(ARGS)
+
+gpu-check: setup        ## every CUDA path on this machine's GPU(s), a short report (needs a GPU)
+	$(PY) tools/gpu_check.py
 
 clean:                  ## remove outputs (not the venv)
 	rm -rf checkpoints predictions .pytest_cache

@@ -27,14 +27,20 @@ def bench(tmp_path_factory):
 def test_benchmark_rows_files_and_table(bench, capsys):
     result, out = bench
     rows = {r["config"]: r for r in result["rows"]}
-    assert rows["fp32"]["status"] == "ok" and rows["bf16"]["status"] == "ok"
-    assert rows["fp32"]["precision"] == "fp32" and rows["bf16"]["precision"] == "bf16"
+    native = train_unet.detect_hardware("cpu").bf16  # what THIS machine has decides the bf16 row
+    assert rows["fp32"]["status"] == "ok" and rows["fp32"]["precision"] == "fp32"
     assert rows["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
-    assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(rows["bf16"]["images_per_s"]
-                                                            / rows["fp32"]["images_per_s"])
+    if native:  # a full run, like fp32
+        assert rows["bf16"]["status"] == "ok" and rows["bf16"]["precision"] == "bf16"
+        assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(rows["bf16"]["images_per_s"]
+                                                                / rows["fp32"]["images_per_s"])
+    else:  # emulated: a short timed probe, its slowdown measured
+        assert rows["bf16"]["status"].startswith("probe") and rows["bf16"]["precision"] == "bf16 (emulated)"
+        assert rows["bf16"]["slowdown_vs_fp32"] > 0
+        assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(1 / rows["bf16"]["slowdown_vs_fp32"])
     # This CPU has no fast fp16 kernels: the fp16 configuration is skipped with the reason.
     assert rows["fp16"]["status"].startswith("skipped:") and "fp16" in rows["fp16"]["status"]
-    for name in ("fp32", "bf16"):
+    for name in ("fp32", "bf16") if native else ("fp32",):
         assert rows[name]["epochs"] == 2 and len(result["histories"][name]) == 2
         assert rows[name]["first_epoch_s"] == pytest.approx(float(result["histories"][name][0]["epoch_time_s"]))
         assert rows[name]["peak_mem_kind"] == "process_peak_rss" and rows[name]["peak_mem_mb"] > 0
@@ -54,9 +60,47 @@ def test_benchmark_rows_files_and_table(bench, capsys):
 
 def test_each_configuration_ran_in_its_own_process(bench):
     _, out = bench
-    for name in ("fp32", "bf16"):
+    for name in [r["config"] for r in result["rows"] if r["status"] == "ok"]:
         log = (out / f"{name}.log").read_text()
         assert log.count("unet-amp") == 1 and "done: best val IoU" in log
+
+
+def test_benchmark_answers_for_bf16_on_a_cpu_without_native_bf16(tmp_path, monkeypatch, capsys):
+    """`benchmark configs=...,bf16` prints a bf16 row with a measured number on every CPU: where bf16 is
+    emulated, a short probe (a few bare steps) measures how much slower it is than fp32. The default row
+    is the config as given (auto precision, auto layout); tf32 is skipped off CUDA, with the reason."""
+    monkeypatch.setenv("UNET_HIDE_NATIVE_BF16", "1")  # inherited by the benchmark's subprocesses
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=6, size=32)
+    out = tmp_path / "out"
+    rc = train_unet.main(["benchmark", "configs=default,fp32,tf32,bf16", "epochs=1", "image_size=32",
+                          "batch_size=2", "max_train_images=4", "bare_steps=1", "probe_steps=1",
+                          f"data_dir={data}", f"output={out}"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    saved = {r["config"]: r for r in json.loads((out / "benchmark.json").read_text())["rows"]}
+    assert saved["default"]["status"] == "ok" and saved["default"]["precision"] == "fp32"  # auto -> fp32
+    assert saved["default"]["channels_last"] is False  # auto: 2 x 32 px is too small for NHWC
+    assert saved["tf32"]["status"].startswith("skipped:") and "CUDA" in saved["tf32"]["status"]
+    bf16 = saved["bf16"]
+    assert bf16["status"].startswith("probe") and bf16["slowdown_vs_fp32"] > 0
+    assert "hidden by UNET_HIDE_NATIVE_BF16" in bf16["status"]
+    line = next(l for l in text.splitlines() if l.startswith("| bf16 "))
+    assert f"{bf16['slowdown_vs_fp32']:.1f}x slower than fp32" in line
+    with open(out / "benchmark.csv") as f:
+        csv_bf16 = next(r for r in csv.DictReader(f) if r["config"] == "bf16")
+    assert float(csv_bf16["slowdown_vs_fp32"]) == pytest.approx(bf16["slowdown_vs_fp32"])
+    assert not (out / "bf16").exists()  # no full training run for emulated bf16
+    bare = json.loads((out / "benchmark.json").read_text())["bare_loop_s_per_step"]
+    assert set(bare) == {"fp32", "bf16", "bf16_cl"} and all(v > 0 for v in bare.values())
+    assert "bf16 (emulated)" in text and "strict fp32" in text
+
+
+def test_strict_fp32_and_tf32_rows_set_tf32_explicitly():
+    base = train_unet.validate_config(dict(train_unet.CONFIG))
+    assert "tf32_matmul_precision=highest" in train_unet.benchmark_overrides("fp32", base)
+    assert "tf32_matmul_precision=high" in train_unet.benchmark_overrides("tf32", base)
+    assert train_unet.benchmark_overrides("default", base) == []
+    assert "channels_last=False" in train_unet.benchmark_overrides("bf16", base)
 
 
 def test_summary_excludes_the_first_epoch_from_the_median():

@@ -1,0 +1,142 @@
+"""GPU check: run every CUDA path of train_unet.py on this machine's GPU(s); print a short report.
+
+    make gpu-check                     # or: python tools/gpu_check.py
+
+Checks: the capability check on the real device, bf16 autocast, fp16 + GradScaler, channels_last,
+torch.compile, max_memory_allocated, predict, a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC)
+and, with 2+ GPUs visible, DDP over nccl under torchrun. Tiny synthetic data; a few minutes at most.
+Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible.
+"""
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import train_unet as T  # noqa: E402
+
+
+def tiny_cfg(tmp, name, **overrides):
+    return {**T.CONFIG, "data_dir": str(tmp / "data"), "checkpoint_dir": str(tmp / name), "image_size": 64,
+            "batch_size": 4, "epochs": 2, "max_train_images": 16, "progress": False, "device": "cuda",
+            "early_stopping_patience": None, **overrides}
+
+
+def quiet_train(cfg):
+    with contextlib.redirect_stdout(io.StringIO()) as log:
+        result = T.train(cfg)
+    return result, log.getvalue()
+
+
+def check_capability(hw, tmp):
+    prec = T.decide_precision(hw)
+    layout, why = T.decide_channels_last(T.CONFIG, hw, prec)
+    return (f"{hw.name}, capability {hw.capability[0]}.{hw.capability[1]}: native bf16 {hw.bf16}, fp16 "
+            f"{hw.fp16}; auto -> {prec.name}; plain fp32 runs as {T.fp32_math(hw)}; layout auto -> "
+            f"{'NHWC' if layout else 'NCHW'}")
+
+
+def check_train(hw, tmp, amp_dtype, expect, **overrides):
+    if not (hw.bf16 if expect == "bf16" else hw.fp16):
+        return f"skipped: {expect} is not native on {hw.device} ({hw.bf16_feature})"
+    result, _ = quiet_train(tiny_cfg(tmp, expect + "_" + "_".join(overrides), amp_dtype=amp_dtype, **overrides))
+    last = result["history"][-1]
+    assert result["precision"] == expect, f"ran in {result['precision']}, not {expect}"
+    assert all(r["train_loss"] == r["train_loss"] for r in result["history"]), "non-finite loss"
+    assert last["peak_mem_kind"] == "cuda_max_allocated"
+    scaler = last["scaler_scale"]
+    assert (scaler is not None) == (expect == "fp16"), f"GradScaler scale {scaler} under {expect}"
+    return (f"{last['images_per_s']:.0f} img/s, val IoU {last['val_iou']:.3f}, max_memory_allocated "
+            f"{last['peak_mem_mb']:.0f} MB" + (f", scale {scaler:.0f}, skipped {last['skipped_steps']}"
+                                               if scaler is not None else ""))
+
+
+def check_predict(hw, tmp):
+    ckpt = next(tmp.glob("*/best.pt"), None)
+    assert ckpt is not None, "no best.pt from the training checks"
+    with contextlib.redirect_stdout(io.StringIO()):
+        out = T.predict({"checkpoint": str(ckpt), "input": str(tmp / "data" / "images"),
+                         "output": str(tmp / "pred"), "device": "cuda", "progress": False})
+    assert out["predicted"] > 0 and not out["failed"]
+    return f"{out['predicted']} masks in {out['seconds']:.1f}s ({out['precision']}) from {ckpt.parent.name}"
+
+
+def check_bare_loop(hw, tmp):
+    base = T.validate_config({**T.CONFIG, "device": "cuda"})  # the default 128 px, batch 8
+    strict, tf32 = T.STRICT_FP32["tf32_matmul_precision"], "high"
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    times = {}
+    try:
+        for label, setting, dtype, nhwc in (("fp32 strict", strict, torch.float32, False),
+                                            ("tf32", tf32, torch.float32, False),
+                                            ("bf16", strict, torch.bfloat16, False),
+                                            ("bf16 NHWC", strict, torch.bfloat16, True)):
+            if dtype == torch.bfloat16 and not hw.bf16:
+                continue
+            T.apply_tf32(setting, T.Precision(torch.float32, False, "gpu-check"))
+            times[label] = T.time_train_steps(base, hw, dtype, nhwc, steps=10)
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+    ref = times["fp32 strict"]
+    return "s/step at 128 px, batch 8: " + ", ".join(f"{k} {v * 1000:.1f} ms ({ref / v:.2f}x)" for k, v in times.items())
+
+
+def check_ddp(hw, tmp):
+    if torch.cuda.device_count() < 2:
+        return f"skipped: {torch.cuda.device_count()} GPU visible (needs 2+)"
+    cfg = tiny_cfg(tmp, "ddp", epochs=1)
+    args = [f"{k}={cfg[k]}" for k in ("data_dir", "checkpoint_dir", "image_size", "batch_size", "epochs",
+                                       "max_train_images", "progress", "device")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "train_unet.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"torchrun exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}"
+    assert "nccl" in proc.stdout, "no nccl process group in the output"
+    return "2 processes over nccl: " + next(l for l in proc.stdout.splitlines() if l.startswith("done"))
+
+
+def main():
+    if not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA GPU visible to PyTorch {torch.__version__} (CUDA build: "
+              f"{torch.version.cuda or 'none'}): run it on a machine with an NVIDIA GPU", file=sys.stderr)
+        return 1
+    hw = T.detect_hardware("cuda")
+    checks = [("capability check", check_capability),
+              ("bf16 autocast + channels_last", lambda h, t: check_train(h, t, "bfloat16", "bf16", channels_last=True)),
+              ("fp16 + GradScaler", lambda h, t: check_train(h, t, "float16", "fp16", channels_last=False)),
+              ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
+                                                                      compile_model=True)),
+              ("predict", check_predict), ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
+    print(f"gpu-check on {T.describe(hw)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"{torch.cuda.device_count()} GPU(s)")
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        T.generate_shapes_dataset(tmp / "data", count=24, size=64)
+        for name, check in checks:
+            start = time.perf_counter()
+            try:
+                status, detail = "ok", check(hw, tmp)
+                status = "skip" if detail.startswith("skipped") else status
+            except Exception as exc:  # report every check, then fail
+                status, detail = "FAIL", f"{type(exc).__name__}: {T.first_line(exc)}"
+                failed += 1
+                if os.environ.get("GPU_CHECK_TRACEBACK"):
+                    traceback.print_exc()
+            print(f"  {status:<4} {name:<30} {time.perf_counter() - start:6.1f}s  {detail}", flush=True)
+    print("gpu-check: " + (f"{failed} check(s) FAILED" if failed else "all checks passed"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
