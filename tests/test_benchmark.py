@@ -59,7 +59,7 @@ def test_benchmark_rows_files_and_table(bench, capsys):
 
 
 def test_each_configuration_ran_in_its_own_process(bench):
-    _, out = bench
+    result, out = bench
     for name in [r["config"] for r in result["rows"] if r["status"] == "ok"]:
         log = (out / f"{name}.log").read_text()
         assert log.count("unet-amp") == 1 and "done: best val IoU" in log
