@@ -1546,7 +1546,7 @@ def probe_instead(name, base, hw):
 def probe_row(name, base, hw, steps, fp32_times):
     """A bf16 configuration timed for a few bare steps against fp32 at the same batch (emulated bf16)."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
-    layout = cfg["channels_last"] is True
+    layout, _ = decide_channels_last(cfg, hw, Precision(torch.bfloat16, False, "probe"))
     if cfg["batch_size"] not in fp32_times:
         fp32_times[cfg["batch_size"]] = time_train_steps(cfg, hw, torch.float32, False, steps)
     bf16 = time_train_steps(cfg, hw, torch.bfloat16, layout, steps)
@@ -1690,6 +1690,10 @@ def run_benchmark(args=()):
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
     prepare_data(base)  # write the embedded data set once, before the runs start
+    setup_cudnn(hw)
+    # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
+    # every training row runs in its own process with its own setting.
+    apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision(torch.float32, False, "benchmark"))
     print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
           f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
     bare = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
