@@ -35,7 +35,7 @@ def test_benchmark_rows_files_and_table(bench, capsys):
         assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(rows["bf16"]["images_per_s"]
                                                                 / rows["fp32"]["images_per_s"])
     else:  # emulated: a short timed probe, its slowdown measured
-        assert rows["bf16"]["status"].startswith("probe") and rows["bf16"]["precision"] == "bf16 (emulated)"
+        assert rows["bf16"]["status"].startswith("probe") and rows["bf16"]["precision"] == "bf16 (not native)"
         assert rows["bf16"]["slowdown_vs_fp32"] > 0
         assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(1 / rows["bf16"]["slowdown_vs_fp32"])
     # This CPU has no fast fp16 kernels: the fp16 configuration is skipped with the reason.
@@ -85,14 +85,19 @@ def test_benchmark_answers_for_bf16_on_a_cpu_without_native_bf16(tmp_path, monke
     assert bf16["status"].startswith("probe") and bf16["slowdown_vs_fp32"] > 0
     assert "hidden by UNET_HIDE_NATIVE_BF16" in bf16["status"]
     line = next(l for l in text.splitlines() if l.startswith("| bf16 "))
-    assert f"{bf16['slowdown_vs_fp32']:.1f}x slower than fp32" in line
+    assert train_unet.slower_than_fp32(bf16["slowdown_vs_fp32"]) in line and "than fp32" in line
     with open(out / "benchmark.csv") as f:
         csv_bf16 = next(r for r in csv.DictReader(f) if r["config"] == "bf16")
     assert float(csv_bf16["slowdown_vs_fp32"]) == pytest.approx(bf16["slowdown_vs_fp32"])
     assert not (out / "bf16").exists()  # no full training run for emulated bf16
     bare = json.loads((out / "benchmark.json").read_text())["bare_loop_s_per_step"]
     assert set(bare) == {"fp32", "bf16", "bf16_cl"} and all(v > 0 for v in bare.values())
-    assert "bf16 (emulated)" in text and "strict fp32" in text
+    assert "bf16 (not native)" in text and "strict fp32" in text
+
+
+def test_slowdown_wording():
+    assert train_unet.slower_than_fp32(33.0) == "33.0x slower than fp32"
+    assert train_unet.slower_than_fp32(0.5) == "2.00x faster than fp32"
 
 
 def test_strict_fp32_and_tf32_rows_set_tf32_explicitly():
