@@ -518,7 +518,9 @@ def draw_shapes(rng, size, num_classes):
 
 
 def has_files(folder):
-    return Path(folder).exists() and any(p.is_file() for p in Path(folder).rglob("*"))
+    """Any file but our own data-check cache (which alone does not make a data set)."""
+    return Path(folder).exists() and any(p.is_file() and p.name != CHECK_CACHE_NAME
+                                         for p in Path(folder).rglob("*"))
 
 
 def write_embedded_dataset(root):
@@ -570,19 +572,21 @@ def read_image(path, channels):
     """An image file as the network's input: HxW (channels=1) or HxWx3 RGB, scaled by scale_image.
 
     Training, validation, predict and the notebook all read images here, so they all see the same
-    values: 8-bit files stay uint8 (exactly as before), everything else is float32 in [0, 1].
+    values: 8-bit files stay uint8 (as before), everything else becomes float32 in [0, 1].
     """
-    image = decode_image(path)
+    image = decode_image(path, channels)
     return to_channels(scale_image(image, path), channels, path)
 
 
-def decode_image(path):
-    """Pixels as stored (any bit depth), RGB order. TIFF goes through tifffile, the field's reader,
+def decode_image(path, channels=3):
+    """Pixels at their stored depth, RGB order. TIFF goes through tifffile, the field's reader,
     which also tells multi-page stacks apart; OpenCV reads the rest (and LZW TIFFs tifffile cannot)."""
     image = read_tiff(path) if Path(path).suffix.lower() in (".tif", ".tiff") else None
     if image is None:
-        # ANYDEPTH keeps 16-bit and float pixels; not IMREAD_UNCHANGED, which ignores EXIF orientation.
-        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | cv2.IMREAD_ANYCOLOR)
+        # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
+        # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
+        colour = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
+        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | colour)
         if image is None:
             raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
         if image.ndim == 3 and image.shape[2] in (3, 4):
@@ -612,6 +616,7 @@ def read_tiff(path):
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError):
         return None  # not a TIFF tifffile understands: OpenCV tries, then says it cannot read it
+
 
 def scale_image(image, path="image"):
     """THE scaling rule, one function for training, validation, predict and the notebook.
@@ -789,7 +794,8 @@ def save_check_cache(candidates, files):
     """Into the data folder if it is writable (shared by every run on it), else into checkpoint_dir."""
     for path in candidates:
         try:
-            write_json(path, {"version": 1, "files": files})
+            text = json.dumps({"version": 1, "files": files}, separators=(",", ":"))
+            atomic_write(path, lambda tmp: Path(tmp).write_text(text))
             return path
         except OSError:
             continue

@@ -531,3 +531,30 @@ def test_convert_depth_writes_16_and_12_bit_copies(make_data, tmp_path):
         np.testing.assert_array_equal(b, np.round(cv2.imread(str(a), cv2.IMREAD_UNCHANGED).astype(np.float64)
                                                   * top / 255).astype(np.uint16))
         assert (out / "masks").is_dir() and len(list((out / "masks").glob("*.png"))) == 3
+
+
+def test_the_cache_file_alone_is_not_a_data_set(tmp_path):
+    """An emptied embedded-data folder that still holds our cache is regenerated, not refused."""
+    folder = tmp_path / "shapes"
+    folder.mkdir()
+    (folder / train_unet.CHECK_CACHE_NAME).write_text("{}")
+    assert not train_unet.has_files(folder)
+    (folder / "images").mkdir()
+    (folder / "images" / "a.png").write_bytes(b"x")
+    assert train_unet.has_files(folder)
+
+
+@pytest.mark.parametrize("suffix", [".png", ".jpg"])
+def test_8_bit_files_read_and_normalise_exactly_as_before(tmp_path, make_cfg, suffix):
+    import albumentations as A
+
+    path = tmp_path / f"a{suffix}"
+    cv2.imwrite(str(path), base_image())
+    before = {3: cv2.cvtColor(cv2.imread(str(path), cv2.IMREAD_COLOR), cv2.COLOR_BGR2RGB),
+              1: cv2.imread(str(path), cv2.IMREAD_GRAYSCALE)}  # the previous reader
+    for channels, old in before.items():
+        new = read_image(path, channels)
+        assert new.dtype == np.uint8 and np.array_equal(new, old)
+        mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if channels == 3 else ((0.5,), (0.25,))
+        normalised = train_unet.UnitRangeNormalize(mean, std)(new)
+        assert np.array_equal(normalised, A.Normalize(mean=mean, std=std)(image=old)["image"])
