@@ -18,6 +18,7 @@ import contextlib
 import copy
 import csv
 import difflib
+import itertools
 import json
 import math
 import os
@@ -626,7 +627,9 @@ def draw_shapes(rng, size, num_classes):
 
 
 def has_files(folder):
-    return Path(folder).exists() and any(p.is_file() for p in Path(folder).rglob("*"))
+    """Any file but our own data-check cache (which alone does not make a data set)."""
+    return Path(folder).exists() and any(p.is_file() and p.name != CHECK_CACHE_NAME
+                                         for p in Path(folder).rglob("*"))
 
 
 def write_embedded_dataset(root):
@@ -675,15 +678,110 @@ def index_by_stem(folder):
 
 
 def read_image(path, channels):
-    flag = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
-    image = cv2.imread(str(path), flag)
+    """An image file as the network's input: HxW (channels=1) or HxWx3 RGB, scaled by scale_image.
+
+    Training, validation, predict and the notebook all read images here, so they all see the same
+    values: 8-bit files stay uint8 (as before), everything else becomes float32 in [0, 1].
+    """
+    image = decode_image(path, channels)
+    return to_channels(scale_image(image, path), channels, path)
+
+
+def decode_image(path, channels=3):
+    """Pixels at their stored depth, RGB order. TIFF goes through tifffile, the field's reader,
+    which also tells multi-page stacks apart; OpenCV reads the rest (and LZW TIFFs tifffile cannot)."""
+    image = read_tiff(path) if Path(path).suffix.lower() in (".tif", ".tiff") else None
     if image is None:
-        raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
-    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB) if channels == 3 else image
+        # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
+        # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
+        colour = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
+        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | colour)
+        if image is None:
+            raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
+        if image.ndim == 3 and image.shape[2] in (3, 4):
+            image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA)
+    return image
+
+
+def read_tiff(path):
+    """A one-image TIFF as an array, or None where tifffile cannot decode it (LZW without
+    imagecodecs, palette colours): OpenCV tries next."""
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            series, pages = tif.series[0], len(tif.pages)
+            planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
+            if pages > 1 or len(series.shape) > 3 or (len(series.shape) == 3 and series.axes[-1] != "S"
+                                                       and not planar):
+                raise UserError(f"image {path} is a stack ({pages} page(s), shape {series.shape}, axes "
+                                f"{series.axes}): multi-page TIFFs are not supported; save one image per file")
+            if tif.pages[0].photometric == tifffile.PHOTOMETRIC.PALETTE:
+                return None
+            try:
+                image = series.asarray()
+            except (ValueError, NotImplementedError, KeyError):
+                return None
+            return np.moveaxis(image, 0, -1) if planar else image
+    except (tifffile.TiffFileError, OSError, IndexError, ValueError):
+        return None  # not a TIFF tifffile understands: OpenCV tries, then says it cannot read it
+
+
+def scale_image(image, path="image"):
+    """THE scaling rule, one function for training, validation, predict and the notebook.
+
+    Integers are divided by their dtype's range: uint8 by 255 (kept as uint8 here: Normalize divides
+    it, on albumentations' exact fast path), uint16 by 65535 and so on (-> float32 in [0, 1]). The
+    file does not say whether 16-bit pixels hold 12 bits, and guessing per image would give every
+    image its own brightness scale; 12-bit data simply use 1/16 of the range, the same way in every
+    image and every run. Floats have no natural range: each image is mapped by its own min/max to
+    [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the objects).
+    """
+    if image.dtype == np.uint8:
+        return image
+    if np.issubdtype(image.dtype, np.integer):
+        info = np.iinfo(image.dtype)
+        return ((image.astype(np.float64) - info.min) / (float(info.max) - info.min)).astype(np.float32)
+    if not np.issubdtype(image.dtype, np.floating):
+        raise UserError(f"image {path} has pixels of type {image.dtype}: use 8- or 16-bit integers or "
+                        f"float32")
+    if not np.isfinite(image).all():
+        raise UserError(f"image {path} holds NaN or inf pixels: replace them (e.g. by 0) before training")
+    image = image.astype(np.float32)
+    low, high = float(image.min()), float(image.max())
+    return (image - low) / (high - low) if high > low else np.zeros_like(image)
+
+
+def to_channels(image, channels, path):
+    """HxW gray or HxWx3 RGB as asked: gray is repeated, RGB averaged by luminance, alpha dropped."""
+    if image.ndim == 3 and image.shape[2] in (1, 2):
+        image = image[..., 0]  # gray, gray + alpha
+    elif image.ndim == 3 and image.shape[2] == 4:
+        image = image[..., :3]  # RGB + alpha
+    if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
+        raise UserError(f"image {path} has shape {image.shape}: use grayscale, RGB or RGBA images "
+                        f"(at most 4 channels)")
+    if channels == 3:
+        return np.ascontiguousarray(np.repeat(image[..., None], 3, axis=2)) if image.ndim == 2 else image
+    return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if image.ndim == 3 else image
+
+
+def to_uint8_view(image):
+    """An image from read_image as 8-bit for looking at (overlays): uint8 as is, [0, 1] floats * 255."""
+    if image.dtype == np.uint8:
+        return image
+    return (np.clip(image, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
 def read_mask(path, num_classes):
-    """A mask as class indices (uint8): 0/255 and 0/1 binary masks both become 0/1."""
+    """A mask as class indices (uint8), values checked: binary 0/255 and 0/1 both become 0/1;
+    multi-class masks keep their indices, and 255 (void, the VOC convention) stays IGNORE_INDEX."""
+    mask = decode_mask(path)
+    check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)
+    return mask_to_classes(mask, num_classes)
+
+
+def decode_mask(path):
     mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if mask is None:
         raise UserError(f"cannot read mask {path} (corrupt or not an image): fix or remove it")
@@ -692,39 +790,125 @@ def read_mask(path, num_classes):
         if not (mask == mask[..., :1]).all():
             raise UserError(f"mask {path} is a colour image: save masks as one channel of class indices")
         mask = mask[..., 0]
-    values = set(np.unique(mask).tolist())
+    return mask
+
+
+def mask_to_classes(mask, num_classes):
+    """Conversion only, for masks whose values the data check has accepted (no np.unique per sample)."""
+    return (mask > 0).astype(np.uint8) if num_classes == 1 else mask.astype(np.uint8)
+
+
+def check_mask_values(path, values, num_classes, dtype):
+    """Binary: 0/1 or 0/255 (255 = foreground). Multi-class: 0..num_classes-1, and 255 = void."""
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
-            return (mask > 0).astype(np.uint8)
+            return
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
-                        f"0/1 or 0/255; {mask_hint(path, mask, values)}")
-    if max(values) >= num_classes:
-        hint = ("0/255 masks are binary: use num_classes=1" if values == {0, 255} else
-                f"set num_classes={max(values) + 1} or fix the mask")
-        raise UserError(f"mask {path} holds class {max(values)} but num_classes={num_classes}: {hint}")
-    return mask.astype(np.uint8)
+                        f"0/1 or 0/255; {mask_hint(path, dtype, values)}")
+    classes = values - {IGNORE_INDEX}
+    if classes and max(classes) >= num_classes:
+        top = max(classes)
+        hint = (f"set num_classes={top + 1} or fix the mask" if top < IGNORE_INDEX else
+                f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)")
+        raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
+                        f"allowed): {hint}")
 
 
-def mask_hint(path, mask, values):
-    if mask.dtype != np.uint8:
-        return f"this {mask.dtype} mask needs saving as 8-bit 0/255 or 0/1"
+def mask_hint(path, dtype, values):
+    if np.dtype(dtype) != np.uint8:
+        return f"this {dtype} mask needs saving as 8-bit 0/255 or 0/1"
     if Path(path).suffix.lower() in (".jpg", ".jpeg"):
         return "JPEG blurs the edges: save masks as PNG"
-    if len(values) <= 16 and max(values) < 16:
-        return f"class indices? set num_classes={max(values) + 1}"
+    classes = values - {IGNORE_INDEX}
+    if len(classes) <= 16 and max(classes) < 16:
+        void = f" ({IGNORE_INDEX} = void there)" if IGNORE_INDEX in values else ""
+        return f"class indices? set num_classes={max(max(classes) + 1, 2)}{void}"
     return "anti-aliased edges? save masks with exact values only"
 
 
+CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
+
+
 def check_pairs(pairs, cfg):
-    """Read every image and mask once before training, so a bad file stops the run at minute 0."""
-    def check(pair):
-        image = read_image(pair[0], cfg["in_channels"])
-        mask = read_mask(pair[1], cfg["num_classes"])
-        if image.shape[:2] != mask.shape[:2]:
-            raise UserError(f"image {pair[0]} is {image.shape[1]}x{image.shape[0]} but its mask is "
-                            f"{mask.shape[1]}x{mask.shape[0]}: they must have the same size")
+    """Check every image and mask before training, so a bad file stops the run at minute 0.
+
+    Each file is decoded once: its result (size; a mask's set of values) is cached by path, size
+    and modification time, so later runs only stat the files. Under torchrun rank 0 checks and
+    writes the cache while the other ranks wait, then they read it.
+    """
+    paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
+    if DIST.is_main:
+        facts = checked_facts(paths, cfg, write=True)
+    barrier()
+    if not DIST.is_main:
+        facts = checked_facts(paths, cfg, write=False)
+    for image_path, mask_path in pairs:
+        image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
+        check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
+        if image["hw"] != mask["hw"]:
+            raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]} but its mask is "
+                            f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
+    if cfg["num_classes"] > 1 and all(set(facts[os.path.abspath(m)]["values"]) <= {0, IGNORE_INDEX} for _, m in pairs):
+        raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
+                        f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
+                        f"0/255 masks use num_classes=1")
+
+
+def checked_facts(paths, cfg, write):
+    """{path: facts} for every file, decoding only those the cache does not know unchanged."""
+    cache_paths = check_cache_paths(cfg)
+    cache = load_check_cache(cache_paths)
+    stamps = {p: file_stamp(p) for p in paths}
+    todo = [p for p in paths if cache.get(p, {}).get("stamp") != stamps[p]]
+    masks = set(paths[1::2])
+
+    def check(path):
+        if path in masks:
+            mask = decode_mask(path)
+            return {"hw": list(mask.shape[:2]), "values": np.unique(mask).tolist(), "dtype": str(mask.dtype)}
+        return {"hw": list(read_image(path, cfg["in_channels"]).shape[:2])}
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
-        list(pool.map(check, pairs))
+        for path, facts in zip(todo, pool.map(check, todo)):
+            cache[path] = {"stamp": stamps[path], **facts}
+    if write and todo:
+        save_check_cache(cache_paths, cache)
+    return cache
+
+
+def file_stamp(path):
+    try:
+        stat = Path(path).stat()
+    except OSError as exc:
+        raise UserError(f"cannot read {path} ({exc.strerror}): fix its permissions or remove it") from None
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def check_cache_paths(cfg):
+    return [Path(cfg["data_dir"]) / CHECK_CACHE_NAME, Path(cfg["checkpoint_dir"]) / CHECK_CACHE_NAME]
+
+
+def load_check_cache(candidates):
+    """The first readable cache; a missing or damaged one just means checking again."""
+    for path in candidates:
+        try:
+            data = json.loads(path.read_text())
+            if data.get("version") == 1 and isinstance(data.get("files"), dict):
+                return data["files"]
+        except (OSError, ValueError, AttributeError):
+            continue
+    return {}
+
+
+def save_check_cache(candidates, files):
+    """Into the data folder if it is writable (shared by every run on it), else into checkpoint_dir."""
+    for path in candidates:
+        try:
+            text = json.dumps({"version": 1, "files": files}, separators=(",", ":"))
+            atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+            return path
+        except OSError:
+            continue
+    return None
 
 
 def prepare_data(cfg):
@@ -775,7 +959,31 @@ def build_transforms(cfg, train):
                A.RandomBrightnessContrast(0.2, 0.2, p=0.5)] if train else []
     mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if cfg["in_channels"] == 3 else \
         ((0.5,), (0.25,))
-    return A.Compose(fit + augment + [A.Normalize(mean=mean, std=std)])
+    return A.Compose(fit + augment + [A.Lambda(image=UnitRangeNormalize(mean, std), name="normalize")])
+
+
+class UnitRangeNormalize:
+    """(x - mean) / std on the [0, 1] scale of scale_image: uint8 divided by 255 (albumentations'
+    exact uint8 path, so 8-bit results are unchanged), floats already in [0, 1] by 1."""
+
+    def __init__(self, mean, std):
+        import albumentations as A
+
+        self.by_dtype = {np.dtype(np.uint8): A.Normalize(mean, std, max_pixel_value=255.0, p=1.0),
+                         np.dtype(np.float32): A.Normalize(mean, std, max_pixel_value=1.0, p=1.0)}
+
+    def __call__(self, image, **params):
+        return self.by_dtype[image.dtype].apply(image)
+
+
+def seed_augmentation(transform, seed, epoch, index):
+    """One generator pair for the whole pipeline, seeded from (seed, epoch, index): the transforms
+    draw from it in turn, so each flip, affine and colour change fires independently with its own
+    probability, the same on every worker count and after resume. (Compose.set_random_seed would
+    give every transform its own generator with the same seed: all would fire together.)"""
+    sequence = np.random.SeedSequence([seed, epoch, index])
+    transform.set_random_state(np.random.default_rng(sequence),
+                               random.Random(int(sequence.generate_state(1)[0])))
 
 
 class SegDataset(Dataset):
@@ -795,8 +1003,8 @@ class SegDataset(Dataset):
     def __getitem__(self, index):
         image_path, mask_path = self.pairs[index]
         image = read_image(image_path, self.cfg["in_channels"])
-        mask = read_mask(mask_path, self.cfg["num_classes"])
-        self.transform.set_random_seed(hash((self.cfg["seed"], self.epoch, index)) % 2**31)
+        mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
+        seed_augmentation(self.transform, self.cfg["seed"], self.epoch, index)
         out = self.transform(image=image, mask=mask)
         image = out["image"][..., None] if out["image"].ndim == 2 else out["image"]
         return torch.from_numpy(image.transpose(2, 0, 1).copy()), torch.from_numpy(out["mask"]).long()
@@ -871,21 +1079,31 @@ class SegLoss(nn.Module):
         self.dice = smp.losses.DiceLoss(mode, from_logits=True, ignore_index=IGNORE_INDEX) \
             if "dice" in kind else None
         self.ce = "ce" in kind
-        self.multi_ce = nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX)
 
     def forward(self, logits, target):
+        """CE averaged over this batch's real (not ignored) pixels, plus Dice."""
+        ce_sum, dice = self.parts(logits, target)
+        return ce_sum / valid_pixels(target).clamp(min=1) + dice
+
+    def parts(self, logits, target):
+        """(CE summed over the real pixels, Dice): accumulation divides the sum by its group's count."""
         logits = logits.float()
-        loss = logits.new_zeros(())
-        if self.ce and self.binary:  # BCE averaged over the real (not ignored) pixels
+        ce_sum = dice = logits.new_zeros(())
+        if self.ce and self.binary:
             valid = (target != IGNORE_INDEX).unsqueeze(1).float()
             bce = nn.functional.binary_cross_entropy_with_logits(
                 logits, (target.unsqueeze(1) == 1).float(), reduction="none")
-            loss = loss + (bce * valid).sum() / valid.sum().clamp(min=1)
+            ce_sum = (bce * valid).sum()
         elif self.ce:
-            loss = loss + self.multi_ce(logits, target)
+            ce_sum = nn.functional.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
         if self.dice is not None:
-            loss = loss + self.dice(logits, target.unsqueeze(1) if self.binary else target)
-        return loss
+            dice = self.dice(logits, target.unsqueeze(1) if self.binary else target)
+        return ce_sum, dice
+
+
+def valid_pixels(target):
+    """Pixels the loss and the metrics count (not padding, not void), as a device tensor: no sync."""
+    return (target != IGNORE_INDEX).sum()
 
 
 def build_optimizer(model, cfg):
@@ -897,18 +1115,44 @@ def build_optimizer(model, cfg):
     return torch.optim.AdamW(groups, lr=cfg["learning_rate"])
 
 
-def build_scheduler(optimizer, cfg, steps_per_epoch):
-    """Linear warm-up, then cosine to 1% of the peak LR; stepped once per optimizer step."""
+LR_FLOOR = 0.01  # the cosine ends at 1% of the peak learning rate
+
+
+def build_scheduler(optimizer, cfg, steps_per_epoch, schedule=None):
+    """Linear warm-up, then cosine to 1% of the peak LR; stepped once per optimizer step.
+
+    `schedule` (lr_schedule / extend_schedule, kept in checkpoints) fixes the shape; by default
+    it is the one for cfg's epochs.
+    """
+    schedule = schedule or lr_schedule(cfg, steps_per_epoch)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule))
+
+
+def lr_schedule(cfg, steps_per_epoch):
     total = max(1, cfg["epochs"] * steps_per_epoch)
-    warmup = int(total * cfg["warmup_fraction"])
+    return {"total": total, "warmup": int(total * cfg["warmup_fraction"]), "tails": []}
 
-    def factor(step):
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def lr_factor(step, schedule):
+    """The LR multiplier at optimizer step `step`: warm-up and cosine, or the latest tail begun."""
+    tails = [tail for tail in schedule["tails"] if tail[0] <= step]
+    if tails:
+        start, end, begin = tails[-1]
+        return cosine_factor(begin, (step - start) / max(1, end - start))
+    warmup, total = schedule["warmup"], schedule["total"]
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    return cosine_factor(1.0, (step - warmup) / max(1, total - warmup))
+
+
+def cosine_factor(begin, progress):
+    return LR_FLOOR + (begin - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def extend_schedule(schedule, step, total):
+    """epochs changed on resume: from `step` on, a cosine from the LR reached there down to the floor
+    over the steps up to the new `total`. No restart: a finished run (at the floor) stays there."""
+    return {**schedule, "tails": [*schedule["tails"], [step, total, lr_factor(step, schedule)]]}
 
 
 def build_scaler(prec, hw, cfg):
@@ -1086,17 +1330,35 @@ def show_progress(bar, loss, metric, seen, start):
     return now
 
 
-def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary):
-    """Forward under autocast, fp32 loss outside it, backward of loss / group size (scaled for fp16)."""
+def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid=None):
+    """Forward under autocast, fp32 loss outside it, backward (scaled for fp16) of the group's share:
+    CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size.
+    Returns (logits, this micro-batch's own loss)."""
     # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
     sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
     with sync:
         with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
             logits = model(x)
-        loss = loss_fn(logits, y)
-        scaled = loss / group_len
+        ce_sum, dice = loss_fn.parts(logits, y)
+        loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
+        scaled = loss / group_len if group_valid is None else ce_sum / group_valid + dice / group_len
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return logits, loss
+
+
+def accumulation_groups(batches, k, device):
+    """(x, y, group_valid) per micro-batch, reading each group of k micro-batches ahead.
+
+    group_valid: the real (not padding, not void) pixels of the whole group, over all ranks and
+    divided by the rank count (DDP averages gradients), so CE summed per micro-batch / group_valid
+    is exactly one big batch's CE mean. Counted on the loader's CPU masks: no device sync.
+    """
+    batches = iter(batches)
+    while group := list(itertools.islice(batches, k)):
+        count = sum(valid_pixels(y) for _, y in group).to(device, non_blocking=True)
+        group_valid = all_reduce_(count).float().clamp(min=1) / DIST.world
+        for x, y in group:
+            yield x, y, group_valid
 
 
 def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
@@ -1115,7 +1377,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     saved = [b.detach().clone() for b in buffers]
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     optimizer.zero_grad(set_to_none=True)
-    for i, (x, y) in enumerate(bar):
+    for i, (x, y, group_valid) in enumerate(accumulation_groups(bar, k, hw.device)):
         x, y = to_device(x, y, hw, cfg["channels_last"])
         group_start = i - i % k
         group_len = min(k, n - group_start)  # the last group of an epoch may be short
@@ -1123,7 +1385,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             for b, keep in zip(buffers, saved):
                 keep.copy_(b)
         boundary = i - group_start + 1 == group_len
-        logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary)
+        logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid)
         finite = torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
         group_ok &= finite
         loss_sum += torch.where(finite, loss.detach(), 0.0)
@@ -1350,7 +1612,8 @@ def valid_region(transform, height, width):
 
 @torch.no_grad()
 def predict_batch(model, images, cfg, prec, hw):
-    """Images (HxW or HxWxC uint8, any sizes) -> masks of class indices (uint8) at the same sizes.
+    """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
+    class indices (uint8) at the same sizes.
 
     Same preprocessing as validation; logits are cropped to the image's area and resized back.
     """
@@ -1383,7 +1646,10 @@ def mask_to_png(mask, num_classes):
 
 
 def overlay_image(image, mask, alpha=0.45):
-    """RGB/gray image with each class > 0 tinted by a fixed palette (returned as BGR for cv2)."""
+    """RGB/gray image with each class > 0 tinted by a fixed palette (returned as BGR for cv2).
+
+    16-bit and float images (read_image's [0, 1] floats) are shown on the same scale, as 8-bit."""
+    image = to_uint8_view(image)
     rgb = np.repeat(image[..., None], 3, axis=2) if image.ndim == 2 else image
     palette = np.array([[0, 0, 0], [255, 60, 60], [60, 200, 60], [60, 90, 255], [240, 200, 40],
                         [200, 60, 220], [40, 210, 220]], np.float32)
@@ -1793,6 +2059,7 @@ class Run:
     epoch: int = 0                # last finished epoch
     bad_streak: int = 0           # consecutive bad optimizer steps, across epoch boundaries
     eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
+    lr_schedule: dict | None = None      # the LR schedule's shape (extend_schedule), kept for resume
 
     def state(self, cfg):
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -1800,7 +2067,7 @@ class Run:
                 "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
                 "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
                 "config": cfg, "history": self.history, "precision": self.prec.name,
-                "fallbacks": self.fallbacks}
+                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
@@ -1920,16 +2187,16 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     if cfg["sync_batchnorm"] and DIST.enabled:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = build_optimizer(model, cfg)
-    run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch), None, prec, [], [])
+    schedule = lr_schedule(cfg, steps_per_epoch) if state is None else \
+        resumed_schedule(state, cfg, steps_per_epoch, notes)
+    run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch, schedule), None, prec,
+              [], [], lr_schedule=schedule)
     if state is not None:
         run.prec = keep_safer_precision(prec, state, hw)
         run.scaler = build_scaler(run.prec, hw, cfg)
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
-        if state["config"]["epochs"] != cfg["epochs"]:
-            notes.append(f"epochs changed from {state['config']['epochs']} to {cfg['epochs']}: the learning "
-                         f"rate schedule now spans {cfg['epochs']} epochs")
         notes.append(run.prec.reason if run.prec is not prec else None)
     else:
         run.scaler = build_scaler(prec, hw, cfg)
@@ -1941,6 +2208,21 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         ids = [hw.device] if hw.kind == "cuda" else None
         run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
     return run
+
+
+def resumed_schedule(state, cfg, steps_per_epoch, notes):
+    """The checkpoint's LR schedule; with a changed epochs, extended smoothly (extend_schedule)."""
+    old_epochs = state["config"]["epochs"]
+    schedule = state.get("lr_schedule") or lr_schedule({**cfg, "epochs": old_epochs}, steps_per_epoch)
+    if old_epochs == cfg["epochs"]:
+        return schedule
+    step, total = state["scheduler"]["last_epoch"], max(1, cfg["epochs"] * steps_per_epoch)
+    schedule = extend_schedule(schedule, step, total)
+    lr = cfg["learning_rate"]
+    notes.append(f"epochs changed from {old_epochs} to {cfg['epochs']}: the learning rate continues from "
+                 f"{lr * lr_factor(step, schedule):.2e} (no restart), cosine down to {lr * LR_FLOOR:.2e} "
+                 f"over the remaining {total - step} optimizer steps")
+    return schedule
 
 
 def train(cfg):
