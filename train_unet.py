@@ -20,6 +20,7 @@ import csv
 import difflib
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -678,7 +679,17 @@ class SegDataset(Dataset):
     def __init__(self, pairs, cfg, train):
         self.pairs, self.cfg, self.train = pairs, cfg, train
         self.transform = build_transforms(cfg, train)
-        self.epoch = 0
+        # In shared memory: persistent DataLoader workers keep their copy of the dataset across
+        # epochs, and must still see the epoch the main process sets.
+        self._epoch = multiprocessing.RawValue("q", 0)
+
+    @property
+    def epoch(self):
+        return self._epoch.value
+
+    @epoch.setter
+    def epoch(self, value):
+        self._epoch.value = value
 
     def __len__(self):
         return len(self.pairs)
@@ -694,14 +705,28 @@ class SegDataset(Dataset):
 
 
 def worker_count(cfg, hw):
+    """num_workers=None: a share of this process's cores. Under torchrun the node's cores are split
+    between its LOCAL_WORLD_SIZE processes first (8 GPUs on 16 cores: 2 cores, 1 worker each).
+
+    On a CPU the model's own threads use every core, yet one worker (on machines with 2+ cores per
+    process) still pays: image decoding and augmentation overlap the compute instead of adding to it.
+    """
     if cfg["num_workers"] is not None:
         return cfg["num_workers"]
-    return 0 if hw.kind == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
+    cores = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if hw.kind == "cpu":
+        return CPU_WORKERS if cores >= 2 else 0
+    return min(8, max(1, cores // 2))
+
+
+CPU_WORKERS = 1  # num_workers=None on a CPU with 2+ cores per process (measured: README, data loading)
 
 
 def build_loaders(train_pairs, val_pairs, cfg, hw):
     workers = worker_count(cfg, hw)
-    common = dict(num_workers=workers, pin_memory=hw.kind == "cuda")
+    # Workers are kept across epochs (no restart cost per epoch); on CUDA, batches come in pinned
+    # memory, so to_device's non_blocking copies overlap the compute.
+    common = dict(num_workers=workers, pin_memory=hw.kind == "cuda", persistent_workers=workers > 0)
     train_set, val_set = SegDataset(train_pairs, cfg, True), SegDataset(val_pairs, cfg, False)
     # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
     # BatchNorm never sees a batch of one.
@@ -710,7 +735,11 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
                                                       seed=cfg["seed"], drop_last=True)
         train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True, **common)
     else:
-        train_loader = DataLoader(train_set, cfg["batch_size"], shuffle=True, drop_last=True,
+        # The shuffle has its own generator: a DataLoader also draws from `generator` when it starts
+        # an iterator, which persistent workers do only once, so sharing one would make the order
+        # depend on whether the workers were kept (and differ after a resume).
+        sampler = torch.utils.data.RandomSampler(train_set, generator=torch.Generator().manual_seed(cfg["seed"]))
+        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True,
                                   generator=torch.Generator().manual_seed(cfg["seed"]), **common)
     # Validation shards the set without padding (rank r takes r, r+world, ...): with the counts
     # all-reduced, every image is counted exactly once, so the IoU equals a single process's.
@@ -724,8 +753,8 @@ def start_epoch_data(loader, epoch, seed):
     loader.dataset.epoch = epoch
     if isinstance(loader.sampler, torch.utils.data.DistributedSampler):
         loader.sampler.set_epoch(epoch)
-    elif loader.generator is not None:
-        loader.generator.manual_seed(seed * 1000 + epoch)
+    elif getattr(loader.sampler, "generator", None) is not None:
+        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1044,7 +1073,7 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
     if scaler is not None:
         scaler_step(optimizer, scaler, cfg, loss_ok, result)
     elif cfg["nan_guard"]:
-        loss_fine, grads_fine = torch.stack([loss_ok, torch.isfinite(norm)]).tolist()  # the one sync
+        loss_fine, grads_fine = host_flags(loss_ok, torch.isfinite(norm))
         result.applied, result.loss_bad = loss_fine and grads_fine, not loss_fine
         result.bad = not result.applied
         if result.applied:
@@ -1053,6 +1082,11 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return result
+
+
+def host_flags(*flags):
+    """The guard's one device->host sync per optimizer step: small same-dtype scalars, read together."""
+    return torch.stack(flags).tolist()
 
 
 def scaler_step(optimizer, scaler, cfg, loss_ok, result):
@@ -1070,8 +1104,7 @@ def scaler_step(optimizer, scaler, cfg, loss_ok, result):
         return
     # The guard's one sync also answers GradScaler.step's question (any inf?), so the optimizer is
     # stepped here directly, exactly when GradScaler.step would.
-    loss_fine, grads_fine, scale = torch.stack([loss_ok.double(), (found_inf == 0).double(),
-                                                scaler._scale.double()]).tolist()
+    loss_fine, grads_fine, scale = host_flags(loss_ok.double(), (found_inf == 0).double(), scaler._scale.double())
     if grads_fine:
         optimizer.step()
     scaler.update()
@@ -1462,7 +1495,7 @@ def predict(opts):
 BENCHMARK_CONFIG = {
     "configs": "fp32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # names from BENCHMARK_SETTINGS
     "output": "checkpoints/benchmark",
-    "bare_steps": 6,        # timed steps of the bare reference loop (0 = skip it)
+    "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them and the overhead columns)
 }
 # Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size.
 BENCHMARK_SETTINGS = {
@@ -1479,7 +1512,8 @@ BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patie
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
-                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status")
+                    "nonfinite_steps", "scaler_skipped_steps", "ops_per_step", "bare_ops_per_step", "ops_vs_bare",
+                    "bare_images_per_s", "images_per_s_vs_bare", "epochs", "status")
 
 
 def parse_benchmark_args(args):
@@ -1695,17 +1729,35 @@ def measure_overhead(cfg, hw, prec, timed_steps=3):
             "bare_images_per_s": images / float(np.median(times))}
 
 
+def add_overhead(row, name, base, hw, timed_steps):
+    """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
+    (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
+    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "bare_images_per_s",
+                                      "images_per_s_vs_bare")})
+    if row.get("status") != "ok" or timed_steps < 1 or row["compile"]:
+        return row
+    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    print(f"[benchmark] {name}: ops per step and a bare step, trainer vs bare loop", flush=True)
+    row.update(measure_overhead(cfg, hw, prec, timed_steps))
+    row["images_per_s_vs_bare"] = row["images_per_s"] / row["bare_images_per_s"]
+    return row
+
+
 def format_benchmark_table(rows):
     header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
-              "Note")
+              "Ops/step vs bare", "img/s vs bare", "Note")
     lines = [header]
     for r in rows:
         if r.get("status") != "ok":
-            lines.append((r["config"], "-", "-", "-", "-", "-", "-", r.get("status", "")))
+            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
             continue
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
+        ops = (f"{r['ops_vs_bare']:.2f}x ({r['ops_per_step']:.0f}/{r['bare_ops_per_step']:.0f})"
+               if r.get("ops_vs_bare") else "-")
+        vs_bare = f"{r['images_per_s_vs_bare']:.2f}x" if r.get("images_per_s_vs_bare") else "-"
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}",
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare,
                       f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
@@ -1743,7 +1795,7 @@ def run_benchmark(args=()):
             print(f"[benchmark] {name}: skipped: {reason}", flush=True)
             continue
         row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(row)
+        rows.append(add_overhead(row, name, base, hw, opts["bare_steps"]))
     add_speedups(rows)
     result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
@@ -1757,6 +1809,9 @@ def run_benchmark(args=()):
               f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
     print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
           "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.")
+    print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
+          "a bare loop that also clips; img/s vs bare: training images/s over a bare step's, same precision, "
+          "layout and batch, timed in this run.")
     return result
 
 
