@@ -21,6 +21,7 @@ import difflib
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -995,7 +996,17 @@ class SegDataset(Dataset):
     def __init__(self, pairs, cfg, train):
         self.pairs, self.cfg, self.train = pairs, cfg, train
         self.transform = build_transforms(cfg, train)
-        self.epoch = 0
+        # In shared memory: persistent DataLoader workers keep their copy of the dataset across
+        # epochs, and must still see the epoch the main process sets.
+        self._epoch = multiprocessing.RawValue("q", 0)
+
+    @property
+    def epoch(self):
+        return self._epoch.value
+
+    @epoch.setter
+    def epoch(self, value):
+        self._epoch.value = value
 
     def __len__(self):
         return len(self.pairs)
@@ -1011,14 +1022,28 @@ class SegDataset(Dataset):
 
 
 def worker_count(cfg, hw):
+    """num_workers=None: a share of this process's cores. Under torchrun the node's cores are split
+    between its LOCAL_WORLD_SIZE processes first (8 GPUs on 16 cores: 2 cores, 1 worker each).
+
+    On a CPU the model's own threads use every core, yet one worker (on machines with 2+ cores per
+    process) still pays: image decoding and augmentation overlap the compute instead of adding to it.
+    """
     if cfg["num_workers"] is not None:
         return cfg["num_workers"]
-    return 0 if hw.kind == "cpu" else min(8, max(1, (os.cpu_count() or 2) // 2))
+    cores = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if hw.kind == "cpu":
+        return CPU_WORKERS if cores >= 2 else 0
+    return min(8, max(1, cores // 2))
+
+
+CPU_WORKERS = 1  # num_workers=None on a CPU with 2+ cores per process (measured: README, data loading)
 
 
 def build_loaders(train_pairs, val_pairs, cfg, hw):
     workers = worker_count(cfg, hw)
-    common = dict(num_workers=workers, pin_memory=hw.kind == "cuda")
+    # Workers are kept across epochs (no restart cost per epoch); on CUDA, batches come in pinned
+    # memory, so to_device's non_blocking copies overlap the compute.
+    common = dict(num_workers=workers, pin_memory=hw.kind == "cuda", persistent_workers=workers > 0)
     train_set, val_set = SegDataset(train_pairs, cfg, True), SegDataset(val_pairs, cfg, False)
     # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
     # BatchNorm never sees a batch of one.
@@ -1027,7 +1052,11 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
                                                       seed=cfg["seed"], drop_last=True)
         train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True, **common)
     else:
-        train_loader = DataLoader(train_set, cfg["batch_size"], shuffle=True, drop_last=True,
+        # The shuffle has its own generator: a DataLoader also draws from `generator` when it starts
+        # an iterator, which persistent workers do only once, so sharing one would make the order
+        # depend on whether the workers were kept (and differ after a resume).
+        sampler = torch.utils.data.RandomSampler(train_set, generator=torch.Generator().manual_seed(cfg["seed"]))
+        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True,
                                   generator=torch.Generator().manual_seed(cfg["seed"]), **common)
     # Validation shards the set without padding (rank r takes r, r+world, ...): with the counts
     # all-reduced, every image is counted exactly once, so the IoU equals a single process's.
@@ -1041,8 +1070,8 @@ def start_epoch_data(loader, epoch, seed):
     loader.dataset.epoch = epoch
     if isinstance(loader.sampler, torch.utils.data.DistributedSampler):
         loader.sampler.set_epoch(epoch)
-    elif loader.generator is not None:
-        loader.generator.manual_seed(seed * 1000 + epoch)
+    elif getattr(loader.sampler, "generator", None) is not None:
+        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1194,16 +1223,25 @@ class SegMetric:
     def __init__(self, num_classes, device="cpu"):
         self.binary = num_classes == 1
         self.n = 2 if self.binary else num_classes
-        self.matrix = torch.zeros(self.n, self.n, dtype=torch.int64, device=device)
+        # n*n counts plus one bin for ignored pixels; `matrix` is a view of the counts.
+        self.flat = torch.zeros(self.n * self.n + 1, dtype=torch.int64, device=device)
+        self.matrix = self.flat[:self.n * self.n].view(self.n, self.n)
+        self._one = torch.ones((), dtype=torch.int64, device=device)
 
     @torch.no_grad()
     def update(self, logits, target):
-        pred = (logits[:, 0] > 0).long() if self.binary else logits.argmax(1)
+        pred = (logits[:, 0] > 0) if self.binary else logits.argmax(1)
         target = target.reshape(-1).long()
-        # Ignored pixels go to an extra bin that is dropped: no boolean indexing, so no host sync.
+        # A fixed-size scatter-add: unlike torch.bincount (which reads its input's min/max back to the
+        # host) it never syncs, and ignored pixels go to the extra bin (no boolean indexing either).
         index = torch.where(target == IGNORE_INDEX, self.n * self.n, target * self.n + pred.reshape(-1))
-        counts = torch.bincount(index, minlength=self.n * self.n + 1)[:self.n * self.n]
-        self.matrix += counts.reshape(self.n, self.n)
+        self.flat.scatter_add_(0, index, self._one.expand(index.shape))
+
+    def with_counts(self, flat):
+        """A copy of this metric holding the given counts (e.g. a host copy, for a progress bar)."""
+        copy = SegMetric(1 if self.binary else self.n, flat.device)
+        copy.flat.copy_(flat)
+        return copy
 
     def all_reduce(self):
         """Sum the counts over ranks (exact: integers), so every rank sees the whole set's IoU."""
@@ -1272,14 +1310,108 @@ def to_device(x, y, hw, channels_last):
     return x, y.to(hw.device, non_blocking=True)
 
 
-def optimizer_step(model, optimizer, scaler, cfg, loss_ok):
+ZERO_GRAD_EVERY = 8  # optimizer steps between zero-gradient counts (a count reads every gradient)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. `applied` is a host bool, or a device bool under fp16 without
+    nan_guard (the scaler decides on the device; nothing reads it back)."""
+    norm: torch.Tensor            # pre-clip total gradient norm (device)
+    applied: bool | torch.Tensor
+    bad: bool = False             # counts towards the fallback streak
+    loss_bad: bool = False        # a loss of the group was non-finite: its forward poisoned BatchNorm
+    zeros: torch.Tensor | None = None  # zero gradient entries (device), on sampled steps only
+    elems: int = 0                # gradient entries counted
+
+
+class GradHealth:
+    """Gradient health of one epoch, accumulated on the device and read back once, by stats().
+
+    No host sync per step. `last_norm` is the latest step's pre-clip norm (a device tensor), for
+    anyone who wants per-step values (reading it syncs).
+    """
+
+    def __init__(self, device, streak=0):
+        self.norm_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.norm_max = torch.zeros((), dtype=torch.float32, device=device)
+        self.counts = torch.zeros(3, dtype=torch.float64, device=device)  # skipped, zero entries, entries
+        self.steps, self.skipped, self.bad_streak, self.last_norm = 0, 0, streak, None
+
+    def sample_zeros(self):
+        """Count zero gradients on this step? Every ZERO_GRAD_EVERY-th step, starting with the first."""
+        return self.steps % ZERO_GRAD_EVERY == 0
+
+    def record(self, step):
+        self.steps += 1
+        self.bad_streak = self.bad_streak + 1 if step.bad else 0
+        self.last_norm = step.norm
+        if step.applied is False:  # known on the host (nan_guard on): nothing else to add
+            self.skipped += 1
+            return
+        on_device = isinstance(step.applied, torch.Tensor)
+        norm = torch.where(step.applied, step.norm, 0.0) if on_device else step.norm.float()
+        self.norm_sum += norm
+        torch.maximum(self.norm_max, norm, out=self.norm_max)
+        if on_device:
+            self.counts[0] += ~step.applied
+        if step.zeros is not None:
+            weight = step.applied.double() if on_device else 1.0
+            self.counts[1] += step.zeros * weight
+            self.counts[2] += weight * step.elems
+
+    def stats(self):
+        """The epoch's StepStats: one device->host read."""
+        norm_sum, norm_max, device_skips, zeros, elems = torch.cat(
+            [torch.stack([self.norm_sum, self.norm_max.double()]), self.counts]).tolist()
+        return StepStats(self.steps, self.skipped + int(device_skips), norm_sum, norm_max, int(zeros),
+                         int(elems), self.bad_streak)
+
+
+def count_zero_grads(grads):
+    """Gradient entries exactly 0, as a device scalar: three grouped (foreach) ops, not one per tensor.
+
+    |sign(g)| is 1 where g != 0, so its L1 norm counts the non-zeros.
+    """
+    if not grads:
+        return torch.zeros(())
+    nonzero = torch._foreach_sign(grads)
+    torch._foreach_abs_(nonzero)
+    total = sum(g.numel() for g in grads)
+    return total - torch.stack(torch._foreach_norm(nonzero, 1)).double().sum()
+
+
+class BatchNormSnapshot:
+    """BatchNorm running statistics as they were at the start of an accumulation group.
+
+    A NaN batch poisons them during its forward pass, even though its step is skipped: save()
+    copies all buffers with one grouped copy per dtype (no per-buffer ops), and restore() puts them
+    back only when a group's loss was non-finite.
+    """
+
+    def __init__(self, model):
+        groups = {}
+        for buffer in model.buffers():
+            groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+        self.live = list(groups.values())
+        self.saved = [[b.detach().clone() for b in group] for group in self.live]
+
+    def save(self):
+        for live, saved in zip(self.live, self.saved):
+            torch._foreach_copy_(saved, live)
+
+    def restore(self):
+        for live, saved in zip(self.live, self.saved):
+            torch._foreach_copy_(live, saved)
+
+
+def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
     """Unscale once, measure (and clip) the gradient norm, step unless something is non-finite.
 
-    `loss_ok` is a device bool: every loss of this accumulation group was finite. Returns
-    (pre-clip norm, zero-gradient entries, gradient entries, applied, bad). With nan_guard on this
-    costs one host sync per optimizer step (never per micro-batch); under fp16 the scaler already
-    makes that sync. A step is `bad` when it is skipped for non-finite values; under fp16 a skip
-    with a finite loss is the scaler's normal business, unless its scale has fallen below 1.
+    `loss_ok` is a device bool: every loss of this accumulation group was finite. A non-finite
+    gradient makes the total norm non-finite, so the norm is the whole gradient check. With
+    nan_guard on, the one host sync per optimizer step reads these flags (never per micro-batch);
+    with it off there is none (fp16's GradScaler.step then makes its own, as in any PyTorch loop).
     """
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -1289,44 +1421,59 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok):
         norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip_norm"])
     else:
         norm = torch.nn.utils.get_total_norm(grads)
-    zeros = sum((g == 0).sum() for g in grads) if grads else torch.zeros((), dtype=torch.int64)
-    elems = sum(g.numel() for g in grads)
+    zeros = count_zero_grads(grads) if count_zeros else None
+    result = StepResult(norm.detach(), True, zeros=zeros, elems=sum(g.numel() for g in grads) if count_zeros else 0)
     if scaler is not None:
-        scale_before = scaler.get_scale()
-        scaler.step(optimizer)  # skips the step itself when it finds inf/NaN gradients
-        scaler.update()
-        applied = scaler.get_scale() >= scale_before  # the scale backs off exactly when it skipped
-        # Bad: a non-finite loss (a forward overflow no scale can fix), or gradients that overflow
-        # even with the loss scaled *down* (scale < 1): fp16 cannot hold them.
-        bad = cfg["nan_guard"] and (not bool(loss_ok) or (not applied and scaler.get_scale() < 1.0))
+        scaler_step(optimizer, scaler, cfg, loss_ok, result)
     elif cfg["nan_guard"]:
-        applied = bool(torch.isfinite(norm) & loss_ok)
-        if applied:
+        loss_fine, grads_fine = host_flags(loss_ok, torch.isfinite(norm))
+        result.applied, result.loss_bad = loss_fine and grads_fine, not loss_fine
+        result.bad = not result.applied
+        if result.applied:
             optimizer.step()
-        bad = not applied
     else:  # plain PyTorch behaviour: no check, no sync
         optimizer.step()
-        applied, bad = True, False
     optimizer.zero_grad(set_to_none=True)
-    return norm.detach(), zeros, elems, applied, bad
+    return result
 
 
-def record_step(stats, norm, zeros, elems, applied, bad):
-    stats.optimizer_steps += 1
-    stats.skipped_steps += not applied
-    stats.bad_streak = stats.bad_streak + 1 if bad else 0
-    if applied:
-        value = float(norm)
-        stats.grad_norm_sum += value
-        stats.grad_norm_max = max(stats.grad_norm_max, value)
-        stats.zero_grad_elems += int(zeros)
-        stats.grad_elems += elems
+def host_flags(*flags):
+    """The guard's one device->host sync per optimizer step: small same-dtype scalars, read together."""
+    return torch.stack(flags).tolist()
 
 
-def show_progress(bar, loss, metric, seen, start):
-    """Loss, IoU so far and images/s on a tqdm bar; returns the time of this refresh."""
+def scaler_step(optimizer, scaler, cfg, loss_ok, result):
+    """fp16: step when the scaler found no inf/NaN gradient, then update the scale.
+
+    A step is `bad` when its loss was non-finite (a forward overflow no scale can fix), or when its
+    gradients overflow even with the loss scaled *down* (scale < 1): fp16 cannot hold them. Any
+    other skip is the scaler's normal business.
+    """
+    found_inf = sum(scaler._found_inf_per_device(optimizer).values())  # recorded by unscale_()
+    if not cfg["nan_guard"]:
+        scaler.step(optimizer)
+        scaler.update()
+        result.applied = found_inf == 0
+        return
+    # The guard's one sync also answers GradScaler.step's question (any inf?), so the optimizer is
+    # stepped here directly, exactly when GradScaler.step would.
+    loss_fine, grads_fine, scale = host_flags(loss_ok.double(), (found_inf == 0).double(), scaler._scale.double())
+    if grads_fine:
+        optimizer.step()
+    scaler.update()
+    result.applied, result.loss_bad = bool(grads_fine), not loss_fine
+    result.bad = not loss_fine or (not grads_fine and scale * scaler.get_backoff_factor() < 1.0)
+
+
+def show_progress(bar, loss_pair, metric, seen, start):
+    """Loss, IoU so far and images/s on a tqdm bar; one device->host copy per refresh, and callers
+    refresh at most twice a second (none with progress=False). Returns the time of this refresh."""
+    host = torch.cat([loss_pair.double(), metric.flat.double()]).cpu()
+    loss_sum, count = host[:2].tolist()
+    loss = loss_sum / max(1.0, count)
     now = time.perf_counter()
-    bar.set_postfix(loss=f"{loss:.4f}", iou=f"{metric.compute()['iou']:.3f}", img_s=f"{seen / (now - start):.1f}")
+    iou = metric.with_counts(host[2:]).compute()["iou"]
+    bar.set_postfix(loss=f"{loss:.4f}", iou=f"{iou:.3f}", img_s=f"{seen / (now - start):.1f}")
     return now
 
 
@@ -1370,20 +1517,16 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     loss_sum = torch.zeros((), device=hw.device, dtype=torch.float64)
     finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
     group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
-    stats, seen, start, last_refresh = StepStats(bad_streak=streak), 0, time.perf_counter(), 0.0
-    # A NaN batch would poison BatchNorm's running statistics even though its step is skipped: keep
-    # the buffers as they were at the start of each accumulation group (a device copy, no sync).
-    buffers = list(model.buffers()) if cfg["nan_guard"] else []
-    saved = [b.detach().clone() for b in buffers]
+    health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
+    bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     optimizer.zero_grad(set_to_none=True)
     for i, (x, y, group_valid) in enumerate(accumulation_groups(bar, k, hw.device)):
         x, y = to_device(x, y, hw, cfg["channels_last"])
         group_start = i - i % k
         group_len = min(k, n - group_start)  # the last group of an epoch may be short
-        if i == group_start:
-            for b, keep in zip(buffers, saved):
-                keep.copy_(b)
+        if i == group_start and bn is not None:
+            bn.save()
         boundary = i - group_start + 1 == group_len
         logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid)
         finite = torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
@@ -1395,15 +1538,16 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
         if boundary:
             if DIST.enabled:  # every rank must take the same decision: bad if any rank's loss was
                 group_ok = all_reduce_(group_ok.to(torch.int32), "min").bool()
-            for b, keep in zip(buffers, saved):
-                b.copy_(torch.where(group_ok, b, keep))
-            record_step(stats, *optimizer_step(model, optimizer, scaler, cfg, group_ok))
+            step = optimizer_step(model, optimizer, scaler, cfg, group_ok, health.sample_zeros())
+            if step.loss_bad:  # its forward poisoned BatchNorm's running statistics
+                bn.restore()
+            health.record(step)
             scheduler.step()
             group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
-            if stats.bad_streak >= cfg["nan_patience"]:
+            if health.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
-        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
-            last_refresh = show_progress(bar, loss_sum.item() / max(1, finite_losses.item()), metric, seen, start)
+        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
+            last_refresh = show_progress(bar, torch.stack([loss_sum, finite_losses.double()]), metric, seen, start)
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
@@ -1412,7 +1556,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     seen *= DIST.world
     return {"loss": loss_sum.item() / max(1, finite_losses.item()), "iou": result["iou"],
             "dice": result["dice"], "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0,
-            "stats": stats}
+            "stats": health.stats()}
 
 
 @torch.no_grad()
@@ -1423,7 +1567,7 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     metric = SegMetric(cfg["num_classes"], hw.device)
     totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
-    start, last_refresh = time.perf_counter(), 0.0
+    start, last_refresh, seen = time.perf_counter(), 0.0, 0
     for x, y in bar:
         x, y = to_device(x, y, hw, cfg["channels_last"])
         with torch.autocast(hw.kind, dtype=prec.dtype, enabled=use_amp):
@@ -1431,9 +1575,9 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
         totals[0] += loss_fn(logits, y).detach() * x.shape[0]
         totals[1] += x.shape[0]
         metric.update(logits, y)
-        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # a sync at most 2x/second
-            loss_now, seen = totals.tolist()
-            last_refresh = show_progress(bar, loss_now / seen, metric, seen, start)
+        seen += x.shape[0]
+        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
+            last_refresh = show_progress(bar, totals, metric, seen, start)
     bar.close()
     loss_sum, count = all_reduce_(totals).tolist()
     return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
@@ -1739,7 +1883,7 @@ def predict(opts):
 BENCHMARK_CONFIG = {
     "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS
     "output": "checkpoints/benchmark",
-    "bare_steps": 6,        # timed steps of the bare reference loop (0 = skip it)
+    "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them and the overhead columns)
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
 }
 # Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size. The layout is pinned (NCHW
@@ -1761,7 +1905,8 @@ BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patie
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
-                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status", "slowdown_vs_fp32")
+                    "nonfinite_steps", "scaler_skipped_steps", "ops_per_step", "bare_ops_per_step", "ops_vs_bare",
+                    "bare_images_per_s", "images_per_s_vs_bare", "epochs", "status", "slowdown_vs_fp32")
 
 
 def parse_benchmark_args(args):
@@ -1919,9 +2064,120 @@ def time_train_steps(base, hw, dtype, channels_last, steps):
     return float(np.median(times[1:]))
 
 
+# Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
+def count_ops_per_step(run_steps, steps=2):
+    """Aten ops dispatched per optimizer step by `run_steps(n)`, a function that runs n steps.
+
+    After a warm-up call, counted with a TorchDispatchMode as (ops of 1 + steps) - (ops of 1 step),
+    over `steps`: per-epoch set-up and wrap-up cancel out. On a GPU every op is at least one kernel
+    launch. Returns (ops per step, {op: extra per step} for the ops whose count differs).
+    """
+    from collections import Counter
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    run_steps(1)
+    counts = []
+    for n in (1, 1 + steps):
+        with Count() as counter:
+            run_steps(n)
+        counts.append(counter.ops)
+    per_op = {op: (counts[1][op] - counts[0][op]) / steps for op in counts[1] | counts[0]}
+    return (sum(counts[1].values()) - sum(counts[0].values())) / steps, {k: v for k, v in per_op.items() if v}
+
+
+def bare_training_step(model, x, y, loss_fn, optimizer, scaler, prec, hw, clip, micro_batches=1):
+    """What a minimal PyTorch loop does per optimizer step: forward under autocast, backward
+    (scaled under fp16), clip, step, zero the gradients. The reference for the trainer's overhead."""
+    for _ in range(micro_batches):
+        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+            logits = model(x)
+        loss = loss_fn(logits, y) / micro_batches
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_runners(cfg, hw, prec):
+    """(trainer, bare): functions that run n optimizer steps on one random batch held on the device,
+    through train_one_epoch and through bare_training_step: same model, optimizer, loss, batch,
+    precision, layout and clipping."""
+    cfg = {**cfg, "progress": False}
+    size, batch, k = cfg["image_size"], cfg["batch_size"], cfg["accumulation_steps"]
+    g = torch.Generator().manual_seed(cfg["seed"])
+    x = torch.randn(batch, cfg["in_channels"], size, size, generator=g).to(hw.device)
+    y = torch.randint(0, max(2, cfg["num_classes"]), (batch, size, size), generator=g).to(hw.device)
+    runners = []
+    for kind in ("trainer", "bare"):
+        torch.manual_seed(cfg["seed"])
+        model = prepare_model(cfg, hw)
+        optimizer = build_optimizer(model, cfg)
+        scheduler = build_scheduler(optimizer, cfg, 10**6)
+        scaler, loss_fn = build_scaler(prec, hw, cfg), SegLoss(cfg["num_classes"], cfg["loss"])
+        xd = x.contiguous(memory_format=torch.channels_last) if cfg["channels_last"] else x
+        if kind == "trainer":
+            def run(n, m=model, o=optimizer, s=scheduler, sc=scaler, lf=loss_fn):
+                train_one_epoch(m, [(xd, y)] * (n * k), lf, o, s, sc, prec, hw, cfg)
+        else:
+            def run(n, m=model, o=optimizer, sc=scaler, lf=loss_fn):
+                for _ in range(n):
+                    bare_training_step(m, xd, y, lf, o, sc, prec, hw, cfg["grad_clip_norm"], k)
+        runners.append(run)
+    return runners
+
+
+def measure_overhead(cfg, hw, prec, timed_steps=3):
+    """Trainer vs bare loop at one configuration: aten ops per optimizer step (counted, so the
+    zero-gradient sampling is averaged in), and the bare loop's images/s (median of timed steps)."""
+    trainer, bare = step_runners(cfg, hw, prec)
+    ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
+    bare_ops, _ = count_ops_per_step(bare)
+    times = []
+    for _ in range(max(1, timed_steps)):
+        synchronize(hw)
+        t0 = time.perf_counter()
+        bare(1)
+        synchronize(hw)
+        times.append(time.perf_counter() - t0)
+    images = cfg["batch_size"] * cfg["accumulation_steps"]
+    return {"ops_per_step": ops, "bare_ops_per_step": bare_ops, "ops_vs_bare": ops / bare_ops,
+            "bare_images_per_s": images / float(np.median(times))}
+
+
+def add_overhead(row, name, base, hw, timed_steps):
+    """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
+    (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
+    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "bare_images_per_s",
+                                      "images_per_s_vs_bare")})
+    if row.get("status") != "ok" or timed_steps < 1 or row["compile"]:
+        return row
+    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    print(f"[benchmark] {name}: ops per step and a bare step, trainer vs bare loop", flush=True)
+    row.update(measure_overhead(cfg, hw, prec, timed_steps))
+    row["images_per_s_vs_bare"] = row["images_per_s"] / row["bare_images_per_s"]
+    return row
+
+
 def format_benchmark_table(rows):
     header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
-              "Note")
+              "Ops/step vs bare", "img/s vs bare", "Note")
     lines = [header]
     for r in rows:
         if r.get("status", "").startswith("probe"):
@@ -1929,11 +2185,14 @@ def format_benchmark_table(rows):
                           "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
             continue
         if r.get("status") != "ok":
-            lines.append((r["config"], "-", "-", "-", "-", "-", "-", r.get("status", "")))
+            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
             continue
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
+        ops = (f"{r['ops_vs_bare']:.2f}x ({r['ops_per_step']:.0f}/{r['bare_ops_per_step']:.0f})"
+               if r.get("ops_vs_bare") else "-")
+        vs_bare = f"{r['images_per_s_vs_bare']:.2f}x" if r.get("images_per_s_vs_bare") else "-"
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}",
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare,
                       f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
@@ -1978,7 +2237,7 @@ def run_benchmark(args=()):
             print(f"[benchmark] {name}: skipped: {reason}", flush=True)
             continue
         row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(row)
+        rows.append(add_overhead(row, name, base, hw, opts["bare_steps"]))
     add_speedups(rows)
     result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
@@ -1995,6 +2254,9 @@ def run_benchmark(args=()):
           "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.\n"
           f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
           f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
+    print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
+          "a bare loop that also clips; img/s vs bare: training images/s over a bare step's, same precision, "
+          "layout and batch, timed in this run.")
     return result
 
 

@@ -54,8 +54,27 @@ def test_benchmark_rows_files_and_table(bench, capsys):
     assert set(train_unet.BENCHMARK_FIELDS) == set(csv_rows[0])
     assert set(result["bare_loop_s_per_step"]) == {"fp32", "bf16", "bf16_cl"}
     table = train_unet.format_benchmark_table(result["rows"])
-    for column in ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU"):
+    for column in ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
+                   "Ops/step vs bare", "img/s vs bare"):
         assert column in table.splitlines()[0]
+
+
+def test_benchmark_measures_trainer_against_a_bare_loop(bench):
+    """Each row: ops per optimizer step counted for the trainer and a bare loop, and the trainer's
+    images/s over a bare step's at the row's precision, layout and batch (issue 10)."""
+    result, out = bench
+    with open(out / "benchmark.csv") as f:
+        csv_rows = {r["config"]: r for r in csv.DictReader(f)}
+    for name in ("fp32", "bf16"):
+        row = {r["config"]: r for r in result["rows"]}[name]
+        assert row["ops_per_step"] > row["bare_ops_per_step"] > 100
+        assert row["ops_vs_bare"] == pytest.approx(row["ops_per_step"] / row["bare_ops_per_step"])
+        assert row["ops_vs_bare"] <= 1.05
+        assert row["bare_images_per_s"] > 0
+        assert row["images_per_s_vs_bare"] == pytest.approx(row["images_per_s"] / row["bare_images_per_s"])
+        assert float(csv_rows[name]["ops_vs_bare"]) == pytest.approx(row["ops_vs_bare"])
+        assert float(csv_rows[name]["images_per_s_vs_bare"]) == pytest.approx(row["images_per_s_vs_bare"])
+    assert csv_rows["fp16"]["ops_vs_bare"] == ""  # skipped configuration: nothing measured
 
 
 def test_each_configuration_ran_in_its_own_process(bench):

@@ -1,0 +1,69 @@
+"""Data loading that keeps up (issue 10): the worker-count rule, persistent workers, pinned memory."""
+import dataclasses
+
+import pytest
+import torch
+
+import train_unet
+
+
+def cuda_hw(cpu_hw):
+    return dataclasses.replace(cpu_hw, device="cuda:0", kind="cuda", capability=(8, 0))
+
+
+@pytest.mark.parametrize("cores,local_world,kind,expected", [
+    (16, None, "cuda", 8),     # one process: half the cores, at most 8
+    (16, "8", "cuda", 1),      # torchrun, 8 GPUs on 16 cores: 2 cores per process -> 1 worker each
+    (64, "4", "cuda", 8),      # 16 cores per process -> capped at 8
+    (4, "2", "cuda", 1),       # at least one worker on a GPU
+    (2, None, "cpu", train_unet.CPU_WORKERS),
+    (16, "8", "cpu", train_unet.CPU_WORKERS),
+    (1, None, "cpu", 0),       # one core: a worker could only steal from the model
+    (8, "8", "cpu", 0),        # one core per process under torchrun
+    (None, None, "cpu", 0),    # os.cpu_count() unknown
+])
+def test_default_worker_count_shares_the_nodes_cores(monkeypatch, cpu_hw, cores, local_world, kind, expected):
+    monkeypatch.setattr(train_unet.os, "cpu_count", lambda: cores)
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    hw = cuda_hw(cpu_hw) if kind == "cuda" else cpu_hw
+    cfg = dict(train_unet.CONFIG, num_workers=None)
+    assert train_unet.worker_count(cfg, hw) == expected
+    assert train_unet.worker_count({**cfg, "num_workers": 3}, hw) == 3  # an explicit value wins
+
+
+def test_8_gpus_on_16_cores_no_longer_start_64_workers(monkeypatch, cpu_hw):
+    monkeypatch.setattr(train_unet.os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    per_process = train_unet.worker_count(dict(train_unet.CONFIG), cuda_hw(cpu_hw))
+    assert 8 * per_process <= 16
+
+
+def test_loaders_keep_workers_and_pin_memory_on_cuda(make_cfg, cpu_hw):
+    cfg = make_cfg(num_workers=2)
+    train, val = train_unet.prepare_data(cfg)
+    for hw, pinned in ((cpu_hw, False), (cuda_hw(cpu_hw), True)):
+        loaders = train_unet.build_loaders(train, val, cfg, hw)
+        assert all(loader.persistent_workers and loader.pin_memory == pinned for loader in loaders)
+    loaders = train_unet.build_loaders(train, val, make_cfg(num_workers=0), cpu_hw)
+    assert not any(loader.persistent_workers for loader in loaders)
+
+
+def test_persistent_workers_see_each_new_epoch(make_cfg, cpu_hw):
+    """Workers kept alive across epochs hold their own copy of the dataset: the epoch (which seeds
+    augmentation) must still reach them. Two epochs through one 2-worker loader equal fresh
+    0-worker loaders for the same epochs."""
+    def batches(loader, epoch):
+        train_unet.start_epoch_data(loader, epoch, cfg["seed"])
+        return [(x.clone(), y.clone()) for x, y in loader]
+
+    cfg = make_cfg(num_workers=2, batch_size=4)
+    train, val = train_unet.prepare_data(cfg)
+    kept, _ = train_unet.build_loaders(train, val, cfg, cpu_hw)
+    for epoch in (1, 2):
+        fresh, _ = train_unet.build_loaders(train, val, make_cfg(num_workers=0, batch_size=4), cpu_hw)
+        got, want = batches(kept, epoch), batches(fresh, epoch)
+        assert len(got) == len(want) == 2
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want)), epoch
