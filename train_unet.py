@@ -1353,8 +1353,9 @@ class RunLogger:
             values.append(scale.detach().clone())
         self.steps.append((scheduler.last_epoch + 1, scheduler.get_last_lr()[0], values))
 
-    def flush_steps(self):
-        """Write the buffered steps: one device-to-host transfer for the whole epoch."""
+    def flush_steps(self, group="step"):
+        """Write the buffered steps: one device-to-host transfer for the whole epoch. Steps undone by a
+        precision fallback go to group "rolled_back", so the re-run's steps do not overlap them."""
         if self.writer is None or not self.steps:
             return
         rows = torch.stack([torch.stack([v.double() for v in values])
@@ -1363,11 +1364,11 @@ class RunLogger:
         for (step, lr, _), row in zip(self.steps, rows):
             loss_sum, count, norm = row[:3]
             n = count - prev_count
-            self.writer.add_scalar("step/loss", (loss_sum - prev_sum) / n if n else math.nan, step)
-            self.writer.add_scalar("step/lr", lr, step)
-            self.writer.add_scalar("step/grad_norm", norm, step)
+            self.writer.add_scalar(f"{group}/loss", (loss_sum - prev_sum) / n if n else math.nan, step)
+            self.writer.add_scalar(f"{group}/lr", lr, step)
+            self.writer.add_scalar(f"{group}/grad_norm", norm, step)
             if len(row) > 3:
-                self.writer.add_scalar("step/loss_scale", row[3], step)
+                self.writer.add_scalar(f"{group}/loss_scale", row[3], step)
             prev_sum, prev_count = loss_sum, count
         self.steps = []
         self.writer.flush()
@@ -2114,7 +2115,7 @@ def train(cfg, explicit=()):
         try:
             row = run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg)
         except NonFiniteStreak as bad:
-            run.logger.flush_steps()  # the steps that went bad stay visible in TensorBoard
+            run.logger.flush_steps("rolled_back")  # the steps that went bad stay visible
             fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch)
             continue  # the same epoch again, same data order, safer precision
         finish_epoch(run, row, cfg)

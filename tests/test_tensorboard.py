@@ -11,6 +11,9 @@ from torch.utils.data import DataLoader, TensorDataset
 import train_unet
 from train_unet import RunLogger, SegLoss, UserError, decide_precision, train, train_one_epoch
 
+# The LR schedule steps on skipped steps too (fp16's scaler may skip the first): expected, see train_unet.
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+
 
 def read_events(folder):
     acc = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
@@ -137,3 +140,32 @@ def test_logging_adds_no_host_sync_per_step(tmp_path, cpu_hw, monkeypatch):
     assert counter.count == 1 and logger.steps == []
     logger.close()
     assert [s for s, _ in scalars(read_events(tmp_path / "tb"), "step/loss")] == [1, 2, 3, 4]
+
+
+def test_fallback_events_are_logged_as_text(data_dir, tmp_path, monkeypatch):
+    """bf16 with inf gradients on the first two steps falls back to fp32: TensorBoard gets the event."""
+    build, calls = train_unet.build_model, []
+
+    def inf_grads_first(cfg):
+        model = build(cfg)
+        def hook(grad):
+            calls.append(1)
+            return grad * float("inf") if len(calls) <= 2 else grad
+        model.segmentation_head[0].weight.register_hook(hook)
+        return model
+    monkeypatch.setattr(train_unet, "build_model", inf_grads_first)
+    cfg = dict(data_dir=str(data_dir), checkpoint_dir=str(tmp_path / "ckpt"), image_size=32, max_train_images=4,
+               batch_size=2, epochs=1, encoder_weights=None, device="cpu", progress=False, num_workers=0,
+               nan_patience=2, use_amp=True, amp_dtype="bfloat16", force_amp_dtype=True)
+    result = train(cfg)
+    assert [f["to"] for f in result["fallbacks"]] == ["fp32"]
+    acc = read_events(tmp_path / "ckpt" / "tensorboard")
+    events = acc.Tensors("fallback/text_summary")
+    assert [e.step for e in events] == [1]
+    assert b"falling back to fp32" in events[0].tensor_proto.string_val[0]
+    # the re-run epoch replaces the rolled-back steps: finite norms at steps 1 and 2
+    norms = scalars(acc, "step/grad_norm")
+    assert [s for s, _ in norms] == [1, 2] and all(math.isfinite(v) for _, v in norms)
+    # ... and the steps that went bad are kept apart
+    bad = scalars(acc, "rolled_back/grad_norm")
+    assert [s for s, _ in bad] == [1, 2] and not any(math.isfinite(v) for _, v in bad)
