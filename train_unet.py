@@ -2090,11 +2090,12 @@ def train(cfg, explicit=()):
         check_writable(ckpt_dir, "checkpoint_dir")
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, len(train_pairs), notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
-    run.class_names, run.logger = load_class_names(cfg), RunLogger.create(cfg)
+    run.class_names, run.logger = class_names, RunLogger.create(cfg)
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
     print(banner(hw, run.prec, cfg, notes))
