@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test benchmark notebook clean
+.PHONY: setup train test benchmark notebook tensorboard clean
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,15 @@ train: setup            ## train on the embedded data set (or: make train ARGS="
 
 test: setup             ## the test suite (what CI runs)
 	$(PY) -m pytest -q tests $(ARGS)
+
+benchmark: setup        ## the FP32-vs-BF16 matrix (or: make benchmark ARGS="configs=fp32,bf16 epochs=4")
+	$(PY) train_unet.py benchmark $(ARGS)
+
+notebook: setup         ## Jupyter on notebooks/ (another run: make notebook RUN_DIR=checkpoints/previous/...)
+	$(VENV)/bin/jupyter notebook --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(ARGS)
+
+tensorboard: setup      ## TensorBoard on every run under checkpoints/ (benchmark configurations too)
+	$(VENV)/bin/tensorboard --logdir checkpoints $(ARGS)
 
 clean:                  ## remove outputs (not the venv)
 	rm -rf checkpoints predictions .pytest_cache
