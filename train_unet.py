@@ -2140,7 +2140,8 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
     if hw.kind == "cuda":
         torch.cuda.reset_peak_memory_stats(hw.device)
     start_epoch_data(train_loader, epoch, cfg["seed"])
-    with torch.autograd.set_detect_anomaly(cfg["detect_anomaly"]):  # restored afterwards
+    anomaly = torch.autograd.set_detect_anomaly(True) if cfg["detect_anomaly"] else contextlib.nullcontext()
+    with anomaly:  # switched off again after the epoch
         tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
                              run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train",
                              streak=run.bad_streak, logger=run.logger)
