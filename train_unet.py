@@ -1822,8 +1822,8 @@ def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
 def find_batch_size(cfg, hw, prec, cap):
     """Search on a throw-away model; returns (largest batch that fit, batch to use)."""
     model = prepare_model({**cfg, "encoder_weights": None}, hw).train()
-    optimizer, scaler, loss_fn = build_optimizer(model, cfg), build_scaler(prec, hw, cfg), SegLoss(
-        cfg["num_classes"], cfg["loss"])
+    optimizer, scaler = build_optimizer(model, cfg), build_scaler(prec, hw, cfg)
+    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
     def fits(n):
         try:
