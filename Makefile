@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup train test benchmark notebook clean gpu-check
+.PHONY: setup train test benchmark notebook tensorboard clean gpu-check
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,15 @@ test: setup             ## the test suite (what CI runs)
 
 gpu-check: setup        ## every CUDA path on this machine's GPU(s), a short report (needs a GPU)
 	$(PY) tools/gpu_check.py
+
+benchmark: setup        ## the FP32-vs-BF16 matrix (or: make benchmark ARGS="configs=fp32,bf16 epochs=4")
+	$(PY) train_unet.py benchmark $(ARGS)
+
+notebook: setup         ## Jupyter on notebooks/ (another run: make notebook RUN_DIR=checkpoints/previous/...)
+	$(VENV)/bin/jupyter notebook --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(ARGS)
+
+tensorboard: setup      ## TensorBoard on every run under checkpoints/ (benchmark configurations too)
+	$(VENV)/bin/tensorboard --logdir checkpoints $(ARGS)
 
 clean:                  ## remove outputs (not the venv)
 	rm -rf checkpoints predictions .pytest_cache

@@ -49,6 +49,8 @@ warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\
 # Config: the defaults. Edit here, or override any key on the command line: key=value.
 # ----------------------------------------------------------------------------------------------------
 CONFIG = {
+    # preset: a named set of overrides (PRESETS below); None = none. Command-line keys win over it.
+    "preset": None,                # None | "fast" | "stable" | "low_memory" | "debug"
     # data
     "data_dir": "data/shapes",     # <data_dir>/images + <data_dir>/masks (or train/ and val/ inside)
     "image_size": 128,             # training side length; a multiple of 32 (the U-Net downsamples 5x)
@@ -64,7 +66,7 @@ CONFIG = {
     "loss": "dice+ce",             # "dice+ce", "ce" (BCE when binary) or "dice"
     # optimisation
     "epochs": 10,
-    "batch_size": 8,
+    "batch_size": 8,               # or "auto" (CUDA): the largest batch that fits, minus headroom
     "accumulation_steps": 1,       # effective batch = batch_size * accumulation_steps
     "learning_rate": 2e-3,
     "weight_decay": 1e-4,
@@ -91,10 +93,13 @@ CONFIG = {
     "nan_guard": True,             # skip non-finite steps; after nan_patience in a row fall back
                                    # fp16 -> bf16 -> fp32 with a rollback; in fp32 stop with a diagnosis
     "nan_patience": 3,             # consecutive non-finite optimizer steps before falling back
+    "detect_anomaly": False,       # torch.autograd anomaly detection: names the op whose backward
+                                   # made NaN/inf (debugging; slows training down a lot)
     # output
     "checkpoint_dir": "checkpoints",
     "resume": False,               # continue from <checkpoint_dir>/last.pt
     "progress": True,              # tqdm bars
+    "logger": "auto",              # "auto" (TensorBoard when installed) | "tensorboard" | "csv" | "none"
 }
 
 # Allowed values for keys with a fixed set of choices.
@@ -104,11 +109,13 @@ CHOICES = {
     "channels_last": ("auto", True, False),
     "loss": ("dice+ce", "ce", "dice"),
     "in_channels": (1, 3),
+    "preset": (None, "", "fast", "stable", "low_memory", "debug"),
+    "logger": ("auto", "tensorboard", "csv", "none"),
 }
 # Types for keys whose default is None.
 NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
-    "early_stopping_patience": int, "tf32_matmul_precision": str,
+    "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str,
 }
 # Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
 BOOL_OR_TEXT = ("channels_last",)
@@ -118,6 +125,31 @@ MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 # are unchanged (epochs may grow; precision, speed and output settings may change).
 RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "batch_size",
                             "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed")
+# Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
+AUTO_KEYS = ("batch_size",)
+
+# Presets: named sets of CONFIG overrides for the common use cases (README table: preset_table()).
+# Layering: CONFIG (your edits are the base) < preset < key=value on the command line (always wins).
+PRESETS = {
+    # Daily experiments: bf16 (or fp16 + GradScaler) where native, NHWC layout, torch.compile.
+    "fast": {"use_amp": True, "amp_dtype": "auto", "channels_last": True, "compile_model": True},
+    # Final training: plain fp32, no compile, clipping and the non-finite guard on.
+    "stable": {"use_amp": False, "compile_model": False, "grad_clip_norm": 1.0, "nan_guard": True},
+    # Small GPUs: AMP halves activation memory; batch 4 x 2 accumulation keeps the default batch of 8.
+    "low_memory": {"use_amp": True, "amp_dtype": "auto", "batch_size": 4, "accumulation_steps": 2,
+                   "compile_model": False},
+    # Find a bug fast: tiny fp32 run in the main process, bars on, anomaly detection, stop at the
+    # first non-finite step (nan_patience=1: in fp32 that stops with a diagnosis).
+    "debug": {"batch_size": 2, "accumulation_steps": 1, "use_amp": False, "compile_model": False,
+              "channels_last": False, "max_train_images": 8, "epochs": 2, "num_workers": 0,
+              "progress": True, "detect_anomaly": True, "nan_patience": 1, "early_stopping_patience": None},
+}
+PRESET_USES = {
+    "fast": "daily experiments on a GPU (compile takes 30-70 s up front and does not pay off on a CPU)",
+    "stable": "the final model, or after NaN trouble: fp32, no compile, clipping and the guard",
+    "low_memory": "small GPUs (~4 GB): AMP and half the batch, accumulated to the same effective batch",
+    "debug": "finding a bug in seconds on a laptop CPU: tiny fp32 run, anomaly detection, first NaN stops",
+}
 
 
 class UserError(Exception):
@@ -190,6 +222,8 @@ def parse_value(key, text, default):
                 "off": False}.get(low, low)
     if low in ("none", "null") and (default is None or key in NONE_DEFAULT_TYPES):
         return None
+    if low == "auto" and key in AUTO_KEYS:
+        return "auto"
     try:
         if kind is bool:
             if low in ("true", "1", "yes", "on"):
@@ -247,6 +281,8 @@ def check_types(cfg, defaults):
         kind = NONE_DEFAULT_TYPES.get(key, type(defaults[key]))
         if value is None and (defaults[key] is None or key in NONE_DEFAULT_TYPES):
             continue
+        if value == "auto" and key in AUTO_KEYS and defaults is CONFIG:
+            continue
         ok = (isinstance(value, bool) if kind is bool else
               isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
               if kind is float else isinstance(value, kind) and not isinstance(value, bool))
@@ -271,6 +307,8 @@ def validate_config(cfg):
         raise UserError(f"num_classes={cfg['num_classes']} must be below {IGNORE_INDEX} (mask value "
                         f"{IGNORE_INDEX} marks padding)")
     for key in positive_ints:
+        if key in AUTO_KEYS and cfg[key] == "auto":
+            continue
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise UserError(f"{key}={cfg[key]!r} must be a whole number >= 1")
     size = cfg["image_size"]
@@ -295,7 +333,7 @@ def validate_config(cfg):
         ("growth_factor", cfg["growth_factor"] > 1, "must be > 1"),
         ("backoff_factor", 0 < cfg["backoff_factor"] < 1, "must be between 0 and 1"),
         ("device", valid_device(cfg["device"]), "must be auto, cpu, cuda, cuda:N or mps"),
-        ("batch_size", cfg["batch_size"] * (cfg["image_size"] // 32) ** 2 > 1,
+        ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // 32) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
          f"bottleneck: use batch_size >= 2 or image_size >= 64"),
     ]
@@ -322,6 +360,40 @@ def check_model_names(cfg):
         near = difflib.get_close_matches(cfg["encoder_name"], names, n=3)
         raise UserError(f"encoder_name={cfg['encoder_name']!r} is unknown: did you mean "
                         f"{', '.join(near) or 'resnet34'}? (smp.encoders.get_encoder_names() lists all)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Presets: CONFIG < preset < command line. "Explicit" keys (given on the command line, or passed to
+# train() with a value that differs from CONFIG) keep their value; the preset sets the others.
+# ----------------------------------------------------------------------------------------------------
+def explicit_keys(args):
+    """The keys named in a key=value list: what the user typed wins over a preset."""
+    return {normalize_key(a.partition("=")[0]) for a in args}
+
+
+def apply_preset(cfg, explicit=()):
+    """Return (cfg with the preset applied, a one-line description for the banner or None)."""
+    name = cfg.get("preset")
+    if not name:
+        return cfg, None
+    explicit = set(explicit) | {k for k in cfg if k in CONFIG and cfg[k] != CONFIG[k] and k != "preset"}
+    values = PRESETS[name]
+    applied = {k: v for k, v in values.items() if k not in explicit}
+    kept = [k for k in values if k in explicit]
+    out = validate_config({**cfg, **applied})
+    line = f"{name}: " + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing")
+    if kept:
+        line += "; kept yours: " + ", ".join(f"{k}={out[k]}" for k in kept)
+    return out, line
+
+
+def preset_table():
+    """The README's presets table, generated from PRESETS (a test checks the README holds it)."""
+    rows = ["| preset | for | sets |", "|---|---|---|"]
+    for name, values in PRESETS.items():
+        rows.append(f"| `{name}` | {PRESET_USES[name]} | " + ", ".join(f"`{k}={v}`" for k, v in values.items())
+                    + " |")
+    return "\n".join(rows)
 
 
 def first_line(exc, limit=160):
@@ -569,7 +641,7 @@ def banner(hw, prec, cfg, notes=(), layout=None):
         f"layout       {'channels_last (NHWC)' if layout else 'contiguous (NCHW)'} ({why}); "
         f"compile {'on' if cfg['compile_model'] else 'off'}"
         + ("; cudnn.benchmark on (fixed input shapes)" if hw.kind == "cuda" else ""),
-    ] + [f"note         {n}" for n in notes if n]
+    ] + [f"{n[0]:<12} {n[1]}" if isinstance(n, tuple) else f"note         {n}" for n in notes if n]
     rule = "=" * 78
     return "\n".join([rule, "unet-amp", *lines, rule])
 
@@ -1268,6 +1340,64 @@ class SegMetric:
 
 
 # ----------------------------------------------------------------------------------------------------
+# Per-class metrics: names from <data_dir>/class_names.txt, history columns, the end-of-run table.
+# ----------------------------------------------------------------------------------------------------
+def load_class_names(cfg):
+    """Class names, one per line, class 0 first (VOC/labelme convention); indices when there is no file.
+
+    Binary runs have one class, the foreground: the file may list it alone or after the background.
+    """
+    n = cfg["num_classes"]
+    path = Path(cfg["data_dir"]) / "class_names.txt"
+    if not path.is_file():
+        return ["foreground"] if n == 1 else [str(i) for i in range(n)]
+    try:
+        names = [line.strip() for line in path.read_text(encoding="utf-8").rstrip("\n").splitlines()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read {path} ({type(exc).__name__}): save it as UTF-8 text, one class "
+                        f"name per line") from None
+    allowed = (1, 2) if n == 1 else (n,)
+    if len(names) not in allowed:
+        want = "1 (the foreground) or 2 (background, foreground)" if n == 1 else str(n)
+        raise UserError(f"{path} has {len(names)} line(s) but num_classes={n} needs {want}: one class "
+                        f"name per line, class 0 first (e.g. background)")
+    slugs = [class_slug(name) for name in names]
+    if not all(slugs) or len(set(slugs)) < len(slugs):
+        raise UserError(f"{path}: every line needs a distinct, non-empty name (letters, digits, _), "
+                        f"got {names}")
+    return names[-1:] if n == 1 else names
+
+
+def class_slug(name):
+    """A class name as it appears in column names and TensorBoard tags: 'road sign' -> 'road_sign'."""
+    return re.sub(r"\W+", "_", name).strip("_")
+
+
+def per_class_columns(result, names, prefix="val"):
+    """{'val_iou_<name>': ..., 'val_dice_<name>': ...} for multi-class runs; binary runs have none
+    (their one class, the foreground, is val_iou itself)."""
+    if len(names) < 2:
+        return {}
+    cols = {f"{prefix}_iou_{class_slug(n)}": v for n, v in zip(names, result["per_class_iou"])}
+    cols.update({f"{prefix}_dice_{class_slug(n)}": v for n, v in zip(names, result["per_class_dice"])})
+    return cols
+
+
+def per_class_table(row, names):
+    """The end-of-run table: IoU and Dice per class of one history row (multi-class runs)."""
+    if len(names) < 2:
+        return None
+    width = max(len("class"), *map(len, names))
+    lines = [f"  {'class':<{width}}    IoU    Dice"]
+    for name in names:
+        iou, dice = row[f"val_iou_{class_slug(name)}"], row[f"val_dice_{class_slug(name)}"]
+        cells = "absent from the val set" if math.isnan(iou) else f"{iou:.4f}  {dice:.4f}"
+        lines.append(f"  {name:<{width}}  {cells}")
+    lines.append(f"  {'mean':<{width}}  {row['val_iou']:.4f}  {row['val_dice']:.4f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Train / eval step
 # ----------------------------------------------------------------------------------------------------
 @dataclass
@@ -1509,7 +1639,7 @@ def accumulation_groups(batches, k, device):
 
 
 def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
-                    streak=0):
+                    streak=0, logger=None):
     """One pass over `loader`; `streak` carries consecutive bad steps over from the last epoch."""
     model.train()
     n, k = len(loader), cfg["accumulation_steps"]
@@ -1542,6 +1672,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             if step.loss_bad:  # its forward poisoned BatchNorm's running statistics
                 bn.restore()
             health.record(step)
+            if logger is not None:  # buffers device tensors: no host sync
+                logger.log_step(scheduler, loss_sum, finite_losses, step.norm, scaler)
             scheduler.step()
             group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
             if health.bad_streak >= cfg["nan_patience"]:
@@ -1649,9 +1781,12 @@ HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "train_dice", 
 
 
 def write_history(path, history):
+    # The fixed columns, then the per-class ones (val_iou_<class>, ...): they follow num_classes.
+    fields = list(HISTORY_FIELDS) + [k for k in (history[0] if history else {}) if k not in HISTORY_FIELDS]
+
     def write(tmp):
         with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=HISTORY_FIELDS, extrasaction="ignore")
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(history)
     atomic_write(path, write)
@@ -1661,7 +1796,7 @@ def write_json(path, data):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
 
-def archive_previous_run(ckpt_dir, names=("last.pt", "best.pt", "history.csv", "config.json")):
+def archive_previous_run(ckpt_dir, names=("last.pt", "best.pt", "history.csv", "config.json", "tensorboard")):
     """A fresh run never overwrites an earlier one: its files move to <ckpt_dir>/previous/<time>/."""
     ckpt_dir = Path(ckpt_dir)
     old = [ckpt_dir / n for n in names if (ckpt_dir / n).exists()]
@@ -1688,6 +1823,93 @@ def peak_memory_mb(hw):
         return rss / (2**20 if sys.platform == "darwin" else 2**10), "process_peak_rss"
     except ImportError:
         return float("nan"), "unavailable"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging: TensorBoard events in <checkpoint_dir>/tensorboard/, written by rank 0. Per-step values stay
+# on the device until the epoch ends and then cross to the host in one transfer: no extra host sync
+# per step. history.csv is written either way.
+# ----------------------------------------------------------------------------------------------------
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_installed():
+    import importlib.util
+    return importlib.util.find_spec("tensorboard") is not None
+
+
+class RunLogger:
+    """log_step() per optimizer step, log_epoch(row) per epoch, close() at the end. A no-op when off."""
+
+    def __init__(self, log_dir=None, cfg=None):
+        self.writer, self.steps = None, []   # steps: (global step, lr, [device scalars])
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(str(log_dir))
+            self.writer.add_text("config", "```\n" + json.dumps(cfg, indent=2, default=str) + "\n```")
+
+    @classmethod
+    def create(cls, cfg):
+        """The run's logger for `logger=auto|tensorboard|csv|none`; only rank 0 writes."""
+        kind = cfg["logger"]
+        if kind == "tensorboard" and not tensorboard_installed():
+            raise UserError("logger=tensorboard but the tensorboard package is not installed: "
+                            "pip install tensorboard (it is in requirements.txt), or use logger=csv")
+        on = kind == "tensorboard" or (kind == "auto" and tensorboard_installed())
+        return cls(Path(cfg["checkpoint_dir"]) / TENSORBOARD_DIR, cfg) if on and DIST.is_main else cls()
+
+    def log_step(self, scheduler, loss_sum, loss_count, grad_norm, scaler):
+        """Buffer one optimizer step: the loss over its micro-batches (from the epoch's running sums),
+        the learning rate it used, its pre-clip gradient norm and the loss scale (fp16)."""
+        if self.writer is None:
+            return
+        values = [loss_sum.detach().clone(), loss_count.detach().clone(), grad_norm.detach()]
+        scale = scaler._get_scale_async() if scaler is not None else None  # the tensor: no sync
+        if scale is not None:
+            values.append(scale.detach().clone())
+        self.steps.append((scheduler.last_epoch + 1, scheduler.get_last_lr()[0], values))
+
+    def flush_steps(self, group="step"):
+        """Write the buffered steps: one device-to-host transfer for the whole epoch. Steps undone by a
+        precision fallback go to group "rolled_back", so the re-run's steps do not overlap them."""
+        if self.writer is None or not self.steps:
+            return
+        rows = torch.stack([torch.stack([v.double() for v in values])
+                            for _, _, values in self.steps]).tolist()
+        prev_sum = prev_count = 0.0  # the buffer holds one epoch: its running sums start at 0
+        for (step, lr, _), row in zip(self.steps, rows):
+            loss_sum, count, norm = row[:3]
+            n = count - prev_count
+            self.writer.add_scalar(f"{group}/loss", (loss_sum - prev_sum) / n if n else math.nan, step)
+            self.writer.add_scalar(f"{group}/lr", lr, step)
+            self.writer.add_scalar(f"{group}/grad_norm", norm, step)
+            if len(row) > 3:
+                self.writer.add_scalar(f"{group}/loss_scale", row[3], step)
+            prev_sum, prev_count = loss_sum, count
+        self.steps = []
+        self.writer.flush()
+
+    def log_epoch(self, row):
+        """The epoch's history row: losses, IoU/Dice (per class too), speed, memory, gradient health."""
+        if self.writer is None:
+            return
+        self.flush_steps()
+        epoch = row["epoch"]
+        for key, value in row.items():
+            if key == "epoch" or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            group = "class" if key.startswith(("val_iou_", "val_dice_")) else "epoch"
+            self.writer.add_scalar(f"{group}/{key}", value, epoch)
+        self.writer.add_text("precision", f"epoch {epoch}: {row['precision']}", epoch)
+        if row.get("fallback"):
+            self.writer.add_text("fallback", row["fallback"], epoch)
+        self.writer.flush()
+
+    def close(self):
+        if self.writer is not None:
+            self.flush_steps()
+            self.writer.close()
+            self.writer = None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2268,6 +2490,93 @@ def write_rows_csv(path, rows):
 
 
 # ----------------------------------------------------------------------------------------------------
+# batch_size=auto: the largest batch that fits on the GPU (real training steps, OOM caught), minus
+# headroom. The search itself (search_batch_size) is plain Python, tested with faked OOMs.
+# ----------------------------------------------------------------------------------------------------
+AUTO_BATCH_FALLBACK = 8      # batch_size=auto where no search is possible (CPU, MPS): CONFIG's default
+AUTO_BATCH_HEADROOM = 0.15   # room for fragmentation, validation and other processes on the GPU
+AUTO_BATCH_CAP = 1024
+
+
+def search_batch_size(fits, start=2, cap=AUTO_BATCH_CAP):
+    """Largest n in [start, cap] with fits(n): double until a batch fails, then bisect between the
+    last that fit and the first that did not. Returns 0 when even `start` does not fit."""
+    if not fits(start):
+        return 0
+    good, bad = start, None
+    while bad is None and good < cap:
+        n = min(good * 2, cap)
+        good, bad = (n, None) if fits(n) else (good, n)
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
+    """One real training step at batch n on random data, in the run's precision and layout."""
+    size = cfg["image_size"]
+    x = torch.randn(n, cfg["in_channels"], size, size, device=hw.device)
+    y = torch.randint(0, max(2, cfg["num_classes"]), (n, size, size), device=hw.device)
+    if cfg["channels_last"]:
+        x = x.contiguous(memory_format=torch.channels_last)
+    forward_backward(model, x, y, loss_fn, scaler, prec, hw, 1, True)
+    optimizer_step(model, optimizer, scaler, cfg, torch.ones((), dtype=torch.bool, device=hw.device))
+    synchronize(hw)
+
+
+def find_batch_size(cfg, hw, prec, cap):
+    """Search on a throw-away model; returns (largest batch that fit, batch to use)."""
+    model = prepare_model({**cfg, "encoder_weights": None}, hw).train()
+    optimizer, scaler = build_optimizer(model, cfg), build_scaler(prec, hw, cfg)
+    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
+
+    def fits(n):
+        try:
+            batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n)
+            ok = True
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        optimizer.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # outside the except block: the traceback no longer pins tensors
+        return ok
+
+    largest = search_batch_size(fits, start=min(2, cap), cap=cap)
+    del model, optimizer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    use = largest if largest == cap else max(min(2, cap), int(largest * (1 - AUTO_BATCH_HEADROOM)))
+    return largest, use
+
+
+def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
+    """Replace batch_size='auto' by a number; returns (cfg, what to record in config.json or None)."""
+    if cfg["batch_size"] != "auto":
+        return cfg, None
+    cap = max(1, min(AUTO_BATCH_CAP, n_train // DIST.world))
+    if state is not None:
+        use, info = state["config"]["batch_size"], "kept the resumed run's batch size"
+    elif hw.kind != "cuda":
+        use = min(AUTO_BATCH_FALLBACK, cap)
+        info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}"
+    else:
+        start = time.perf_counter()
+        largest, use = find_batch_size(cfg, hw, prec, cap)
+        if largest == 0:
+            raise UserError(f"batch_size=auto: not even a batch of {min(2, cap)} fits in {describe(hw)}'s "
+                            f"memory at image_size={cfg['image_size']}: lower image_size, use a smaller "
+                            f"encoder_name or use_amp=True")
+        use = int(all_reduce_(torch.tensor(use, device=hw.device), "min").item())  # same on every rank
+        limit = "the training set" if largest == cap else f"{AUTO_BATCH_HEADROOM:.0%} headroom"
+        info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
+                f"{', channels_last' if cfg['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
+        seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
+    notes.append(("batch", f"auto -> {use}: {info}"))
+    return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
+
+
+# ----------------------------------------------------------------------------------------------------
 # Main: set up, train epoch by epoch, checkpoint, stop early.
 # ----------------------------------------------------------------------------------------------------
 def setup_precision(cfg):
@@ -2295,6 +2604,8 @@ def resume_state(cfg, ckpt_dir):
                         f"checkpoint_dir to the run you want to continue")
     state = load_checkpoint(path)
     for key in RESUME_KEYS:
+        if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
+            continue
         if state["config"].get(key) != cfg[key]:
             raise UserError(f"cannot resume exactly: {path} was trained with {key}="
                             f"{state['config'].get(key)!r}, this run has {key}={cfg[key]!r}: resume with "
@@ -2322,6 +2633,8 @@ class Run:
     bad_streak: int = 0           # consecutive bad optimizer steps, across epoch boundaries
     eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
     lr_schedule: dict | None = None      # the LR schedule's shape (extend_schedule), kept for resume
+    logger: RunLogger | None = None      # TensorBoard (rank 0), or a no-op
+    class_names: list | None = None      # for the per-class history columns
 
     def state(self, cfg):
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -2487,10 +2800,15 @@ def resumed_schedule(state, cfg, steps_per_epoch, notes):
     return schedule
 
 
-def train(cfg):
-    """Train with a validated config; returns {'history', 'best_iou', 'fallbacks', ...}."""
-    cfg = validate_config(cfg)
+def train(cfg, explicit=()):
+    """Train with a config; returns {'history', 'best_iou', 'fallbacks', ...}.
+
+    `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
+    win over the preset (apply_preset).
+    """
+    cfg, preset_line = apply_preset(validate_config(cfg), explicit)
     hw, prec, notes = setup_precision(cfg)
+    notes.insert(0, preset_line and ("preset", preset_line))
     layout = decide_channels_last(cfg, hw, prec)
     cfg = {**cfg, "channels_last": layout[0]}  # what this run uses (saved so in its config)
     if cfg["sync_batchnorm"] and hw.kind != "cuda":
@@ -2501,10 +2819,13 @@ def train(cfg):
     if DIST.is_main:
         check_writable(ckpt_dir, "checkpoint_dir")
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
-    train_pairs, val_pairs = prepare_data(cfg)
+    train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
+    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, len(train_pairs), notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
+    run.class_names, run.logger = class_names, RunLogger.create(cfg)
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
     print(banner(hw, run.prec, cfg, notes, layout))
@@ -2516,7 +2837,8 @@ def train(cfg):
               f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
     if DIST.is_main:
         write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
-                                              "device": describe(hw), "world_size": DIST.world})
+                                              "device": describe(hw), "world_size": DIST.world,
+                                              "preset": preset_line, "batch_size_auto": auto_batch})
 
     epoch = run.epoch + 1
     while epoch <= cfg["epochs"]:
@@ -2524,15 +2846,21 @@ def train(cfg):
         try:
             row = run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg)
         except NonFiniteStreak as bad:
+            run.logger.flush_steps("rolled_back")  # the steps that went bad stay visible
             fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch)
             continue  # the same epoch again, same data order, safer precision
         finish_epoch(run, row, cfg)
+        run.logger.log_epoch(row)
         patience = cfg["early_stopping_patience"]
         if patience is not None and run.since_best >= patience and epoch < cfg["epochs"]:
             print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
             break
         epoch += 1
+    run.logger.close()
     print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
+    table = end_of_run_table(run)
+    if table:
+        print(table)
     return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
             "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
 
@@ -2542,8 +2870,11 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
     if hw.kind == "cuda":
         torch.cuda.reset_peak_memory_stats(hw.device)
     start_epoch_data(train_loader, epoch, cfg["seed"])
-    tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
-                         run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train", streak=run.bad_streak)
+    anomaly = torch.autograd.set_detect_anomaly(True) if cfg["detect_anomaly"] else contextlib.nullcontext()
+    with anomaly:  # switched off again after the epoch
+        tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
+                             run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train",
+                             streak=run.bad_streak, logger=run.logger)
     run.bad_streak = tr["stats"].bad_streak
     val_start = time.perf_counter()
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
@@ -2560,7 +2891,14 @@ def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
             "zero_grad_pct": stats.zero_grad_pct,
             "scaler_scale": run.scaler.get_scale() if run.scaler else None,
             "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps,
-            "fallback": "; ".join(events)}
+            "fallback": "; ".join(events), **per_class_columns(va, run.class_names or [])}
+
+
+def end_of_run_table(run):
+    """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
+    best = max(run.history, key=lambda r: r["val_iou"], default=None)
+    table = best and per_class_table(best, run.class_names or [])
+    return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
 
 
 def broadcast_buffers(model):
@@ -2600,14 +2938,14 @@ def epoch_summary(row, cfg, improved):
             f" | grad {row['grad_norm']:.2f}{scale}{skipped}{' | best' if improved else ''}")
 
 
-def train_main(cfg):
+def train_main(cfg, explicit=()):
     """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
     setup_distributed(cfg["device"])
     try:
         if not DIST.is_main:
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
-                return train({**cfg, "progress": False})
-        return train(cfg)
+                return train({**cfg, "progress": False}, set(explicit) | {"progress"})
+        return train(cfg, explicit)
     except UserError as exc:
         if DIST.enabled:  # say which process failed; torchrun then stops the others
             raise UserError(f"[rank {DIST.rank}] {exc}") from None
@@ -2620,11 +2958,12 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
     if command in ("-h", "--help", "help"):
-        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG))
+        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
+              + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
     try:
         if command == "train":
-            train_main(parse_overrides(args))
+            train_main(parse_overrides(args), explicit_keys(args))
         elif command == "predict":
             return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
         elif command == "benchmark":

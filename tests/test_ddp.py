@@ -49,7 +49,9 @@ def test_ddp_run_matches_single_process_evaluation_and_cross_loads(ddp_args, tmp
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("unet-amp") == 1, "only rank 0 prints the banner"
     assert "distributed: 2 processes (gloo)" in out.stdout
-    assert sorted(p.name for p in ckpt.iterdir()) == ["best.pt", "config.json", "history.csv", "last.pt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["best.pt", "config.json", "history.csv", "last.pt",
+                                                      "tensorboard"]
+    assert len(list((ckpt / "tensorboard").iterdir())) == 1, "only rank 0 writes TensorBoard events"
     rows = history(ckpt)
     assert len(rows) == 1
     # 21 train images -> 10 per rank -> 5 batches of 2 -> 3 optimizer steps (2 + a short group of 1)

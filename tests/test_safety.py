@@ -29,7 +29,7 @@ SIZE = 32
 STEPS_PER_EPOCH = 2  # max_train_images=4, batch_size=2
 ORIGINAL_BUILD_MODEL = train_unet.build_model
 ORIGINAL_GETITEM = train_unet.SegDataset.__getitem__
-CKPT_FILES = {"last.pt", "best.pt", "history.csv", "config.json"}
+CKPT_FILES = {"last.pt", "best.pt", "history.csv", "config.json", "tensorboard"}
 
 # train_unet steps the LR schedule on every attempted step, skipped ones included, and says so; it
 # silences PyTorch's ordering warning at import, but pytest restores the filters for each test.

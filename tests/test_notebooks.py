@@ -1,0 +1,90 @@
+"""The run notebook (RUN_DIR), the benchmark notebook's robustness, and the Makefile targets the README names."""
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pytest
+
+import train_unet
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def execute(name, env):
+    nb = nbformat.read(ROOT / "notebooks" / name, as_version=4)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
+                                resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    errors = [o for o in outputs if o.output_type == "error"]
+    assert not errors, errors[0].get("evalue")
+    text = "".join(o.get("text", "") for o in outputs)
+    return outputs, text
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A real 2-epoch, 3-class run with class names (64 px, 12 images): what RUN_DIR points at."""
+    tmp = tmp_path_factory.mktemp("run")
+    data = train_unet.generate_shapes_dataset(tmp / "data", count=12, size=64, num_classes=3)
+    (data / "class_names.txt").write_text("background\ncircle\nbox\n")
+    cfg = dict(train_unet.CONFIG, data_dir=str(data), checkpoint_dir=str(tmp / "run"), image_size=64,
+               num_classes=3, epochs=2, batch_size=4, device="cpu", progress=False, use_amp=False)
+    train_unet.train(cfg)
+    return tmp / "run"
+
+
+def test_run_notebook_plots_the_run_in_run_dir(tiny_run):
+    outputs, text = execute("my_run.ipynb", {"RUN_DIR": str(tiny_run)})
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # curves, health, steps, predictions
+    assert f"run: {tiny_run}" in text and "2 epoch(s)" in text
+    assert "precision per epoch: 1: fp32, 2: fp32" in text
+    assert "optimizer steps logged" in text and f"model: {tiny_run / 'best.pt'}" in text
+
+
+def test_benchmark_notebook_skips_rows_with_missing_numbers(tiny_run, tmp_path):
+    """A row without some numbers (e.g. a probe row) must not break the plots."""
+    history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
+    row = {"config": "bf16", "status": "ok", "batch": 4, "precision": "bf16", "channels_last": False,
+           "compile": False, "time_per_epoch_s": 1.0, "first_epoch_s": 1.5, "images_per_s": 10.0,
+           "speedup_vs_fp32": 1.0, "peak_mem_mb": 100.0, "peak_mem_kind": "process_peak_rss",
+           "final_val_iou": 0.5, "final_val_dice": 0.6}
+    # The numbers the benchmark's own table prints stay; the others are missing.
+    probe = {k: None for k in row} | {k: row[k] for k in ("batch", "precision", "compile", "time_per_epoch_s",
+                                                          "peak_mem_mb", "final_val_iou")} | {"config": "probe"}
+    probe["status"] = "ok"
+    bench = tmp_path / "bench"
+    shutil.copytree(tiny_run, bench / "bf16")
+    (bench / "benchmark.json").write_text(json.dumps({
+        "device": "cpu", "settings": {}, "rows": [{**row, "config": "fp32", "precision": "fp32"}, row, probe],
+        "histories": {"fp32": history, "bf16": history}, "bare_loop_s_per_step": {}}))
+    (bench / "benchmark.csv").write_text("")
+    outputs, text = execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3
+    assert "best.pt" in text
+
+
+def test_every_make_target_the_readme_names_exists():
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"\bmake ([a-z]+)\b", readme))
+    assert {"train", "test", "notebook", "benchmark", "tensorboard", "clean"} <= named
+    for target in sorted(named):
+        # -n: print the commands without running them; -o: do not rebuild the venv for this check
+        done = subprocess.run(["make", "-n", "-o", ".venv/.installed", target], cwd=ROOT,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, (target, done.stderr)
+    assert "jupyter notebook --notebook-dir=notebooks" in subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", "notebook"], cwd=ROOT, capture_output=True, text=True).stdout

@@ -1,0 +1,88 @@
+"""Per-class IoU/Dice: history columns that follow num_classes, class_names.txt, the end-of-run table."""
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import train_unet
+from train_unet import HISTORY_FIELDS, SegMetric, UserError, load_class_names, train
+
+
+@pytest.fixture
+def multi_data(make_data):
+    return make_data("multi", num_classes=3)
+
+
+def history_csv(ckpt):
+    with open(Path(ckpt) / "history.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        return reader.fieldnames, list(reader)
+
+
+def test_named_classes_get_columns_tensorboard_tags_and_a_table(make_cfg, multi_data, capsys):
+    (multi_data / "class_names.txt").write_text("background\nround thing\nbox\n")
+    cfg = make_cfg(data_dir=str(multi_data), num_classes=3, epochs=2)
+    result = train(cfg)
+    out = capsys.readouterr().out
+    fields, rows = history_csv(cfg["checkpoint_dir"])
+    names = ("background", "round_thing", "box")
+    assert fields[:len(HISTORY_FIELDS)] == list(HISTORY_FIELDS)
+    assert fields[len(HISTORY_FIELDS):] == [f"val_iou_{n}" for n in names] + [f"val_dice_{n}" for n in names]
+    for row in result["history"]:
+        ious = [row[f"val_iou_{n}"] for n in names]
+        present = [v for v in ious if not math.isnan(v)]
+        assert row["val_iou"] == pytest.approx(sum(present) / len(present))  # mIoU is their mean
+    assert float(rows[-1]["val_iou_box"]) == pytest.approx(result["history"][-1]["val_iou_box"], nan_ok=True)
+    # the end-of-run table, with the names as written in class_names.txt, at the best epoch
+    best = max(result["history"], key=lambda r: r["val_iou"])
+    table = out.split("val per class at the best epoch")[1]
+    assert f"({best['epoch']})" in table.splitlines()[0]
+    assert "round thing" in table and "background" in table and f"{best['val_iou']:.4f}" in table
+    acc = EventAccumulator(str(Path(cfg["checkpoint_dir"]) / "tensorboard"))
+    acc.Reload()
+    assert {f"class/val_iou_{n}" for n in names} <= set(acc.Tags()["scalars"])
+
+
+def test_per_class_values_are_the_metric_s(multi_data):
+    metric = SegMetric(3)
+    logits = torch.zeros(1, 3, 2, 2)
+    logits[0, 1, 0, :] = 1  # predict class 1 in the top row, class 0 below
+    metric.update(logits, torch.tensor([[[1, 1], [2, 0]]]))
+    names = ["bg", "a", "b"]
+    cols = train_unet.per_class_columns(metric.compute(), names)
+    assert cols["val_iou_a"] == 1.0 and cols["val_iou_bg"] == 0.5 and cols["val_iou_b"] == 0.0
+    assert cols["val_dice_bg"] == pytest.approx(2 / 3)
+
+
+def test_without_class_names_the_columns_are_indices(make_cfg, multi_data):
+    cfg = make_cfg(data_dir=str(multi_data), num_classes=3)
+    train(cfg)
+    fields, _ = history_csv(cfg["checkpoint_dir"])
+    assert fields[len(HISTORY_FIELDS):] == ["val_iou_0", "val_iou_1", "val_iou_2",
+                                            "val_dice_0", "val_dice_1", "val_dice_2"]
+
+
+def test_binary_runs_keep_the_fixed_columns(tmp_path):
+    # one class, the foreground: val_iou is its IoU already
+    assert train_unet.per_class_columns({"per_class_iou": [0.5], "per_class_dice": [0.6]}, ["road"]) == {}
+    (tmp_path / "class_names.txt").write_text("background\nroad\n")
+    assert load_class_names({"data_dir": str(tmp_path), "num_classes": 1}) == ["road"]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("background\nbox\n", r"has 2 line\(s\) but num_classes=3 needs 3: one class name per line"),
+    ("background\n\nbox\n", "distinct, non-empty name"),
+    ("a\nA b\na\n", "distinct, non-empty name"),
+])
+def test_bad_class_names_file_is_a_one_line_error(make_cfg, multi_data, text, match, capsys):
+    (multi_data / "class_names.txt").write_text(text)
+    with pytest.raises(UserError, match=match):
+        load_class_names({"data_dir": str(multi_data), "num_classes": 3})
+    code = train_unet.main([f"data_dir={multi_data}", "num_classes=3", "image_size=64", "epochs=1",
+                            "batch_size=4", "device=cpu", "progress=False",
+                            f"checkpoint_dir={make_cfg()['checkpoint_dir']}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
