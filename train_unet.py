@@ -2404,7 +2404,7 @@ def format_benchmark_table(rows):
     for r in rows:
         if r.get("status", "").startswith("probe"):
             lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
-                          "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
+                          "-", "-", "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
             continue
         if r.get("status") != "ok":
             lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
