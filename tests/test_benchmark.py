@@ -65,8 +65,11 @@ def test_benchmark_measures_trainer_against_a_bare_loop(bench):
     result, out = bench
     with open(out / "benchmark.csv") as f:
         csv_rows = {r["config"]: r for r in csv.DictReader(f)}
-    for name in ("fp32", "bf16"):
-        row = {r["config"]: r for r in result["rows"]}[name]
+    rows = {r["config"]: r for r in result["rows"]}
+    assert rows["fp32"]["status"] == "ok"
+    # bf16 is a full run only where it is native; elsewhere its row is a short probe (issue 9)
+    for name in [n for n in ("fp32", "bf16") if rows[n]["status"] == "ok"]:
+        row = rows[name]
         assert row["ops_per_step"] > row["bare_ops_per_step"] > 100
         assert row["ops_vs_bare"] == pytest.approx(row["ops_per_step"] / row["bare_ops_per_step"])
         assert row["ops_vs_bare"] <= 1.05
