@@ -2829,16 +2829,8 @@ def train(cfg, explicit=()):
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
     print(banner(hw, run.prec, cfg, notes, layout))
-    print("config:\n" + format_config(cfg))
-    print(f"data: {len(train_pairs)} train / {len(val_pairs)} val images from {cfg['data_dir']}; "
-          f"{len(train_loader)} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
-    if DIST.enabled:
-        print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
-              f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
-    if DIST.is_main:
-        write_json(ckpt_dir / "config.json", {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
-                                              "device": describe(hw), "world_size": DIST.world,
-                                              "preset": preset_line, "batch_size_auto": auto_batch})
+    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(train_loader), steps_per_epoch),
+                 {"preset": preset_line, "batch_size_auto": auto_batch})
 
     epoch = run.epoch + 1
     while epoch <= cfg["epochs"]:
@@ -2863,6 +2855,21 @@ def train(cfg, explicit=()):
         print(table)
     return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
             "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
+
+
+def announce_run(cfg, hw, run, sizes, extra):
+    """Print the config and the data/distributed summary; rank 0 writes config.json."""
+    n_train, n_val, n_batches, steps_per_epoch = sizes
+    print("config:\n" + format_config(cfg))
+    print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
+          f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
+    if DIST.enabled:
+        print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
+              f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
+    if DIST.is_main:
+        write_json(Path(cfg["checkpoint_dir"]) / "config.json",
+                   {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
+                    "device": describe(hw), "world_size": DIST.world, **extra})
 
 
 def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
