@@ -59,6 +59,14 @@ CONFIG = {
     "val_fraction": 0.2,           # used when <data_dir> has no train/ and val/ folders
     "max_train_images": None,      # None = all; a number = a quick run on the first N (benchmarks)
     "num_workers": None,           # None = auto: 0 on CPU (workers would steal the compute cores)
+    # large images (README "Large images"): "fit" resizes each image to image_size (and pads);
+    # "patch" trains on image_size patches and validates/predicts whole images by a sliding window
+    "data_mode": "fit",            # "fit" | "patch"
+    "patch_scale": 1.0,            # patch mode: resize images by this factor first (1.0 = native)
+    "patch_foreground": 0.33,      # patch mode: share of training patches centred on a foreground pixel
+    "patches_per_image": None,     # patch mode: patches per image per epoch; None = enough to tile it once
+    "tile_overlap": 0.25,          # sliding window: overlap of neighbouring tiles (share of a tile)
+    "tile_batch_size": 8,          # sliding window: tiles per forward pass
     # model
     "arch": "Unet",                # any segmentation_models_pytorch architecture
     "encoder_name": "resnet18",
@@ -111,11 +119,13 @@ CHOICES = {
     "in_channels": (1, 3),
     "preset": (None, "", "fast", "stable", "low_memory", "debug"),
     "logger": ("auto", "tensorboard", "csv", "none"),
+    "data_mode": ("fit", "patch"),
 }
 # Types for keys whose default is None.
 NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
-    "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str,
+    "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
+    "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
 }
 # Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
 BOOL_OR_TEXT = ("channels_last",)
@@ -124,7 +134,8 @@ MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 # ... and those that define the data and the optimisation: a resume continues exactly only if they
 # are unchanged (epochs may grow; precision, speed and output settings may change).
 RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "batch_size",
-                            "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed")
+                            "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed",
+                            "data_mode", "patch_scale", "patch_foreground", "patches_per_image")
 # Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
 AUTO_KEYS = ("batch_size",)
 
@@ -333,6 +344,11 @@ def validate_config(cfg):
         ("growth_factor", cfg["growth_factor"] > 1, "must be > 1"),
         ("backoff_factor", 0 < cfg["backoff_factor"] < 1, "must be between 0 and 1"),
         ("device", valid_device(cfg["device"]), "must be auto, cpu, cuda, cuda:N or mps"),
+        ("patch_scale", 0 < cfg["patch_scale"] <= 4, "must be in (0, 4]: 1.0 = native resolution, 0.5 = half"),
+        ("patch_foreground", 0 <= cfg["patch_foreground"] <= 1, "must be a share in [0, 1], e.g. 0.33"),
+        ("patches_per_image", cfg["patches_per_image"] is None or cfg["patches_per_image"] >= 1,
+         "must be >= 1, or None for as many as tile each image once"),
+        *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
         ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // 32) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
          f"bottleneck: use batch_size >= 2 or image_size >= 64"),
@@ -342,6 +358,13 @@ def validate_config(cfg):
             raise UserError(f"{key}={cfg[key]!r} {rule}")
     check_model_names(cfg)
     return cfg
+
+
+# Sliding-window settings: checked for training, and at predict time when given (None = the checkpoint's).
+TILE_RULES = {
+    "tile_overlap": (lambda v: 0 <= v <= 0.9, "must be in [0, 0.9]: 0.25, or 0.5 for smoother seams (~1.8x the tiles)"),
+    "tile_batch_size": (lambda v: v >= 1, "must be a whole number >= 1"),
+}
 
 
 def valid_device(device):
@@ -1011,28 +1034,44 @@ def prepare_data(cfg):
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     check_pairs(train + val, cfg)
-    if len(train) // DIST.world < cfg["batch_size"]:
-        per = f" ({len(train) // DIST.world} per process)" if DIST.enabled else ""
-        raise UserError(f"the training set has {len(train)} image(s){per}, fewer than batch_size="
-                        f"{cfg['batch_size']}: lower batch_size or add images")
+    samples = len(train) if cfg["data_mode"] == "fit" else sum(patch_counts(image_sizes(train, cfg), cfg))
+    if samples // DIST.world < cfg["batch_size"]:
+        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
+            f"{samples} patch(es) per epoch from {len(train)} image(s)"
+        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
+        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
+                        f"lower batch_size or add images")
     return train, val
 
 
-def build_transforms(cfg, train):
+def build_transforms(cfg, train, resize=True):
+    """Resize and pad to image_size (fit mode; patches come cut to size: resize=False), augment when
+    training, normalize."""
     import albumentations as A
 
     size = cfg["image_size"]
     # Keep the aspect ratio and pad at the bottom/right, so predictions crop back exactly.
     fit = [A.LongestMaxSize(max_size=size),
            A.PadIfNeeded(size, size, position="top_left", border_mode=cv2.BORDER_CONSTANT, fill=0,
-                         fill_mask=IGNORE_INDEX)]
+                         fill_mask=IGNORE_INDEX)] if resize else []
     augment = [A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5),
                A.Affine(scale=(0.9, 1.1), translate_percent=(-0.05, 0.05), rotate=(-15, 15),
                         fill_mask=IGNORE_INDEX, p=0.5),
                A.RandomBrightnessContrast(0.2, 0.2, p=0.5)] if train else []
+    return A.Compose(fit + augment + [A.Lambda(image=normalizer(cfg), name="normalize")])
+
+
+def normalizer(cfg):
+    """The mean/std normalisation every model input gets (after scale_image's [0, 1] rule)."""
     mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if cfg["in_channels"] == 3 else \
         ((0.5,), (0.25,))
-    return A.Compose(fit + augment + [A.Lambda(image=UnitRangeNormalize(mean, std), name="normalize")])
+    return UnitRangeNormalize(mean, std)
+
+
+def image_tensor(image):
+    """A normalized HxW or HxWxC array -> a CxHxW float tensor."""
+    image = image[..., None] if image.ndim == 2 else image
+    return torch.from_numpy(image.transpose(2, 0, 1).copy())
 
 
 class UnitRangeNormalize:
@@ -1089,8 +1128,7 @@ class SegDataset(Dataset):
         mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
         seed_augmentation(self.transform, self.cfg["seed"], self.epoch, index)
         out = self.transform(image=image, mask=mask)
-        image = out["image"][..., None] if out["image"].ndim == 2 else out["image"]
-        return torch.from_numpy(image.transpose(2, 0, 1).copy()), torch.from_numpy(out["mask"]).long()
+        return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
 
 
 def worker_count(cfg, hw):
@@ -1116,7 +1154,7 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     # Workers are kept across epochs (no restart cost per epoch); on CUDA, batches come in pinned
     # memory, so to_device's non_blocking copies overlap the compute.
     common = dict(num_workers=workers, pin_memory=hw.kind == "cuda", persistent_workers=workers > 0)
-    train_set, val_set = SegDataset(train_pairs, cfg, True), SegDataset(val_pairs, cfg, False)
+    train_set, val_set = build_datasets(train_pairs, val_pairs, cfg)
     # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
     # BatchNorm never sees a batch of one.
     if DIST.enabled:
@@ -1133,8 +1171,16 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     # Validation shards the set without padding (rank r takes r, r+world, ...): with the counts
     # all-reduced, every image is counted exactly once, so the IoU equals a single process's.
     val_order = list(range(DIST.rank, len(val_set), DIST.world))
-    val_loader = DataLoader(val_set, cfg["batch_size"], sampler=val_order, **common)
+    val_batch = cfg["batch_size"] if cfg["data_mode"] == "fit" else None  # patch: whole images, one by one
+    val_loader = DataLoader(val_set, val_batch, sampler=val_order, **common)
     return train_loader, val_loader
+
+
+def build_datasets(train_pairs, val_pairs, cfg):
+    """fit: resized images; patch: training patches, and whole validation images for the sliding window."""
+    if cfg["data_mode"] == "patch":
+        return PatchDataset(train_pairs, cfg, image_sizes(train_pairs, cfg)), WholeImages(val_pairs, cfg)
+    return SegDataset(train_pairs, cfg, True), SegDataset(val_pairs, cfg, False)
 
 
 def start_epoch_data(loader, epoch, seed):
@@ -1144,6 +1190,231 @@ def start_epoch_data(loader, epoch, seed):
         loader.sampler.set_epoch(epoch)
     elif getattr(loader.sampler, "generator", None) is not None:
         loader.sampler.generator.manual_seed(seed * 1000 + epoch)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Large images (data_mode="patch"): training on image_size patches cut at patch_scale (1.0 = native
+# resolution); validation and predict run whole images through one blended sliding window
+# (predict_logits), so the val IoU is the IoU predict gives.
+# ----------------------------------------------------------------------------------------------------
+PATCH_CACHE_BYTES = 1 << 30  # decoded (scaled) images kept per process, split between loader workers
+FOREGROUND_SAMPLES = 4096    # pixel positions kept per class and image for foreground-centred patches
+
+
+def scaled_size(hw, scale):
+    """(height, width) after patch_scale: the one rounding rule for patches, tiles and patch counts."""
+    return tuple(hw) if scale == 1.0 else tuple(max(1, round(n * scale)) for n in hw)
+
+
+def rescale(image, mask, scale):
+    """Resize by patch_scale: area averaging when shrinking (no aliasing), nearest for the mask."""
+    if scale == 1.0:
+        return image, mask
+    h, w = scaled_size(image.shape[:2], scale)
+    image = cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_LINEAR)
+    return image, None if mask is None else cv2.resize(mask, (w, h), interpolation=cv2.INTER_NEAREST)
+
+
+def image_sizes(pairs, cfg):
+    """(height, width) of each pair's image, from the data check's cache: no decoding."""
+    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    return [tuple(facts[os.path.abspath(image)]["hw"]) for image, _ in pairs]
+
+
+def patch_counts(sizes, cfg):
+    """Patches per image per epoch: patches_per_image, or (None) as many as tile the scaled image once,
+    so an epoch covers every image's area about once whatever the sizes."""
+    if cfg["patches_per_image"] is not None:
+        return [cfg["patches_per_image"]] * len(sizes)
+    p = cfg["image_size"]
+    return [math.ceil(h / p) * math.ceil(w / p) for h, w in (scaled_size(s, cfg["patch_scale"]) for s in sizes)]
+
+
+def pad_to(array, height, width, fill):
+    """Pad at the bottom/right up to height x width (as fit mode pads): images with 0, masks with
+    IGNORE_INDEX, so padding is left out of the loss and the metrics."""
+    rows, cols = max(0, height - array.shape[0]), max(0, width - array.shape[1])
+    if not rows and not cols:
+        return array
+    return np.pad(array, ((0, rows), (0, cols)) + ((0, 0),) * (array.ndim - 2), constant_values=fill)
+
+
+def foreground_positions(mask, seed):
+    """Per foreground class in the mask: up to FOREGROUND_SAMPLES (row, col) positions, a fixed
+    (seeded) subset, so centring a patch on a class needs no search of the whole mask per patch."""
+    rows, cols = np.nonzero((mask > 0) & (mask != IGNORE_INDEX))
+    classes, rng, out = mask[rows, cols], np.random.default_rng(seed), []
+    for c in np.flatnonzero(np.bincount(classes, minlength=1)):
+        where = np.flatnonzero(classes == c)
+        where = rng.choice(where, FOREGROUND_SAMPLES, replace=False) if len(where) > FOREGROUND_SAMPLES else where
+        out.append(np.stack([rows[where], cols[where]], axis=1))
+    return out
+
+
+def cut_patch(image, mask, foreground, cfg, rng):
+    """One image_size patch. With probability patch_foreground it is centred on a foreground pixel of a
+    class drawn uniformly among those present (a rare class gets as many patches as a common one);
+    else it lies anywhere, so the background keeps its natural share and false positives stay honest."""
+    size, (h, w) = cfg["image_size"], mask.shape
+    centred, u, v = rng.random() < cfg["patch_foreground"], rng.random(), rng.random()
+    if centred and foreground:
+        positions = foreground[int(u * len(foreground))]
+        cy, cx = positions[int(v * len(positions))]
+        top, left = cy - size // 2, cx - size // 2
+    else:
+        top, left = int(u * (max(h - size, 0) + 1)), int(v * (max(w - size, 0) + 1))
+    top, left = int(np.clip(top, 0, max(h - size, 0))), int(np.clip(left, 0, max(w - size, 0)))
+    window = (slice(top, top + size), slice(left, left + size))
+    return pad_to(image[window], size, size, 0), pad_to(mask[window], size, size, IGNORE_INDEX)
+
+
+class ImageCache:
+    """Least recently used decoded images up to a byte budget: a large image is decoded once, not once
+    per patch. Each loader worker keeps its own, with an equal share of PATCH_CACHE_BYTES."""
+
+    def __init__(self, budget):
+        self.budget, self.items, self.used = budget, {}, 0
+
+    def get(self, key):
+        if key in self.items:
+            self.items[key] = self.items.pop(key)  # most recently used last
+            return self.items[key][0]
+        return None
+
+    def put(self, key, value, nbytes):
+        worker = torch.utils.data.get_worker_info()
+        budget = self.budget // (worker.num_workers if worker else 1)
+        while self.items and self.used + nbytes > budget:
+            self.used -= self.items.pop(next(iter(self.items)))[1]
+        if nbytes <= budget:
+            self.items[key], self.used = (value, nbytes), self.used + nbytes
+
+
+PATCH_STREAM = 1  # keeps the patch-position generator apart from the augmentation's (seed_augmentation)
+
+
+class PatchDataset(SegDataset):
+    """Training patches: item i is patch k of image j (patch_counts), cut at a position drawn from
+    (seed, epoch, i), then augmented as in fit mode: the same on every worker count and after resume."""
+
+    def __init__(self, pairs, cfg, sizes):
+        super().__init__(pairs, cfg, train=True)
+        self.transform = build_transforms(cfg, train=True, resize=False)
+        self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
+        self.cache = ImageCache(PATCH_CACHE_BYTES)
+
+    def __len__(self):
+        return int(self.starts[-1])
+
+    def __getitem__(self, index):
+        image, mask, foreground = self.load(int(np.searchsorted(self.starts, index, side="right")) - 1)
+        rng = np.random.default_rng(np.random.SeedSequence([self.cfg["seed"], self.epoch, index, PATCH_STREAM]))
+        image, mask = cut_patch(image, mask, foreground, self.cfg, rng)
+        seed_augmentation(self.transform, self.cfg["seed"], self.epoch, index)
+        out = self.transform(image=image, mask=mask)
+        return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
+
+    def load(self, j):
+        """Image j scaled by patch_scale, its mask, and its foreground positions (cached)."""
+        found = self.cache.get(j)
+        if found is None:
+            image_path, mask_path = self.pairs[j]
+            mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
+            image, mask = rescale(read_image(image_path, self.cfg["in_channels"]), mask, self.cfg["patch_scale"])
+            found = (image, mask, foreground_positions(mask, [self.cfg["seed"], j]))
+            self.cache.put(j, found, image.nbytes + mask.nbytes)
+        return found
+
+
+class WholeImages(Dataset):
+    """Patch-mode validation: (image as read_image gives it, mask of class indices), whole, at the
+    original size. The loader passes them through unbatched: sizes differ."""
+
+    def __init__(self, pairs, cfg):
+        self.pairs, self.cfg = pairs, cfg
+
+    def __len__(self):
+        return len(self.pairs)
+
+    def __getitem__(self, index):
+        image_path, mask_path = self.pairs[index]
+        mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])
+        return torch.from_numpy(read_image(image_path, self.cfg["in_channels"])), torch.from_numpy(mask)
+
+
+def tile_starts(length, window, overlap):
+    """Tile offsets along one axis: one every window * (1 - overlap) pixels, the last flush with the end."""
+    if length <= window:
+        return [0]
+    stride = max(1, int(window * (1 - overlap)))
+    return sorted(set(range(0, length - window, stride)) | {length - window})
+
+
+def gaussian_ramp(window):
+    """1-D blending weights, sigma = window / 8 (as nnU-Net and MONAI use): a tile's centre counts most,
+    its border, where the convolutions saw the tile's edge rather than the image, least: no seams."""
+    t = torch.arange(window, dtype=torch.float64) + 0.5 - window / 2
+    return torch.exp(-t ** 2 / (2 * (window / 8) ** 2)).float()
+
+
+def coverage(starts, length, ramp):
+    """Sum of the ramps of every tile along one axis: the 2-D weight sum is the product of two such
+    vectors (tiles form a grid), so no full-size weight map is ever stored."""
+    total = torch.zeros(length)
+    for start in starts:
+        total[start:start + len(ramp)] += ramp
+    return total
+
+
+@torch.no_grad()
+def sliding_window(model, image, cfg, prec, hw):
+    """fp32 logits (classes x H x W, on the CPU) of an image from read_image, by overlapping
+    image_size tiles, tile_batch_size at a time, blended with Gaussian weights.
+
+    Only one batch of tiles is ever on the device, so device memory does not grow with the image;
+    the full-size sum is kept in fp32 on the CPU whatever the autocast dtype.
+    """
+    size, (h, w) = cfg["image_size"], image.shape[:2]
+    padded = pad_to(image, size, size, 0)  # smaller than a tile: padded as in fit mode, cropped after
+    ys, xs = (tile_starts(n, size, cfg["tile_overlap"]) for n in padded.shape[:2])
+    ramp, normalize = gaussian_ramp(size), normalizer(cfg)
+    weight = (ramp[:, None] * ramp[None, :]).to(hw.device)
+    total = torch.zeros(cfg["num_classes"], *padded.shape[:2])
+    tiles = [(y, x) for y in ys for x in xs]
+    for i in range(0, len(tiles), cfg["tile_batch_size"]):
+        batch = tiles[i:i + cfg["tile_batch_size"]]
+        x = torch.stack([image_tensor(normalize(padded[y:y + size, x:x + size])) for y, x in batch])
+        logits = (eval_forward(model, x, cfg, prec, hw).float() * weight).cpu()
+        for (y, x), tile in zip(batch, logits):
+            total[:, y:y + size, x:x + size] += tile
+    total.div_(coverage(ys, padded.shape[0], ramp)[None, :, None]).div_(coverage(xs, padded.shape[1], ramp)[None, None, :])
+    return total[:, :h, :w]
+
+
+def predict_logits(model, image, cfg, prec, hw):
+    """Patch mode: fp32 logits (classes x H x W, CPU) at the image's own size: scaled by patch_scale,
+    through the sliding window, resized back. Validation and predict both call this."""
+    h, w = image.shape[:2]
+    logits = sliding_window(model, rescale(image, None, cfg["patch_scale"])[0], cfg, prec, hw)
+    if logits.shape[1:] != (h, w):
+        logits = nn.functional.interpolate(logits[None], size=(h, w), mode="bilinear", align_corners=False)[0]
+    return logits
+
+
+def eval_forward(model, x, cfg, prec, hw):
+    """Inference forward of a batch in the run's layout, under autocast when prec says so."""
+    x = x.to(hw.device, non_blocking=True)
+    if cfg["channels_last"] is True:  # resolved before: train() and predict_layout() decide it
+        x = x.contiguous(memory_format=torch.channels_last)
+    with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+        return model(x)
+
+
+def patch_summary(cfg, patches):
+    return (f"patch mode: {patches} patches of {cfg['image_size']}x{cfg['image_size']} per epoch at scale "
+            f"{cfg['patch_scale']:g} ({cfg['patch_foreground']:.0%} centred on foreground); validation on "
+            f"whole images by sliding window (overlap {cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles "
+            f"per forward)")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1693,26 +1964,38 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
 
 @torch.no_grad()
 def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
-    """Loss and dataset-level IoU/Dice; in fp32 unless eval_amp=True."""
+    """Loss and dataset-level IoU/Dice; in fp32 unless eval_amp=True. Patch mode: whole images by
+    the sliding window, as predict sees them."""
     model.eval()
-    use_amp = prec.amp and cfg["eval_amp"]
+    prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
+    batch_logits = window_batch_logits if cfg["data_mode"] == "patch" else fit_batch_logits
     metric = SegMetric(cfg["num_classes"], hw.device)
     totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     start, last_refresh, seen = time.perf_counter(), 0.0, 0
-    for x, y in bar:
-        x, y = to_device(x, y, hw, cfg["channels_last"])
-        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=use_amp):
-            logits = model(x)
-        totals[0] += loss_fn(logits, y).detach() * x.shape[0]
-        totals[1] += x.shape[0]
+    for batch in bar:
+        logits, y = batch_logits(model, batch, cfg, prec, hw)
+        totals[0] += loss_fn(logits, y).detach() * y.shape[0]
+        totals[1] += y.shape[0]
         metric.update(logits, y)
-        seen += x.shape[0]
+        seen += y.shape[0]
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
             last_refresh = show_progress(bar, totals, metric, seen, start)
     bar.close()
     loss_sum, count = all_reduce_(totals).tolist()
     return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
+
+
+def fit_batch_logits(model, batch, cfg, prec, hw):
+    x, y = batch
+    return eval_forward(model, x, cfg, prec, hw), y.to(hw.device, non_blocking=True)
+
+
+def window_batch_logits(model, batch, cfg, prec, hw):
+    """One whole image (an unbatched loader item) -> (1 x classes x H x W logits, 1 x H x W mask)."""
+    image, mask = batch
+    logits = predict_logits(model, image.numpy(), cfg, prec, hw)
+    return logits[None].to(hw.device), mask[None].long().to(hw.device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1926,6 +2209,8 @@ PREDICT_CONFIG = {
     "amp_dtype": "auto",
     "force_amp_dtype": False,
     "progress": True,
+    "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
+    "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
 }
 
 
@@ -1976,24 +2261,19 @@ def valid_region(transform, height, width):
     return rows.max() + 1, cols.max() + 1  # padding is at the bottom/right (position="top_left")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
-    class indices (uint8) at the same sizes.
+    class indices (uint8) at the same sizes, the way the checkpoint's data_mode validated.
 
-    Same preprocessing as validation; logits are cropped to the image's area and resized back.
+    fit: same preprocessing as validation; logits are cropped to the image's area and resized back.
+    patch: each image through the sliding window (predict_logits).
     """
+    if cfg["data_mode"] == "patch":
+        return [logits_to_mask(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
     transform = build_transforms(cfg, train=False)
-    tensors = []
-    for image in images:
-        out = transform(image=image)["image"]
-        out = out[..., None] if out.ndim == 2 else out
-        tensors.append(torch.from_numpy(out.transpose(2, 0, 1).copy()))
-    x = torch.stack(tensors).to(hw.device)
-    if cfg["channels_last"] is True:  # predict() resolves it and converts the model to match
-        x = x.contiguous(memory_format=torch.channels_last)
-    with torch.inference_mode(), torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-        logits = model(x)
+    x = torch.stack([image_tensor(transform(image=image)["image"]) for image in images])
+    logits = eval_forward(model, x, cfg, prec, hw)  # channels_last: predict() converts the model to match
     masks = []
     for image, logit in zip(images, logits.float()):
         h, w = image.shape[:2]
@@ -2002,9 +2282,14 @@ def predict_batch(model, images, cfg, prec, hw):
         if (vh, vw) != (h, w):
             logit = torch.nn.functional.interpolate(logit[None], size=(h, w), mode="bilinear",
                                                     align_corners=False)[0]
-        mask = (logit[0] > 0) if cfg["num_classes"] == 1 else logit.argmax(0)
-        masks.append(mask.to(torch.uint8).cpu().numpy())
+        masks.append(logits_to_mask(logit, cfg["num_classes"]))
     return masks
+
+
+def logits_to_mask(logits, num_classes):
+    """classes x H x W logits -> H x W class indices (uint8): binary at logit 0, else the argmax."""
+    mask = (logits[0] > 0) if num_classes == 1 else logits.argmax(0)
+    return mask.to(torch.uint8).cpu().numpy()
 
 
 def mask_to_png(mask, num_classes):
@@ -2032,6 +2317,9 @@ def validate_predict(opts):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
     if opts["amp_dtype"] not in CHOICES["amp_dtype"]:
         raise UserError(f"amp_dtype={opts['amp_dtype']!r} is not allowed: use one of auto, bfloat16, float16")
+    for key, (ok, rule) in TILE_RULES.items():
+        if opts[key] is not None and not ok(opts[key]):
+            raise UserError(f"{key}={opts[key]!r} {rule}")
     return opts
 
 
@@ -2051,10 +2339,11 @@ def output_paths(paths, out_dir):
 
 
 def predict_layout(model, cfg, opts, hw, prec):
-    """Layout decided for this machine and predict's batch ("auto": the checkpoint's layout was a
-    speed choice of the machine that trained it); the model is converted with its inputs."""
-    channels_last, _ = decide_channels_last({**cfg, "channels_last": "auto",
-                                             "batch_size": opts["batch_size"]}, hw, prec)
+    """Layout decided for this machine and predict's batch of images, or of tiles in patch mode
+    ("auto": the checkpoint's layout was a speed choice of the machine that trained it); the model
+    is converted with its inputs."""
+    batch = cfg["tile_batch_size"] if cfg["data_mode"] == "patch" else opts["batch_size"]
+    channels_last, _ = decide_channels_last({**cfg, "channels_last": "auto", "batch_size": batch}, hw, prec)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, {**cfg, "channels_last": channels_last}
@@ -2066,18 +2355,22 @@ def predict(opts):
     hw = detect_hardware(opts["device"])
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_model(opts["checkpoint"], hw)
+    cfg = {**cfg, **{k: opts[k] for k in TILE_RULES if opts[k] is not None}}  # tiling may change at predict
     model, cfg = predict_layout(model, cfg, opts, hw, prec)
     paths = list_images(opts["input"])
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir)))
     check_writable(out_dir)
+    tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
+             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
     print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
-          + (f" ({prec.warning})" if prec.warning else ""))
+          + (f" ({prec.warning})" if prec.warning else "") + tiled)
     failed, done, start = [], 0, time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
-    for i in range(0, len(paths), opts["batch_size"]):
+    per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
+    for i in range(0, len(paths), per_batch):
         batch = []
-        for path in paths[i:i + opts["batch_size"]]:
+        for path in paths[i:i + per_batch]:
             try:
                 batch.append((path, read_image(path, cfg["in_channels"])))
             except UserError as exc:
@@ -2088,7 +2381,7 @@ def predict(opts):
             if opts["overlay"]:
                 cv2.imwrite(str(out_dir / f"{path.stem}_overlay.png"), overlay_image(image, mask))
             done += 1
-        bar.update(len(paths[i:i + opts["batch_size"]]))
+        bar.update(len(paths[i:i + per_batch]))
     bar.close()
     seconds = time.perf_counter() - start
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
@@ -2863,6 +3156,8 @@ def announce_run(cfg, hw, run, sizes, extra):
     print("config:\n" + format_config(cfg))
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
           f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
+    if cfg["data_mode"] == "patch":
+        print(patch_summary(cfg, n_batches * cfg["batch_size"] * DIST.world))
     if DIST.enabled:
         print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
               f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")

@@ -1,0 +1,318 @@
+"""data_mode=patch: training patches at native resolution, and the blended sliding window that
+validation and predict share (predict_logits).
+
+Numerics are checked with small exact models (a 1x1 and a 3x3 convolution, no BatchNorm), where the
+expected answer is known; a tiny U-Net covers the end-to-end path.
+"""
+import cv2
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import train_unet
+from train_unet import IGNORE_INDEX, PatchDataset, UserError, cut_patch, foreground_positions, predict_logits
+
+
+@pytest.fixture
+def fp32():
+    return train_unet.Precision(torch.float32, False, "test")
+
+
+def window_cfg(**overrides):
+    """The keys the sliding window reads, at a 32 px window."""
+    return {**train_unet.CONFIG, "image_size": 32, "tile_overlap": 0.5, "tile_batch_size": 4, "num_classes": 1,
+            "in_channels": 3, "channels_last": False, "patch_scale": 1.0, "data_mode": "patch", **overrides}
+
+
+def conv_model(kernel, seed=0, classes=1):
+    """A plain convolution stack ('same' zero padding): receptive field radius = number of 3x3 layers."""
+    torch.manual_seed(seed)
+    layers = [nn.Conv2d(3, classes, 1)] if kernel == 1 else \
+        [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, classes, 3, padding=1)]
+    return nn.Sequential(*layers).eval()
+
+
+def full_forward(model, image, cfg):
+    """The reference: one forward pass over the whole (normalized) image."""
+    with torch.no_grad():
+        return model(train_unet.image_tensor(train_unet.normalizer(cfg)(image))[None])[0]
+
+
+def rng_image(h, w, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The sliding window
+# ---------------------------------------------------------------------------------------------------
+def test_constant_image_gives_a_seam_free_constant_prediction(fp32):
+    """Overlapping tiles in a grid that does not divide the image: the blend is exactly constant."""
+    cfg = window_cfg(tile_overlap=0.25)
+    image = np.full((150, 230, 3), 97, np.uint8)
+    logits = predict_logits(conv_model(1), image, cfg, fp32, train_unet.detect_hardware("cpu"))
+    assert logits.shape == (1, 150, 230) and logits.dtype == torch.float32
+    expected = full_forward(conv_model(1), image[:1, :1], cfg)[0, 0, 0]
+    assert torch.allclose(logits, expected.expand_as(logits), atol=1e-5), (logits.min(), logits.max())
+
+
+def clean_pixels(height, width, window, overlap, radius):
+    """Pixels that every covering tile holds with their whole receptive field (not within `radius`
+    of a tile edge that lies inside the image)."""
+    ys = train_unet.tile_starts(height, window, overlap)
+    xs = train_unet.tile_starts(width, window, overlap)
+    dirty = np.zeros((height, width), bool)
+    for y in ys:
+        for x in xs:
+            tile = np.zeros((window, window), bool)
+            if y > 0:
+                tile[:radius] = True
+            if y + window < height:
+                tile[-radius:] = True
+            if x > 0:
+                tile[:, :radius] = True
+            if x + window < width:
+                tile[:, -radius:] = True
+            dirty[y:y + window, x:x + window] |= tile
+    return ~dirty
+
+
+@pytest.mark.parametrize("overlap", [0.0, 0.25, 0.5])
+def test_sliding_window_equals_a_full_forward_where_tiles_hold_the_receptive_field(fp32, overlap):
+    cfg = window_cfg(tile_overlap=overlap)
+    model, image = conv_model(3), rng_image(100, 140)
+    logits = predict_logits(model, image, cfg, fp32, train_unet.detect_hardware("cpu"))
+    full = full_forward(model, image, cfg)
+    clean = torch.from_numpy(clean_pixels(100, 140, 32, overlap, radius=2))
+    assert clean.float().mean() > 0.5
+    assert torch.allclose(logits[0][clean], full[0][clean], atol=1e-5)
+    # where a tile edge cut the receptive field the blend differs: the comparison above is not vacuous
+    assert (logits[0][~clean] - full[0][~clean]).abs().max() > 1e-4
+
+
+def test_results_do_not_depend_on_the_tile_batch_size(fp32):
+    import segmentation_models_pytorch as smp
+
+    torch.manual_seed(0)
+    model = smp.Unet("resnet18", encoder_weights=None, classes=3).eval()
+    image, hw = rng_image(90, 150, seed=1), train_unet.detect_hardware("cpu")
+    out = [predict_logits(model, image, window_cfg(num_classes=3, tile_batch_size=b), fp32, hw) for b in (1, 3, 64)]
+    assert out[0].shape == (3, 90, 150)
+    for other in out[1:]:
+        assert torch.allclose(out[0], other, atol=1e-4)
+        assert np.array_equal(train_unet.logits_to_mask(out[0], 3), train_unet.logits_to_mask(other, 3))
+
+
+def test_images_smaller_than_a_tile_are_padded_and_cropped(fp32):
+    cfg, model, hw = window_cfg(), conv_model(3), train_unet.detect_hardware("cpu")
+    image = rng_image(20, 27)
+    padded = np.zeros((32, 32, 3), np.uint8)
+    padded[:20, :27] = image
+    logits = predict_logits(model, image, cfg, fp32, hw)
+    assert logits.shape == (1, 20, 27)
+    assert torch.allclose(logits, full_forward(model, padded, cfg)[:, :20, :27], atol=1e-5)
+
+
+def test_patch_scale_predicts_at_the_original_size(fp32):
+    cfg, hw = window_cfg(patch_scale=0.5), train_unet.detect_hardware("cpu")
+    logits = predict_logits(conv_model(1), rng_image(101, 77), cfg, fp32, hw)
+    assert logits.shape == (1, 101, 77)
+
+
+class ShapeRecorder(nn.Module):
+    """Records every input batch the model sees (what would sit on the device)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.shapes = inner, []
+
+    def forward(self, x):
+        self.shapes.append(tuple(x.shape))
+        return self.inner(x)
+
+
+def test_device_memory_does_not_grow_with_the_image(fp32):
+    """Only one batch of tiles is ever handed to the model; the full-size sum stays on the CPU.
+    (On a GPU, tests/test_patch.py::test_cuda_memory_is_the_same_for_small_and_huge_images measures it.)"""
+    cfg, hw = window_cfg(tile_batch_size=5), train_unet.detect_hardware("cpu")
+    sizes = {}
+    for h, w in ((100, 100), (700, 900)):
+        model = ShapeRecorder(conv_model(1))
+        logits = predict_logits(model, rng_image(h, w), cfg, fp32, hw)
+        assert logits.device.type == "cpu" and logits.dtype == torch.float32
+        sizes[(h, w)] = (max(np.prod(s) for s in model.shapes), len(model.shapes))
+    (small, small_calls), (big, big_calls) = sizes[(100, 100)], sizes[(700, 900)]
+    assert small == big == 5 * 3 * 32 * 32
+    assert big_calls > 20 * small_calls
+
+
+def test_logits_are_accumulated_in_fp32_under_autocast():
+    cfg, hw = window_cfg(), train_unet.detect_hardware("cpu")
+    bf16 = train_unet.Precision(torch.bfloat16, False, "test")
+    logits = predict_logits(conv_model(3), rng_image(70, 70), cfg, bf16, hw)
+    assert logits.dtype == torch.float32
+    reference = predict_logits(conv_model(3), rng_image(70, 70), cfg, train_unet.Precision(torch.float32, False, "t"), hw)
+    assert (logits - reference).abs().max() < 0.05  # bf16 forward, fp32 sum: close, not equal
+
+
+@pytest.mark.cuda
+def test_cuda_memory_is_the_same_for_small_and_huge_images():
+    hw = train_unet.detect_hardware("cuda")
+    cfg, prec = window_cfg(image_size=256, tile_batch_size=8), train_unet.Precision(torch.bfloat16, False, "t")
+    model, peaks = conv_model(3).to(hw.device), []
+    for side in (1000, 20000):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        predict_logits(model, np.zeros((side, side, 3), np.uint8), cfg, prec, hw)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    assert peaks[1] <= peaks[0] * 1.05 + (1 << 20), peaks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training patches
+# ---------------------------------------------------------------------------------------------------
+def blob_mask(h, w, boxes):
+    mask = np.zeros((h, w), np.uint8)
+    for value, (y, x, s) in boxes:
+        mask[y:y + s, x:x + s] = value
+    return mask
+
+
+def foreground_share(mask, cfg, n=1000, value=None):
+    image = np.zeros(mask.shape + (3,), np.uint8)
+    positions, hits = foreground_positions(mask, 0), 0
+    for i in range(n):
+        _, patch = cut_patch(image, mask, positions, cfg, np.random.default_rng(i))
+        hits += bool(((patch > 0) & (patch != IGNORE_INDEX)).any() if value is None else (patch == value).any())
+    return hits / n
+
+
+def test_patches_are_centred_on_rare_foreground_at_the_configured_share():
+    mask = blob_mask(512, 512, [(1, (400, 30, 6))])  # one 6x6 blob in 512x512: 0.014% of the pixels
+    base = dict(image_size=64, patch_foreground=0.0)
+    assert foreground_share(mask, base) < 0.05  # uniform patches alone hardly ever see it
+    share = foreground_share(mask, {**base, "patch_foreground": 0.5})
+    assert 0.45 <= share <= 0.6, share  # 0.5 centred + the few uniform ones that catch it
+
+
+def test_a_rare_class_gets_as_many_centred_patches_as_a_common_one():
+    mask = blob_mask(400, 400, [(1, (0, 0, 200)), (2, (350, 350, 4))])  # class 2: 16 pixels
+    cfg = dict(image_size=64, patch_foreground=1.0)
+    assert 0.42 <= foreground_share(mask, cfg, value=2) <= 0.6
+
+
+def test_a_patch_of_an_image_smaller_than_the_patch_is_padded_with_the_ignore_label():
+    image = np.full((40, 50, 3), 200, np.uint8)
+    mask = blob_mask(40, 50, [(1, (10, 10, 5))])
+    img, msk = cut_patch(image, mask, foreground_positions(mask, 0), dict(image_size=64, patch_foreground=0.5),
+                         np.random.default_rng(0))
+    assert img.shape == (64, 64, 3) and msk.shape == (64, 64)
+    assert (msk[40:] == IGNORE_INDEX).all() and (msk[:, 50:] == IGNORE_INDEX).all()
+    assert (img[40:] == 0).all() and (img[:40, :50] == 200).all()
+    assert np.array_equal(msk[:40, :50], mask)
+
+
+def write_scenes(root, count=6, size=(160, 200), seed=0):
+    """Large-ish scenes with small bright squares: images/ and masks/ (0/255)."""
+    rng = np.random.default_rng(seed)
+    (root / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    for i in range(count):
+        image = rng.integers(0, 90, size + (3,), dtype=np.uint8)
+        mask = np.zeros(size, np.uint8)
+        for _ in range(4):
+            y, x, s = rng.integers(0, size[0] - 8), rng.integers(0, size[1] - 8), rng.integers(4, 9)
+            image[y:y + s, x:x + s] = 230
+            mask[y:y + s, x:x + s] = 255
+        cv2.imwrite(str(root / "images" / f"scene_{i}.png"), image)
+        cv2.imwrite(str(root / "masks" / f"scene_{i}.png"), mask)
+    return root
+
+
+@pytest.fixture
+def scenes(tmp_path):
+    return write_scenes(tmp_path / "scenes")
+
+
+def patch_config(make_cfg, scenes, **overrides):
+    settings = dict(data_dir=str(scenes), data_mode="patch", image_size=64, batch_size=4, val_fraction=0.34,
+                    tile_batch_size=4)
+    return make_cfg(**{**settings, **overrides})
+
+
+def test_an_epoch_tiles_each_image_about_once_unless_patches_per_image_is_set(make_cfg, scenes):
+    cfg = patch_config(make_cfg, scenes)
+    train, _ = train_unet.prepare_data(cfg)
+    sizes = train_unet.image_sizes(train, cfg)
+    assert sizes == [(160, 200)] * len(train)
+    assert len(PatchDataset(train, cfg, sizes)) == len(train) * 3 * 4  # ceil(160/64) x ceil(200/64)
+    assert len(PatchDataset(train, {**cfg, "patches_per_image": 5}, sizes)) == len(train) * 5
+    half = {**cfg, "patch_scale": 0.5}
+    assert len(PatchDataset(train, half, sizes)) == len(train) * 2 * 2  # 80 x 100 px after scaling
+
+
+def test_patch_sampling_is_reproducible_per_seed_epoch_and_index(make_cfg, scenes):
+    cfg = patch_config(make_cfg, scenes)
+    train, _ = train_unet.prepare_data(cfg)
+    sizes = train_unet.image_sizes(train, cfg)
+    a, b = PatchDataset(train, cfg, sizes), PatchDataset(train, cfg, sizes)
+    order = list(range(len(a)))
+    first = [a[i] for i in order]
+    again = [b[i] for i in reversed(order)][::-1]  # another instance, the cache filled in another order
+    for (xa, ya), (xb, yb) in zip(first, again):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    b.epoch = 1
+    assert not all(torch.equal(a[i][1], b[i][1]) for i in order[:8])  # a new epoch cuts other patches
+    assert not torch.equal(a[0][0], a[1][0])  # two patches of one image differ
+    loader = torch.utils.data.DataLoader(PatchDataset(train, cfg, sizes), batch_size=4, num_workers=1)
+    for (xl, yl), start in zip(loader, range(0, len(order), 4)):
+        assert torch.equal(xl, torch.stack([x for x, _ in first[start:start + 4]]))
+
+
+def test_patch_mode_trains_and_val_iou_is_the_iou_predict_gives(make_cfg, scenes, tmp_path):
+    cfg = patch_config(make_cfg, scenes, epochs=1)
+    result = train_unet.train(cfg)
+    val_iou = result["history"][-1]["val_iou"]
+    _, val = train_unet.prepare_data(cfg)
+    out = tmp_path / "pred"
+    train_unet.predict({"checkpoint": str(tmp_path / "ckpt" / "last.pt"), "input": str(scenes / "images"),
+                        "output": str(out), "use_amp": False, "progress": False, "device": "cpu"})
+    metric = train_unet.SegMetric(1)
+    for image_path, mask_path in val:
+        pred = cv2.imread(str(out / f"{image_path.stem}.png"), cv2.IMREAD_UNCHANGED)
+        assert pred.shape == (160, 200)
+        truth = torch.from_numpy(train_unet.read_mask(mask_path, 1)).long()
+        logits = torch.from_numpy(np.where(pred > 0, 1.0, -1.0).astype(np.float32))
+        metric.update(logits[None, None], truth[None])
+    assert metric.compute()["iou"] == pytest.approx(val_iou, abs=1e-9)
+
+
+def test_predict_can_override_the_tiling_and_refuses_impossible_values(make_cfg, scenes, tmp_path, capsys):
+    train_unet.train(patch_config(make_cfg, scenes, epochs=1))
+    base = {"checkpoint": str(tmp_path / "ckpt" / "last.pt"), "input": str(scenes / "images" / "scene_0.png"),
+            "output": str(tmp_path / "p"), "use_amp": False, "progress": False, "device": "cpu"}
+    assert train_unet.predict({**base, "tile_overlap": 0.5, "tile_batch_size": 2})["predicted"] == 1
+    assert "overlap 0.5, 2 tiles per forward" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"tile_overlap=0.95 must be in \[0, 0.9\]"):
+        train_unet.predict({**base, "tile_overlap": 0.95})
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("data_mode=tiles", "data_mode='tiles' is not allowed: use one of fit, patch"),
+    ("patch_scale=0", r"patch_scale=0.0 must be in \(0, 4\]"),
+    ("tile_overlap=1", r"tile_overlap=1.0 must be in \[0, 0.9\]"),
+    ("tile_overlap=none", r"tile_overlap=None must be in \[0, 0.9\]"),
+    ("patches_per_image=0", "patches_per_image=0 must be >= 1"),
+    ("patch_foreground=1.5", r"patch_foreground=1.5 must be a share in \[0, 1\]"),
+    ("tile_batch_size=0", "tile_batch_size=0 must be a whole number >= 1"),
+])
+def test_impossible_patch_settings_are_one_line_errors(arg, message):
+    with pytest.raises(UserError, match=message):
+        train_unet.parse_overrides([arg])
+
+
+def test_too_few_patches_for_a_batch_is_a_clear_error(make_cfg, scenes):
+    cfg = patch_config(make_cfg, scenes, patches_per_image=1, batch_size=8)
+    with pytest.raises(UserError, match=r"4 patch\(es\) per epoch from 4 image\(s\), fewer than batch_size=8"):
+        train_unet.prepare_data(cfg)
