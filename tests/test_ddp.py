@@ -72,6 +72,19 @@ def test_ddp_run_matches_single_process_evaluation_and_cross_loads(ddp_args, tmp
                                                                      abs=1e-12)
 
 
+def test_ddp_patch_mode_validates_whole_images_exactly_once(tmp_path):
+    """Patch mode: each rank validates its share of whole images by sliding window; the all-reduced
+    IoU equals one process's over every image (3 val images: 2 on rank 0, 1 on rank 1)."""
+    from test_patch import write_scenes
+
+    data, ckpt = write_scenes(tmp_path / "scenes", count=8, size=(70, 100)), tmp_path / "ddp_patch"
+    out = torchrun(f"data_dir={data}", "data_mode=patch", "image_size=32", "batch_size=2", "device=cpu",
+                   "progress=False", "val_fraction=0.3", "epochs=1", "tile_batch_size=4", f"checkpoint_dir={ckpt}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "patch mode: " in out.stdout and "sliding window" in out.stdout
+    assert single_process_val_iou(ckpt / "last.pt") == pytest.approx(float(history(ckpt)[0]["val_iou"]), abs=1e-12)
+
+
 def test_ddp_user_error_stops_the_group_with_its_message(tmp_path):
     out = torchrun(f"data_dir={tmp_path / 'missing'}", "device=cpu", f"checkpoint_dir={tmp_path / 'c'}",
                    timeout=120)
