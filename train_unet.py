@@ -1578,7 +1578,11 @@ class SegMetric:
         # A fixed-size scatter-add: unlike torch.bincount (which reads its input's min/max back to the
         # host) it never syncs, and ignored pixels go to the extra bin (no boolean indexing either).
         index = torch.where(target == IGNORE_INDEX, self.n * self.n, target * self.n + pred.reshape(-1))
-        self.flat.scatter_add_(0, index, self._one.expand(index.shape))
+        if index.device == self.flat.device:
+            self.flat.scatter_add_(0, index, self._one.expand(index.shape))
+        else:  # whole images (patch mode) are counted on the CPU where their logits are; only counts move
+            ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.shape)
+            self.flat += torch.zeros_like(self.flat, device=index.device).scatter_add_(0, index, ones).to(self.flat.device)
 
     def with_counts(self, flat):
         """A copy of this metric holding the given counts (e.g. a host copy, for a progress bar)."""
@@ -1975,7 +1979,7 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     start, last_refresh, seen = time.perf_counter(), 0.0, 0
     for batch in bar:
         logits, y = batch_logits(model, batch, cfg, prec, hw)
-        totals[0] += loss_fn(logits, y).detach() * y.shape[0]
+        totals[0] += loss_fn(logits, y).detach().to(hw.device) * y.shape[0]
         totals[1] += y.shape[0]
         metric.update(logits, y)
         seen += y.shape[0]
@@ -1992,10 +1996,10 @@ def fit_batch_logits(model, batch, cfg, prec, hw):
 
 
 def window_batch_logits(model, batch, cfg, prec, hw):
-    """One whole image (an unbatched loader item) -> (1 x classes x H x W logits, 1 x H x W mask)."""
+    """One whole image (an unbatched loader item) -> (1 x classes x H x W logits, 1 x H x W mask), both
+    on the CPU: a full-size image never goes to the device (loss and counts are taken on the CPU)."""
     image, mask = batch
-    logits = predict_logits(model, image.numpy(), cfg, prec, hw)
-    return logits[None].to(hw.device), mask[None].long().to(hw.device)
+    return predict_logits(model, image.numpy(), cfg, prec, hw)[None], mask[None].long()
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -316,3 +316,14 @@ def test_too_few_patches_for_a_batch_is_a_clear_error(make_cfg, scenes):
     cfg = patch_config(make_cfg, scenes, patches_per_image=1, batch_size=8)
     with pytest.raises(UserError, match=r"4 patch\(es\) per epoch from 4 image\(s\), fewer than batch_size=8"):
         train_unet.prepare_data(cfg)
+
+
+@pytest.mark.cuda
+def test_whole_image_counts_taken_on_the_cpu_add_up_on_the_gpu():
+    """Patch-mode validation counts whole images on the CPU and moves only the counts to the device."""
+    logits, target = torch.randn(1, 3, 300, 200), torch.randint(0, 3, (1, 300, 200))
+    target[0, :10] = IGNORE_INDEX
+    cpu, gpu = train_unet.SegMetric(3), train_unet.SegMetric(3, "cuda")
+    cpu.update(logits, target)
+    gpu.update(logits, target)
+    assert torch.equal(cpu.flat, gpu.flat.cpu())
