@@ -1034,7 +1034,7 @@ def prepare_data(cfg):
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     check_pairs(train + val, cfg)
-    samples = len(train) if cfg["data_mode"] == "fit" else sum(patch_counts(image_sizes(train, cfg), cfg))
+    samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
         what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
             f"{samples} patch(es) per epoch from {len(train)} image(s)"
@@ -1042,6 +1042,11 @@ def prepare_data(cfg):
         raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
                         f"lower batch_size or add images")
     return train, val
+
+
+def training_samples(pairs, cfg):
+    """Samples per epoch: images (fit), or patches (patch mode: patch_counts)."""
+    return len(pairs) if cfg["data_mode"] == "fit" else sum(patch_counts(image_sizes(pairs, cfg), cfg))
 
 
 def build_transforms(cfg, train, resize=True):
@@ -3118,7 +3123,7 @@ def train(cfg, explicit=()):
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, len(train_pairs), notes)
+    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)

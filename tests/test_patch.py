@@ -247,6 +247,8 @@ def test_an_epoch_tiles_each_image_about_once_unless_patches_per_image_is_set(ma
     sizes = train_unet.image_sizes(train, cfg)
     assert sizes == [(160, 200)] * len(train)
     assert len(PatchDataset(train, cfg, sizes)) == len(train) * 3 * 4  # ceil(160/64) x ceil(200/64)
+    # what the batch-size checks (and batch_size=auto's cap) count: patches, not images
+    assert train_unet.training_samples(train, cfg) == len(train) * 3 * 4
     assert len(PatchDataset(train, {**cfg, "patches_per_image": 5}, sizes)) == len(train) * 5
     half = {**cfg, "patch_scale": 0.5}
     assert len(PatchDataset(train, half, sizes)) == len(train) * 2 * 2  # 80 x 100 px after scaling
