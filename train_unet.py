@@ -28,8 +28,10 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -1039,8 +1041,9 @@ def prepare_data(cfg):
         what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
             f"{samples} patch(es) per epoch from {len(train)} image(s)"
         per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
+        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
         raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
-                        f"lower batch_size or add images")
+                        f"lower batch_size or {more}")
     return train, val
 
 
@@ -1173,12 +1176,25 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
         sampler = torch.utils.data.RandomSampler(train_set, generator=torch.Generator().manual_seed(cfg["seed"]))
         train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True,
                                   generator=torch.Generator().manual_seed(cfg["seed"]), **common)
-    # Validation shards the set without padding (rank r takes r, r+world, ...): with the counts
-    # all-reduced, every image is counted exactly once, so the IoU equals a single process's.
-    val_order = list(range(DIST.rank, len(val_set), DIST.world))
-    val_batch = cfg["batch_size"] if cfg["data_mode"] == "fit" else None  # patch: whole images, one by one
-    val_loader = DataLoader(val_set, val_batch, sampler=val_order, **common)
+    # Validation shards the set without padding (validation_shard): with the counts all-reduced, every
+    # image is counted exactly once, so the IoU equals a single process's.
+    if cfg["data_mode"] == "fit":
+        val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg), **common)
+    else:  # whole images, one at a time and unbatched (sizes differ); they stay on the CPU: not pinned
+        val_loader = DataLoader(val_set, None, sampler=validation_shard(val_pairs, cfg),
+                                **{**common, "pin_memory": False})
     return train_loader, val_loader
+
+
+def validation_shard(val_pairs, cfg):
+    """This rank's validation images: rank r takes r, r + world, ... so each is counted exactly once
+    (the counts are all-reduced). Patch mode deals them largest first: the sliding window's time
+    follows the pixels, and sizes vary."""
+    order = list(range(len(val_pairs)))
+    if cfg["data_mode"] == "patch" and DIST.enabled:
+        sizes = image_sizes(val_pairs, cfg)
+        order.sort(key=lambda i: -sizes[i][0] * sizes[i][1])
+    return order[DIST.rank::DIST.world]
 
 
 def build_datasets(train_pairs, val_pairs, cfg):
@@ -1202,7 +1218,6 @@ def start_epoch_data(loader, epoch, seed):
 # resolution); validation and predict run whole images through one blended sliding window
 # (predict_logits), so the val IoU is the IoU predict gives.
 # ----------------------------------------------------------------------------------------------------
-PATCH_CACHE_BYTES = 1 << 30  # decoded (scaled) images kept per process, split between loader workers
 FOREGROUND_SAMPLES = 4096    # pixel positions kept per class and image for foreground-centred patches
 
 
@@ -1244,16 +1259,27 @@ def pad_to(array, height, width, fill):
     return np.pad(array, ((0, rows), (0, cols)) + ((0, 0),) * (array.ndim - 2), constant_values=fill)
 
 
-def foreground_positions(mask, seed):
-    """Per foreground class in the mask: up to FOREGROUND_SAMPLES (row, col) positions, a fixed
-    (seeded) subset, so centring a patch on a class needs no search of the whole mask per patch."""
-    rows, cols = np.nonzero((mask > 0) & (mask != IGNORE_INDEX))
-    classes, rng, out = mask[rows, cols], np.random.default_rng(seed), []
-    for c in np.flatnonzero(np.bincount(classes, minlength=1)):
-        where = np.flatnonzero(classes == c)
-        where = rng.choice(where, FOREGROUND_SAMPLES, replace=False) if len(where) > FOREGROUND_SAMPLES else where
-        out.append(np.stack([rows[where], cols[where]], axis=1))
-    return out
+def foreground_positions(mask, seed, band_rows=1024):
+    """Per foreground class in the mask: up to FOREGROUND_SAMPLES (row, col) positions, a uniform
+    (seeded) sample, so centring a patch on a class needs no search of the whole mask per patch.
+
+    Found one band of rows at a time, keeping the positions with the smallest random keys: uniform
+    without replacement, in memory bounded by the band, not by the mask (a 10,000² scene)."""
+    rng, keep = np.random.default_rng(seed), {}
+    for top in range(0, mask.shape[0], band_rows):
+        band = np.asarray(mask[top:top + band_rows])
+        rows, cols = np.nonzero((band > 0) & (band != IGNORE_INDEX))
+        classes, keys = band[rows, cols], rng.random(len(rows))
+        for c in np.unique(classes):
+            pick = classes == c
+            k, where = keys[pick], np.stack([rows[pick] + top, cols[pick]], axis=1).astype(np.int32)
+            if c in keep:
+                k, where = np.concatenate([keep[c][0], k]), np.concatenate([keep[c][1], where])
+            if len(k) > FOREGROUND_SAMPLES:
+                smallest = np.argpartition(k, FOREGROUND_SAMPLES)[:FOREGROUND_SAMPLES]
+                k, where = k[smallest], where[smallest]
+            keep[c] = (k, where)
+    return [keep[c][1] for c in sorted(keep)]
 
 
 def cut_patch(image, mask, foreground, cfg, rng):
@@ -1269,30 +1295,37 @@ def cut_patch(image, mask, foreground, cfg, rng):
     else:
         top, left = int(u * (max(h - size, 0) + 1)), int(v * (max(w - size, 0) + 1))
     top, left = int(np.clip(top, 0, max(h - size, 0))), int(np.clip(left, 0, max(w - size, 0)))
-    window = (slice(top, top + size), slice(left, left + size))
-    return pad_to(image[window], size, size, 0), pad_to(mask[window], size, size, IGNORE_INDEX)
+    window = (slice(top, top + size), slice(left, left + size))  # copied out: the image may be a memory map
+    return (pad_to(np.array(image[window]), size, size, 0),
+            pad_to(np.array(mask[window]), size, size, IGNORE_INDEX))
 
 
-class ImageCache:
-    """Least recently used decoded images up to a byte budget: a large image is decoded once, not once
-    per patch. Each loader worker keeps its own, with an equal share of PATCH_CACHE_BYTES."""
+class DecodedImages:
+    """Each training image decoded (and scaled) once per run, then read through a memory map: a patch of
+    a 10,000² scene reads its own pixels, not the whole file. The .npy copies live in a temporary folder
+    (as much disk as the decoded training images) that the process that made it removes when the data
+    set is collected or at exit; the kernel's page cache keeps the busy ones in memory. Loader workers
+    share the files (each written atomically), so an image is decoded about once in all."""
 
-    def __init__(self, budget):
-        self.budget, self.items, self.used = budget, {}, 0
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="unet_amp_patches_"))
+        weakref.finalize(self, remove_folder, self.folder, os.getpid())
 
-    def get(self, key):
-        if key in self.items:
-            self.items[key] = self.items.pop(key)  # most recently used last
-            return self.items[key][0]
-        return None
+    def get(self, key, decode):
+        """(image, mask) as read-only memory maps; `decode()` makes them the first time."""
+        paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
+        if not all(path.exists() for path in paths):
+            for path, array in zip(paths, decode()):
+                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+                with open(tmp, "wb") as f:
+                    np.save(f, array)
+                os.replace(tmp, path)
+        return [np.load(path, mmap_mode="r") for path in paths]
 
-    def put(self, key, value, nbytes):
-        worker = torch.utils.data.get_worker_info()
-        budget = self.budget // (worker.num_workers if worker else 1)
-        while self.items and self.used + nbytes > budget:
-            self.used -= self.items.pop(next(iter(self.items)))[1]
-        if nbytes <= budget:
-            self.items[key], self.used = (value, nbytes), self.used + nbytes
+
+def remove_folder(folder, owner):
+    if os.getpid() == owner:  # forked loader workers hold the same finalizer: only the owner removes
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 PATCH_STREAM = 1  # keeps the patch-position generator apart from the augmentation's (seed_augmentation)
@@ -1306,7 +1339,7 @@ class PatchDataset(SegDataset):
         super().__init__(pairs, cfg, train=True)
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
-        self.cache = ImageCache(PATCH_CACHE_BYTES)
+        self.decoded, self.foreground = DecodedImages(), {}
 
     def __len__(self):
         return int(self.starts[-1])
@@ -1320,15 +1353,17 @@ class PatchDataset(SegDataset):
         return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
 
     def load(self, j):
-        """Image j scaled by patch_scale, its mask, and its foreground positions (cached)."""
-        found = self.cache.get(j)
-        if found is None:
-            image_path, mask_path = self.pairs[j]
-            mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
-            image, mask = rescale(read_image(image_path, self.cfg["in_channels"]), mask, self.cfg["patch_scale"])
-            found = (image, mask, foreground_positions(mask, [self.cfg["seed"], j]))
-            self.cache.put(j, found, image.nbytes + mask.nbytes)
-        return found
+        """Image j scaled by patch_scale and its mask (decoded once: DecodedImages), and its foreground
+        positions (found once per process)."""
+        image, mask = self.decoded.get(j, lambda: self.decode(j))
+        if j not in self.foreground:
+            self.foreground[j] = foreground_positions(mask, [self.cfg["seed"], j])
+        return image, mask, self.foreground[j]
+
+    def decode(self, j):
+        image_path, mask_path = self.pairs[j]
+        mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
+        return rescale(read_image(image_path, self.cfg["in_channels"]), mask, self.cfg["patch_scale"])
 
 
 class WholeImages(Dataset):
@@ -1977,17 +2012,17 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     the sliding window, as predict sees them."""
     model.eval()
     prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
-    batch_logits = window_batch_logits if cfg["data_mode"] == "patch" else fit_batch_logits
+    scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
     metric = SegMetric(cfg["num_classes"], hw.device)
     totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     start, last_refresh, seen = time.perf_counter(), 0.0, 0
     for batch in bar:
-        logits, y = batch_logits(model, batch, cfg, prec, hw)
-        totals[0] += loss_fn(logits, y).detach().to(hw.device) * y.shape[0]
-        totals[1] += y.shape[0]
-        metric.update(logits, y)
-        seen += y.shape[0]
+        for logits, y, images in scored_pieces(model, batch, cfg, prec, hw):
+            totals[0] += loss_fn(logits, y).detach().to(hw.device) * images
+            totals[1] += images
+            metric.update(logits, y)
+            seen += images
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
             last_refresh = show_progress(bar, totals, metric, seen, start)
     bar.close()
@@ -1995,16 +2030,27 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
 
 
-def fit_batch_logits(model, batch, cfg, prec, hw):
+def fit_pieces(model, batch, cfg, prec, hw):
+    """A batch of resized images: one piece (logits, targets, number of images)."""
     x, y = batch
-    return eval_forward(model, x, cfg, prec, hw), y.to(hw.device, non_blocking=True)
+    yield eval_forward(model, x, cfg, prec, hw), y.to(hw.device, non_blocking=True), x.shape[0]
 
 
-def window_batch_logits(model, batch, cfg, prec, hw):
-    """One whole image (an unbatched loader item) -> (1 x classes x H x W logits, 1 x H x W mask), both
-    on the CPU: a full-size image never goes to the device (loss and counts are taken on the CPU)."""
+SCORE_BAND_PIXELS = 1 << 24  # patch-mode validation scores large images in bands of rows of this size
+
+
+def window_pieces(model, batch, cfg, prec, hw):
+    """One whole image (an unbatched loader item) through the sliding window, scored in bands of rows:
+    (1 x classes x rows x W logits, 1 x rows x W mask, share of the image). The counts add up exactly;
+    the loss of an image over SCORE_BAND_PIXELS is the row-weighted mean of its bands' losses. All on
+    the CPU: a full-size image never goes to the device, and the scoring's int64 temporaries stay the
+    size of a band."""
     image, mask = batch
-    return predict_logits(model, image.numpy(), cfg, prec, hw)[None], mask[None].long()
+    logits, (h, w) = predict_logits(model, image.numpy(), cfg, prec, hw), mask.shape
+    rows = max(1, SCORE_BAND_PIXELS // w)
+    for top in range(0, h, rows):
+        band = slice(top, top + rows)
+        yield logits[None, :, band], mask[None, band].long(), min(rows, h - top) / h
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2364,7 +2410,11 @@ def predict(opts):
     hw = detect_hardware(opts["device"])
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_model(opts["checkpoint"], hw)
-    cfg = {**cfg, **{k: opts[k] for k in TILE_RULES if opts[k] is not None}}  # tiling may change at predict
+    tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
+    if tiling and cfg["data_mode"] == "fit":
+        print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
+              f"(each image resized to {cfg['image_size']} px, no sliding window)")
+    cfg = {**cfg, **tiling}
     model, cfg = predict_layout(model, cfg, opts, hw, prec)
     paths = list_images(opts["input"])
     out_dir = Path(opts["output"])
@@ -2908,9 +2958,9 @@ def resume_state(cfg, ckpt_dir):
     for key in RESUME_KEYS:
         if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
             continue
-        if state["config"].get(key) != cfg[key]:
+        if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
             raise UserError(f"cannot resume exactly: {path} was trained with {key}="
-                            f"{state['config'].get(key)!r}, this run has {key}={cfg[key]!r}: resume with "
+                            f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
                             f"the same value, or start a new run in another checkpoint_dir")
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "

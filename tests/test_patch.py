@@ -329,3 +329,42 @@ def test_whole_image_counts_taken_on_the_cpu_add_up_on_the_gpu():
     cpu.update(logits, target)
     gpu.update(logits, target)
     assert torch.equal(cpu.flat, gpu.flat.cpu())
+
+
+def test_a_checkpoint_from_before_patch_mode_resumes_as_fit(make_cfg, tmp_path):
+    """Checkpoints written before data_mode existed carry none of its keys: they mean fit mode."""
+    cfg = make_cfg(epochs=1)
+    train_unet.train(cfg)
+    last = tmp_path / "ckpt" / "last.pt"
+    state = torch.load(last, weights_only=True)
+    for key in ("data_mode", "patch_scale", "patch_foreground", "patches_per_image", "tile_overlap",
+                "tile_batch_size"):
+        del state["config"][key]
+    torch.save(state, last)
+    result = train_unet.train({**cfg, "epochs": 2, "resume": True})
+    assert [r["epoch"] for r in result["history"]] == [1, 2]
+
+
+def test_patch_mode_resume_is_exact(make_cfg, scenes, tmp_path):
+    straight = train_unet.train(patch_config(make_cfg, scenes, epochs=2, checkpoint_dir=str(tmp_path / "a")))
+    train_unet.train(patch_config(make_cfg, scenes, epochs=1, checkpoint_dir=str(tmp_path / "b")))
+    resumed = train_unet.train(patch_config(make_cfg, scenes, epochs=2, resume=True,
+                                            checkpoint_dir=str(tmp_path / "b")))
+    assert resumed["history"][-1]["val_iou"] == straight["history"][-1]["val_iou"]
+    a, b = (torch.load(tmp_path / d / "last.pt", weights_only=True)["model"] for d in "ab")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_scoring_large_images_in_bands_keeps_iou_and_dice_exact(make_cfg, scenes, monkeypatch, fp32):
+    import segmentation_models_pytorch as smp
+
+    cfg, hw = patch_config(make_cfg, scenes, channels_last=False), train_unet.detect_hardware("cpu")
+    train, val = train_unet.prepare_data(cfg)
+    _, loader = train_unet.build_loaders(train, val, cfg, hw)
+    torch.manual_seed(0)
+    model, loss_fn = smp.Unet("resnet18", encoder_weights=None, classes=1).eval(), train_unet.SegLoss(1)
+    whole = train_unet.evaluate(model, loader, loss_fn, fp32, hw, cfg)
+    monkeypatch.setattr(train_unet, "SCORE_BAND_PIXELS", 200 * 7)  # bands of 7 rows of these 200 px images
+    banded = train_unet.evaluate(model, loader, loss_fn, fp32, hw, cfg)
+    assert banded["iou"] == whole["iou"] and banded["dice"] == whole["dice"]
+    assert banded["loss"] == pytest.approx(whole["loss"], rel=0.5)  # Dice per band: close, not equal

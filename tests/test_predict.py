@@ -413,3 +413,11 @@ def test_predict_precision_follows_the_capability_check(use_amp, amp_dtype, bina
     assert result["predicted"] == 1
     mask = read_png(tmp_path / "out" / image.name)
     assert mask.shape == (SIZE, SIZE) and set(np.unique(mask).tolist()) <= {0, 255}
+
+
+def test_tile_settings_for_a_fit_checkpoint_are_named_as_ignored(binary_model, tmp_path, capsys):
+    ckpt, data = binary_model
+    image = sorted((data / "images").iterdir())[0]
+    result = train_unet.predict(opts(ckpt, image, tmp_path / "out", tile_overlap=0.5))
+    assert result["predicted"] == 1
+    assert "note: tile_overlap ignored" in capsys.readouterr().out

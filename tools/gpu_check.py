@@ -3,7 +3,8 @@
     make gpu-check                     # or: python tools/gpu_check.py
 
 Checks: the capability check on the real device, bf16 autocast, fp16 + GradScaler, channels_last,
-torch.compile, max_memory_allocated, predict, a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC)
+torch.compile, max_memory_allocated, predict, the sliding window's device memory (1,000² vs 8,000²),
+a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC)
 and, with 2+ GPUs visible, DDP over nccl under torchrun. Tiny synthetic data; a few minutes at most.
 Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible.
 """
@@ -70,6 +71,27 @@ def check_predict(hw, tmp):
     return f"{out['predicted']} masks in {out['seconds']:.1f}s ({out['precision']}) from {ckpt.parent.name}"
 
 
+def check_sliding_window(hw, tmp):
+    """Patch mode's sliding window: a 1,000² and an 8,000² image must need the same device memory."""
+    ckpt = next(tmp.glob("*/best.pt"), None)
+    assert ckpt is not None, "no best.pt from the training checks"
+    model, cfg = T.load_model(ckpt, hw)
+    cfg = {**cfg, "data_mode": "patch", "image_size": 256, "tile_batch_size": 8, "channels_last": False}
+    prec, peaks, rates = T.decide_precision(hw), [], []
+    for side in (1000, 8000):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base, start = torch.cuda.memory_allocated(), time.perf_counter()
+        logits = T.predict_logits(model, torch.zeros(side, side, 3, dtype=torch.uint8).numpy(), cfg, prec, hw)
+        seconds = time.perf_counter() - start
+        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
+        tiles = len(T.tile_starts(side, 256, cfg["tile_overlap"])) ** 2
+        rates.append(f"{side}²: {tiles} tiles in {seconds:.1f}s")
+        assert logits.shape[1:] == (side, side) and logits.device.type == "cpu"
+    assert peaks[1] <= peaks[0] * 1.05 + 1, f"device memory grew with the image: {peaks[0]:.0f} -> {peaks[1]:.0f} MB"
+    return f"peak device memory {peaks[0]:.0f} MB (1000²) vs {peaks[1]:.0f} MB (8000²), {prec.name}; " + "; ".join(rates)
+
+
 def check_bare_loop(hw, tmp):
     base = T.validate_config({**T.CONFIG, "device": "cuda"})  # the default 128 px, batch 8
     strict, tf32 = T.STRICT_FP32["tf32_matmul_precision"], "high"
@@ -116,7 +138,8 @@ def main():
               ("fp16 + GradScaler", lambda h, t: check_train(h, t, "float16", "fp16", channels_last=False)),
               ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
                                                                       compile_model=True)),
-              ("predict", check_predict), ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
+              ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
+              ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
     print(f"gpu-check on {T.describe(hw)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.device_count()} GPU(s)")
     failed = 0
