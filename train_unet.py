@@ -1106,6 +1106,13 @@ def seed_augmentation(transform, seed, epoch, index):
                                random.Random(int(sequence.generate_state(1)[0])))
 
 
+def read_pair(pair, cfg):
+    """(image from read_image, mask of class indices): how every data set reads a pair. The mask's
+    values were validated once by the data check, so this only converts (no np.unique per sample)."""
+    image_path, mask_path = pair
+    return read_image(image_path, cfg["in_channels"]), mask_to_classes(decode_mask(mask_path), cfg["num_classes"])
+
+
 class SegDataset(Dataset):
     """(image, mask) pairs -> (float tensor CxHxW, long tensor HxW of class indices).
 
@@ -1131,9 +1138,7 @@ class SegDataset(Dataset):
         return len(self.pairs)
 
     def __getitem__(self, index):
-        image_path, mask_path = self.pairs[index]
-        image = read_image(image_path, self.cfg["in_channels"])
-        mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
+        image, mask = read_pair(self.pairs[index], self.cfg)
         seed_augmentation(self.transform, self.cfg["seed"], self.epoch, index)
         out = self.transform(image=image, mask=mask)
         return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
@@ -1361,9 +1366,7 @@ class PatchDataset(SegDataset):
         return image, mask, self.foreground[j]
 
     def decode(self, j):
-        image_path, mask_path = self.pairs[j]
-        mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])  # values checked once
-        return rescale(read_image(image_path, self.cfg["in_channels"]), mask, self.cfg["patch_scale"])
+        return rescale(*read_pair(self.pairs[j], self.cfg), self.cfg["patch_scale"])
 
 
 class WholeImages(Dataset):
@@ -1377,9 +1380,7 @@ class WholeImages(Dataset):
         return len(self.pairs)
 
     def __getitem__(self, index):
-        image_path, mask_path = self.pairs[index]
-        mask = mask_to_classes(decode_mask(mask_path), self.cfg["num_classes"])
-        return torch.from_numpy(read_image(image_path, self.cfg["in_channels"])), torch.from_numpy(mask)
+        return tuple(torch.from_numpy(array) for array in read_pair(self.pairs[index], self.cfg))
 
 
 def tile_starts(length, window, overlap):
