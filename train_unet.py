@@ -1344,7 +1344,7 @@ class PatchDataset(SegDataset):
         super().__init__(pairs, cfg, train=True)
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
-        self.decoded, self.foreground = DecodedImages(), {}
+        self.decoded, self.loaded = DecodedImages(), {}
 
     def __len__(self):
         return int(self.starts[-1])
@@ -1359,11 +1359,11 @@ class PatchDataset(SegDataset):
 
     def load(self, j):
         """Image j scaled by patch_scale and its mask (decoded once: DecodedImages), and its foreground
-        positions (found once per process)."""
-        image, mask = self.decoded.get(j, lambda: self.decode(j))
-        if j not in self.foreground:
-            self.foreground[j] = foreground_positions(mask, [self.cfg["seed"], j])
-        return image, mask, self.foreground[j]
+        positions: opened and found once per process, not per patch."""
+        if j not in self.loaded:
+            image, mask = self.decoded.get(j, lambda: self.decode(j))
+            self.loaded[j] = (image, mask, foreground_positions(mask, [self.cfg["seed"], j]))
+        return self.loaded[j]
 
     def decode(self, j):
         return rescale(*read_pair(self.pairs[j], self.cfg), self.cfg["patch_scale"])
