@@ -60,7 +60,7 @@ CONFIG = {
     "num_classes": 1,              # 1 = binary (masks 0/1 or 0/255); N > 1 = masks hold class indices
     "val_fraction": 0.2,           # used when <data_dir> has no train/ and val/ folders
     "max_train_images": None,      # None = all; a number = a quick run on the first N (benchmarks)
-    "num_workers": None,           # None = auto: 0 on CPU (workers would steal the compute cores)
+    "num_workers": None,           # None = auto: 1 on a CPU with 2+ cores, else a share of the cores
     # large images (README "Large images"): "fit" resizes each image to image_size (and pads);
     # "patch" trains on image_size patches and validates/predicts whole images by a sliding window
     "data_mode": "fit",            # "fit" | "patch"
@@ -1162,11 +1162,25 @@ def worker_count(cfg, hw):
 CPU_WORKERS = 1  # num_workers=None on a CPU with 2+ cores per process (measured: README, data loading)
 
 
-def build_loaders(train_pairs, val_pairs, cfg, hw):
+def loader_options(cfg, hw):
+    """DataLoader settings every loader shares. Workers are kept across epochs (no restart cost per
+    epoch) and run OpenCV on one thread; on CUDA, batches come in pinned memory, so to_device's
+    non_blocking copies overlap the compute."""
     workers = worker_count(cfg, hw)
-    # Workers are kept across epochs (no restart cost per epoch); on CUDA, batches come in pinned
-    # memory, so to_device's non_blocking copies overlap the compute.
-    common = dict(num_workers=workers, pin_memory=hw.kind == "cuda", persistent_workers=workers > 0)
+    return dict(num_workers=workers, pin_memory=hw.kind == "cuda", persistent_workers=workers > 0,
+                worker_init_fn=one_opencv_thread if workers else None)
+
+
+def one_opencv_thread(worker_id):
+    """In a DataLoader worker (PyTorch already gives each one torch thread): OpenCV would start a
+    thread per core in every worker; on a CPU those take cores from the model's threads (measured:
+    1.5x the CPU time per augmented image, README "Data loading"). 0 = run on the calling thread;
+    setNumThreads(1) hangs in a worker forked from a process whose OpenCV pool had started."""
+    cv2.setNumThreads(0)
+
+
+def build_loaders(train_pairs, val_pairs, cfg, hw):
+    common = loader_options(cfg, hw)
     train_set, val_set = build_datasets(train_pairs, val_pairs, cfg)
     # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
     # BatchNorm never sees a batch of one.
@@ -2458,7 +2472,9 @@ def predict(opts):
 BENCHMARK_CONFIG = {
     "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS
     "output": "checkpoints/benchmark",
-    "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them and the overhead columns)
+    "bare_steps": 6,        # timed steps of the bare reference loops, and per overhead round (0 = skip them
+                            # and the overhead columns)
+    "overhead_rounds": 5,   # trainer vs bare loop: timed rounds of bare_steps steps each, alternating
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
 }
 # Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size. The layout is pinned (NCHW
@@ -2481,7 +2497,8 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
                     "nonfinite_steps", "scaler_skipped_steps", "ops_per_step", "bare_ops_per_step", "ops_vs_bare",
-                    "bare_images_per_s", "images_per_s_vs_bare", "epochs", "status", "slowdown_vs_fp32")
+                    "trainer_images_per_s", "bare_images_per_s", "images_per_s_vs_bare", "epochs", "status",
+                    "slowdown_vs_fp32")
 
 
 def parse_benchmark_args(args):
@@ -2493,8 +2510,9 @@ def parse_benchmark_args(args):
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
             raise UserError(f"{key} is set by the benchmark itself (results go to output=...): leave it out")
-    if opts["probe_steps"] < 1 or opts["bare_steps"] < 0:
-        raise UserError(f"probe_steps={opts['probe_steps']} must be >= 1 and bare_steps={opts['bare_steps']} >= 0")
+    if opts["probe_steps"] < 1 or opts["bare_steps"] < 0 or opts["overhead_rounds"] < 1:
+        raise UserError(f"probe_steps={opts['probe_steps']} and overhead_rounds={opts['overhead_rounds']} must "
+                        f"be >= 1, bare_steps={opts['bare_steps']} >= 0")
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
     if unknown or not names:
@@ -2692,7 +2710,7 @@ def bare_training_step(model, x, y, loss_fn, optimizer, scaler, prec, hw, clip, 
 def step_runners(cfg, hw, prec):
     """(trainer, bare): functions that run n optimizer steps on one random batch held on the device,
     through train_one_epoch and through bare_training_step: same model, optimizer, loss, batch,
-    precision, layout and clipping."""
+    precision, layout and clipping. trainer(n, loader) trains one pass over a loader instead."""
     cfg = {**cfg, "progress": False}
     size, batch, k = cfg["image_size"], cfg["batch_size"], cfg["accumulation_steps"]
     g = torch.Generator().manual_seed(cfg["seed"])
@@ -2706,9 +2724,9 @@ def step_runners(cfg, hw, prec):
         scheduler = build_scheduler(optimizer, cfg, 10**6)
         scaler, loss_fn = build_scaler(prec, hw, cfg), SegLoss(cfg["num_classes"], cfg["loss"])
         xd = x.contiguous(memory_format=torch.channels_last) if cfg["channels_last"] else x
-        if kind == "trainer":
-            def run(n, m=model, o=optimizer, s=scheduler, sc=scaler, lf=loss_fn):
-                train_one_epoch(m, [(xd, y)] * (n * k), lf, o, s, sc, prec, hw, cfg)
+        if kind == "trainer":  # n steps on the held batch, or a pass over `batches` (a real loader)
+            def run(n, batches=None, m=model, o=optimizer, s=scheduler, sc=scaler, lf=loss_fn):
+                train_one_epoch(m, [(xd, y)] * (n * k) if batches is None else batches, lf, o, s, sc, prec, hw, cfg)
         else:
             def run(n, m=model, o=optimizer, sc=scaler, lf=loss_fn):
                 for _ in range(n):
@@ -2717,36 +2735,67 @@ def step_runners(cfg, hw, prec):
     return runners
 
 
-def measure_overhead(cfg, hw, prec, timed_steps=3):
-    """Trainer vs bare loop at one configuration: aten ops per optimizer step (counted, so the
-    zero-gradient sampling is averaged in), and the bare loop's images/s (median of timed steps)."""
+def measure_overhead(cfg, hw, prec, steps, rounds):
+    """Trainer vs bare loop at one configuration.
+
+    Ops: aten ops per optimizer step, counted on one held batch (the zero-gradient sampling averaged
+    in). Speed: the trainer's training pass over the run's own loader (its workers, decoding and
+    augmentation) against the bare loop on a batch held on the device, `steps` optimizer steps each,
+    timed in alternating rounds. img/s vs bare is the median of the rounds' ratios: side by side, so
+    the shared machine's drift in speed falls on both alike.
+    """
     trainer, bare = step_runners(cfg, hw, prec)
     ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
     bare_ops, _ = count_ops_per_step(bare)
-    times = []
-    for _ in range(max(1, timed_steps)):
-        synchronize(hw)
-        t0 = time.perf_counter()
-        bare(1)
-        synchronize(hw)
-        times.append(time.perf_counter() - t0)
-    images = cfg["batch_size"] * cfg["accumulation_steps"]
+    loader = timing_loader(cfg, hw, steps)
+    for _ in loader:  # starts its workers before the clock does
+        pass
+    times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps)}, rounds, hw)
+    images = steps * cfg["batch_size"] * cfg["accumulation_steps"]
+    ratios = [b / t for b, t in zip(times["bare"], times["trainer"])]
     return {"ops_per_step": ops, "bare_ops_per_step": bare_ops, "ops_vs_bare": ops / bare_ops,
-            "bare_images_per_s": images / float(np.median(times))}
+            "trainer_images_per_s": images / float(np.median(times["trainer"])),
+            "bare_images_per_s": images / float(np.median(times["bare"])),
+            "images_per_s_vs_bare": float(np.median(ratios)), "round_ratios": ratios}
 
 
-def add_overhead(row, name, base, hw, timed_steps):
+def timing_loader(cfg, hw, steps):
+    """The run's training loader (same data set, transforms and worker settings), cut to `steps`
+    optimizer steps: its first samples, repeated if the set is smaller, in a fixed order."""
+    train_pairs, val_pairs = prepare_data(cfg)
+    train_set, _ = build_datasets(train_pairs, val_pairs[:1], cfg)
+    need = steps * cfg["batch_size"] * cfg["accumulation_steps"]
+    subset = torch.utils.data.Subset(train_set, [i % len(train_set) for i in range(need)])
+    return DataLoader(subset, cfg["batch_size"], drop_last=True, **loader_options(cfg, hw))
+
+
+def alternate_timings(runs, rounds, hw):
+    """{name: seconds per round} for each function in `runs`, called in turn every round; the order
+    flips each round (A B, B A, A B, ...), so neither always runs first after the other."""
+    names, times = list(runs), {name: [] for name in runs}
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            synchronize(hw)
+            start = time.perf_counter()
+            runs[name]()
+            synchronize(hw)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def add_overhead(row, name, base, hw, opts):
     """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
     (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
-    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "bare_images_per_s",
-                                      "images_per_s_vs_bare")})
-    if row.get("status") != "ok" or timed_steps < 1 or row["compile"]:
+    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "trainer_images_per_s",
+                                      "bare_images_per_s", "images_per_s_vs_bare")})
+    if row.get("status") != "ok" or opts["bare_steps"] < 1 or row["compile"]:
         return row
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    cfg = {**cfg, "channels_last": row["channels_last"]}  # as the run resolved "auto"
     prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    print(f"[benchmark] {name}: ops per step and a bare step, trainer vs bare loop", flush=True)
-    row.update(measure_overhead(cfg, hw, prec, timed_steps))
-    row["images_per_s_vs_bare"] = row["images_per_s"] / row["bare_images_per_s"]
+    print(f"[benchmark] {name}: ops per step, and {opts['overhead_rounds']} timed rounds of {opts['bare_steps']} "
+          f"steps, trainer vs bare loop", flush=True)
+    row.update(measure_overhead(cfg, hw, prec, opts["bare_steps"], opts["overhead_rounds"]))
     return row
 
 
@@ -2812,7 +2861,7 @@ def run_benchmark(args=()):
             print(f"[benchmark] {name}: skipped: {reason}", flush=True)
             continue
         row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(add_overhead(row, name, base, hw, opts["bare_steps"]))
+        rows.append(add_overhead(row, name, base, hw, opts))
     add_speedups(rows)
     result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
@@ -2830,8 +2879,9 @@ def run_benchmark(args=()):
           f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
           f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
     print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
-          "a bare loop that also clips; img/s vs bare: training images/s over a bare step's, same precision, "
-          "layout and batch, timed in this run.")
+          "a bare loop that also clips; img/s vs bare: the trainer's training pass over its own loader against "
+          f"the bare loop on a held batch, same precision, layout and batch, {opts['overhead_rounds']} alternating "
+          f"rounds of {opts['bare_steps']} steps, median of the rounds' ratios.")
     return result
 
 

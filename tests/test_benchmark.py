@@ -19,7 +19,7 @@ def bench(tmp_path_factory):
     data = train_unet.generate_shapes_dataset(tmp / "data", count=12, size=32)
     out = tmp / "out"
     result = train_unet.run_benchmark(["configs=fp32,bf16,fp16", "epochs=2", "image_size=32", "batch_size=2",
-                                       "max_train_images=8", "bare_steps=1", "encoder_name=resnet18",
+                                       "max_train_images=8", "bare_steps=1", "overhead_rounds=3", "encoder_name=resnet18",
                                        f"data_dir={data}", f"output={out}"])
     return result, out
 
@@ -73,11 +73,38 @@ def test_benchmark_measures_trainer_against_a_bare_loop(bench):
         assert row["ops_per_step"] > row["bare_ops_per_step"] > 100
         assert row["ops_vs_bare"] == pytest.approx(row["ops_per_step"] / row["bare_ops_per_step"])
         assert row["ops_vs_bare"] <= 1.05
-        assert row["bare_images_per_s"] > 0
-        assert row["images_per_s_vs_bare"] == pytest.approx(row["images_per_s"] / row["bare_images_per_s"])
+        assert row["bare_images_per_s"] > 0 and row["trainer_images_per_s"] > 0
+        # the median of the alternating rounds' ratios (bare_steps=1, overhead_rounds=3 here)
+        assert len(row["round_ratios"]) == 3
+        assert row["images_per_s_vs_bare"] == pytest.approx(sorted(row["round_ratios"])[1])
+        assert float(csv_rows[name]["trainer_images_per_s"]) == pytest.approx(row["trainer_images_per_s"])
         assert float(csv_rows[name]["ops_vs_bare"]) == pytest.approx(row["ops_vs_bare"])
         assert float(csv_rows[name]["images_per_s_vs_bare"]) == pytest.approx(row["images_per_s_vs_bare"])
     assert csv_rows["fp16"]["ops_vs_bare"] == ""  # skipped configuration: nothing measured
+
+
+def test_overhead_rounds_alternate_and_time_each_call():
+    """Trainer and bare loop run in turn, the order flipping every round (A B, B A, A B): a machine
+    that slows down over the measurement slows both alike."""
+    calls, hw = [], train_unet.detect_hardware("cpu")
+    runs = {"trainer": lambda: calls.append("trainer"), "bare": lambda: calls.append("bare")}
+    times = train_unet.alternate_timings(runs, 3, hw)
+    assert calls == ["trainer", "bare", "bare", "trainer", "trainer", "bare"]
+    assert {k: len(v) for k, v in times.items()} == {"trainer": 3, "bare": 3}
+
+
+def test_overhead_is_timed_over_the_runs_own_loader(tmp_path):
+    """The trainer's timed pass reads the run's data through its own loader settings (workers,
+    augmentation), cut to bare_steps steps; a set smaller than that is repeated."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=5, size=32)
+    cfg = train_unet.parse_overrides([f"data_dir={data}", "image_size=32", "batch_size=2", "num_workers=1",
+                                      "val_fraction=0.2"])
+    hw = train_unet.detect_hardware("cpu")
+    loader = train_unet.timing_loader(cfg, hw, steps=3)
+    batches = list(loader)
+    assert len(loader) == 3 and [tuple(x.shape) for x, _ in batches] == [(2, 3, 32, 32)] * 3
+    assert loader.num_workers == 1 and loader.persistent_workers
+    assert loader.worker_init_fn is train_unet.one_opencv_thread
 
 
 def test_each_configuration_ran_in_its_own_process(bench):

@@ -67,3 +67,30 @@ def test_persistent_workers_see_each_new_epoch(make_cfg, cpu_hw):
         got, want = batches(kept, epoch), batches(fresh, epoch)
         assert len(got) == len(want) == 2
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, want)), epoch
+
+
+class OpenCVThreads(torch.utils.data.Dataset):
+    """Reports, from wherever it is read, how many threads OpenCV would use."""
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        import cv2
+        return cv2.getNumThreads()
+
+
+def test_workers_run_opencv_on_one_thread(make_cfg, cpu_hw):
+    """OpenCV starts a thread per core in every process; in a DataLoader worker on a CPU those would
+    take cores from the model's own threads. Every loader's workers run it on one thread, and the
+    main process keeps its own setting."""
+    import cv2
+    import numpy as np
+    before = cv2.getNumThreads()
+    cv2.resize(np.zeros((512, 512, 3), np.float32), (1024, 1024))  # this process's OpenCV pool has started
+    options = train_unet.loader_options(make_cfg(num_workers=2), cpu_hw)
+    # timeout: a worker stuck in its set-up fails the test instead of hanging the suite
+    seen = list(torch.utils.data.DataLoader(OpenCVThreads(), batch_size=None, timeout=60, **options))
+    assert seen == [1, 1]
+    assert cv2.getNumThreads() == before
+    assert train_unet.loader_options(make_cfg(num_workers=0), cpu_hw)["worker_init_fn"] is None
