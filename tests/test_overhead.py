@@ -193,3 +193,34 @@ def test_cuda_training_and_validation_steps_do_not_sync(monkeypatch, nan_guard):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert len(allowed) == (3 if nan_guard else 0)
+
+
+def test_optimizer_is_fused_and_steps_like_adamw():
+    """AdamW is fused (one kernel for all parameters; on a CPU PyTorch would otherwise loop over them
+    in Python), and its steps match PyTorch's reference AdamW with the same groups."""
+    cfg = tiny(learning_rate=1e-2, weight_decay=0.1)
+    torch.manual_seed(0)
+    model = train_unet.build_model(cfg)
+    reference = train_unet.build_model(cfg)
+    reference.load_state_dict(model.state_dict())
+    fused = train_unet.build_optimizer(model, cfg)
+    settings = ("lr", "weight_decay", "betas", "eps")
+    plain = torch.optim.AdamW([{**{k: g[k] for k in settings}, "params": [dict(reference.named_parameters())[n]
+                                                                         for n in names]}
+                               for g, names in zip(fused.param_groups, param_names(model, fused))])
+    assert all(g["fused"] for g in fused.param_groups) and not any(g["fused"] for g in plain.param_groups)
+    for step in range(3):
+        grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+        for m in (model, reference):
+            for n, p in m.named_parameters():
+                p.grad = grads[n].clone()
+        fused.step()
+        plain.step()
+    for (n, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), n
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), train_unet.build_model(cfg).parameters()))
+
+
+def param_names(model, optimizer):
+    ids = {id(p): n for n, p in model.named_parameters()}
+    return [[ids[id(p)] for p in g["params"]] for g in optimizer.param_groups]
