@@ -2786,9 +2786,12 @@ def timing_loader(cfg, hw, steps):
 
 
 def alternate_timings(runs, rounds, hw):
-    """{name: seconds per round} for each function in `runs`, called in turn every round; the order
-    flips each round (A B, B A, A B, ...), so neither always runs first after the other."""
+    """{name: seconds per round} for each function in `runs`, called in turn every round after one
+    untimed round (first passes are slower); the order flips each round (A B, B A, A B, ...), so
+    neither always runs first after the other."""
     names, times = list(runs), {name: [] for name in runs}
+    for name in names:
+        runs[name]()
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             synchronize(hw)

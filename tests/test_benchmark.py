@@ -84,12 +84,12 @@ def test_benchmark_measures_trainer_against_a_bare_loop(bench):
 
 
 def test_overhead_rounds_alternate_and_time_each_call():
-    """Trainer and bare loop run in turn, the order flipping every round (A B, B A, A B): a machine
-    that slows down over the measurement slows both alike."""
+    """After an untimed round, trainer and bare loop run in turn, the order flipping every round
+    (A B, B A, A B): a machine that slows down over the measurement slows both alike."""
     calls, hw = [], train_unet.detect_hardware("cpu")
     runs = {"trainer": lambda: calls.append("trainer"), "bare": lambda: calls.append("bare")}
     times = train_unet.alternate_timings(runs, 3, hw)
-    assert calls == ["trainer", "bare", "bare", "trainer", "trainer", "bare"]
+    assert calls == ["trainer", "bare"] + ["trainer", "bare", "bare", "trainer", "trainer", "bare"]  # warm-up first
     assert {k: len(v) for k, v in times.items()} == {"trainer": 3, "bare": 3}
 
 
