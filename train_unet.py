@@ -2650,7 +2650,8 @@ def bare_loop_speedups(base, hw, steps, probe_steps=2):
 
 
 def time_train_steps(base, hw, dtype, channels_last, steps):
-    """Median seconds per bare training step (after one warm-up step) at base's batch and image size."""
+    """Median seconds per bare training step (bare_training_step, after one warm-up step) at base's
+    batch and image size."""
     torch.manual_seed(0)
     model = build_model({**base, "encoder_weights": None}).to(hw.device)
     x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
@@ -2659,15 +2660,13 @@ def time_train_steps(base, hw, dtype, channels_last, steps):
          * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-    opt, loss_fn, times = torch.optim.AdamW(model.parameters(), 1e-4), SegLoss(base["num_classes"]), []
+    # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
+    opt, loss_fn, times = build_optimizer(model, base), SegLoss(base["num_classes"]), []
+    prec = Precision(dtype, False, "bare loop")
     for _ in range(steps + 1):
         synchronize(hw)
         t0 = time.perf_counter()
-        with torch.autocast(hw.kind, dtype=dtype, enabled=dtype != torch.float32):
-            logits = model(x)
-        loss_fn(logits, y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        bare_training_step(model, x, y, loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
         synchronize(hw)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
