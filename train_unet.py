@@ -1174,7 +1174,7 @@ def loader_options(cfg, hw):
 def one_opencv_thread(worker_id):
     """In a DataLoader worker (PyTorch already gives each one torch thread): OpenCV would start a
     thread per core in every worker; on a CPU those take cores from the model's threads (measured:
-    1.5x the CPU time per augmented image, README "Data loading"). 0 = run on the calling thread;
+    1.76 ms of CPU time per augmented image with OpenCV's pool, 0.99 ms without; README "Data loading"). 0 = run on the calling thread;
     setNumThreads(1) hangs in a worker forked from a process whose OpenCV pool had started."""
     cv2.setNumThreads(0)
 
@@ -1949,7 +1949,8 @@ def show_progress(bar, loss_pair, metric, seen, start):
 
 def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid=None):
     """Forward under autocast, fp32 loss outside it, backward (scaled for fp16) of the group's share:
-    CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size.
+    CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size;
+    group_valid=None: the group is this one micro-batch, whose share is its own loss.
     Returns (logits, this micro-batch's own loss)."""
     # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
     sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
@@ -1958,10 +1959,7 @@ def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary
             logits = model(x)
         ce_sum, dice = loss_fn.parts(logits, y)
         loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
-        if group_valid is not None:
-            scaled = ce_sum / group_valid + dice / group_len
-        else:
-            scaled = loss if group_len == 1 else loss / group_len
+        scaled = loss if group_valid is None else ce_sum / group_valid + dice / group_len
         (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return logits, loss
 
@@ -2750,7 +2748,7 @@ def step_runners(cfg, hw, prec):
     return runners
 
 
-def measure_overhead(cfg, hw, prec, steps, rounds):
+def measure_overhead(cfg, hw, prec, steps, rounds, pairs):
     """Trainer vs bare loop at one configuration.
 
     Ops: aten ops per optimizer step, counted on one held batch (the zero-gradient sampling averaged
@@ -2762,9 +2760,7 @@ def measure_overhead(cfg, hw, prec, steps, rounds):
     trainer, bare = step_runners(cfg, hw, prec)
     ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
     bare_ops, _ = count_ops_per_step(bare)
-    loader = timing_loader(cfg, hw, steps)
-    for _ in loader:  # starts its workers before the clock does
-        pass
+    loader = timing_loader(cfg, hw, steps, pairs)  # alternate_timings' untimed round starts its workers
     times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps)}, rounds, hw)
     images = steps * cfg["batch_size"] * cfg["accumulation_steps"]
     ratios = [b / t for b, t in zip(times["bare"], times["trainer"])]
@@ -2774,10 +2770,11 @@ def measure_overhead(cfg, hw, prec, steps, rounds):
             "images_per_s_vs_bare": float(np.median(ratios)), "round_ratios": ratios}
 
 
-def timing_loader(cfg, hw, steps):
-    """The run's training loader (same data set, transforms and worker settings), cut to `steps`
-    optimizer steps: its first samples, repeated if the set is smaller, in a fixed order."""
-    train_pairs, val_pairs = prepare_data(cfg)
+def timing_loader(cfg, hw, steps, pairs):
+    """The run's training loader (same data set, transforms and worker settings) over `pairs`
+    (prepare_data's), cut to `steps` optimizer steps: its first samples, repeated if the set is
+    smaller, in a fixed order."""
+    train_pairs, val_pairs = pairs
     train_set, _ = build_datasets(train_pairs, val_pairs[:1], cfg)
     need = steps * cfg["batch_size"] * cfg["accumulation_steps"]
     subset = torch.utils.data.Subset(train_set, [i % len(train_set) for i in range(need)])
@@ -2801,7 +2798,7 @@ def alternate_timings(runs, rounds, hw):
     return times
 
 
-def add_overhead(row, name, base, hw, opts):
+def add_overhead(row, name, base, hw, opts, pairs):
     """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
     (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
     row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "trainer_images_per_s",
@@ -2813,7 +2810,7 @@ def add_overhead(row, name, base, hw, opts):
     prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     print(f"[benchmark] {name}: ops per step, and {opts['overhead_rounds']} timed rounds of {opts['bare_steps']} "
           f"steps, trainer vs bare loop", flush=True)
-    row.update(measure_overhead(cfg, hw, prec, opts["bare_steps"], opts["overhead_rounds"]))
+    row.update(measure_overhead(cfg, hw, prec, opts["bare_steps"], opts["overhead_rounds"], pairs))
     return row
 
 
@@ -2860,7 +2857,7 @@ def run_benchmark(args=()):
     moved = archive_previous_run(out_dir, [p.name for p in sorted(out_dir.iterdir()) if p.name != "previous"])
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
-    prepare_data(base)  # write the embedded data set once, before the runs start
+    pairs = prepare_data(base)  # writes the embedded data set once, before the runs start
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
     # every training row runs in its own process with its own setting.
@@ -2879,7 +2876,7 @@ def run_benchmark(args=()):
             print(f"[benchmark] {name}: skipped: {reason}", flush=True)
             continue
         row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(add_overhead(row, name, base, hw, opts))
+        rows.append(add_overhead(row, name, base, hw, opts, pairs))
     add_speedups(rows)
     result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
@@ -2941,7 +2938,7 @@ def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
     y = torch.randint(0, max(2, cfg["num_classes"]), (n, size, size), device=hw.device)
     if cfg["channels_last"]:
         x = x.contiguous(memory_format=torch.channels_last)
-    forward_backward(model, x, y, loss_fn, scaler, prec, hw, 1, True)
+    forward_backward(model, x, y, loss_fn, scaler, prec, hw, 1, True)  # a group of one micro-batch
     optimizer_step(model, optimizer, scaler, cfg, torch.ones((), dtype=torch.bool, device=hw.device))
     synchronize(hw)
 

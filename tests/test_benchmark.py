@@ -100,7 +100,7 @@ def test_overhead_is_timed_over_the_runs_own_loader(tmp_path):
     cfg = train_unet.parse_overrides([f"data_dir={data}", "image_size=32", "batch_size=2", "num_workers=1",
                                       "val_fraction=0.2"])
     hw = train_unet.detect_hardware("cpu")
-    loader = train_unet.timing_loader(cfg, hw, steps=3)
+    loader = train_unet.timing_loader(cfg, hw, 3, train_unet.prepare_data(cfg))
     batches = list(loader)
     assert len(loader) == 3 and [tuple(x.shape) for x, _ in batches] == [(2, 3, 32, 32)] * 3
     assert loader.num_workers == 1 and loader.persistent_workers
