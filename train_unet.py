@@ -2511,7 +2511,8 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
                     "nonfinite_steps", "scaler_skipped_steps", "ops_per_step", "bare_ops_per_step", "ops_vs_bare",
-                    "trainer_images_per_s", "bare_images_per_s", "images_per_s_vs_bare", "epochs", "status",
+                    "trainer_images_per_s", "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
+                    "images_per_s_vs_held_batch", "epochs", "status",
                     "slowdown_vs_fp32")
 
 
@@ -2664,7 +2665,7 @@ def time_train_steps(base, hw, dtype, channels_last, steps):
     for _ in range(steps + 1):
         synchronize(hw)
         t0 = time.perf_counter()
-        bare_training_step(model, x, y, loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
+        bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
         synchronize(hw)
         times.append(time.perf_counter() - t0)
     return float(np.median(times[1:]))
@@ -2700,13 +2701,14 @@ def count_ops_per_step(run_steps, steps=2):
     return (sum(counts[1].values()) - sum(counts[0].values())) / steps, {k: v for k, v in per_op.items() if v}
 
 
-def bare_training_step(model, x, y, loss_fn, optimizer, scaler, prec, hw, clip, micro_batches=1):
-    """What a minimal PyTorch loop does per optimizer step: forward under autocast, backward
-    (scaled under fp16), clip, step, zero the gradients. The reference for the trainer's overhead."""
-    for _ in range(micro_batches):
+def bare_training_step(model, micro_batches, loss_fn, optimizer, scaler, prec, hw, clip):
+    """What a minimal PyTorch loop does per optimizer step over its (x, y) micro-batches: forward
+    under autocast, backward (scaled under fp16), clip, step, zero the gradients. The reference for
+    the trainer's overhead."""
+    for x, y in micro_batches:
         with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
             logits = model(x)
-        loss = loss_fn(logits, y) / micro_batches
+        loss = loss_fn(logits, y) / len(micro_batches)
         (scaler.scale(loss) if scaler is not None else loss).backward()
     if scaler is not None:
         scaler.unscale_(optimizer)
@@ -2723,12 +2725,13 @@ def bare_training_step(model, x, y, loss_fn, optimizer, scaler, prec, hw, clip, 
 def step_runners(cfg, hw, prec):
     """(trainer, bare): functions that run n optimizer steps on one random batch held on the device,
     through train_one_epoch and through bare_training_step: same model, optimizer, loss, batch,
-    precision, layout and clipping. trainer(n, loader) trains one pass over a loader instead."""
+    precision, layout and clipping. run(n, loader) trains one pass over a real loader instead."""
     cfg = {**cfg, "progress": False}
     size, batch, k = cfg["image_size"], cfg["batch_size"], cfg["accumulation_steps"]
     g = torch.Generator().manual_seed(cfg["seed"])
     x = torch.randn(batch, cfg["in_channels"], size, size, generator=g).to(hw.device)
     y = torch.randint(0, max(2, cfg["num_classes"]), (batch, size, size), generator=g).to(hw.device)
+    x = x.contiguous(memory_format=torch.channels_last) if cfg["channels_last"] else x
     runners = []
     for kind in ("trainer", "bare"):
         torch.manual_seed(cfg["seed"])
@@ -2736,38 +2739,52 @@ def step_runners(cfg, hw, prec):
         optimizer = build_optimizer(model, cfg)
         scheduler = build_scheduler(optimizer, cfg, 10**6)
         scaler, loss_fn = build_scaler(prec, hw, cfg), SegLoss(cfg["num_classes"], cfg["loss"])
-        xd = x.contiguous(memory_format=torch.channels_last) if cfg["channels_last"] else x
-        if kind == "trainer":  # n steps on the held batch, or a pass over `batches` (a real loader)
+        if kind == "trainer":
             def run(n, batches=None, m=model, o=optimizer, s=scheduler, sc=scaler, lf=loss_fn):
-                train_one_epoch(m, [(xd, y)] * (n * k) if batches is None else batches, lf, o, s, sc, prec, hw, cfg)
+                train_one_epoch(m, [(x, y)] * (n * k) if batches is None else batches, lf, o, s, sc, prec, hw, cfg)
         else:
-            def run(n, m=model, o=optimizer, sc=scaler, lf=loss_fn):
-                for _ in range(n):
-                    bare_training_step(m, xd, y, lf, o, sc, prec, hw, cfg["grad_clip_norm"], k)
+            def run(n, batches=None, m=model, o=optimizer, sc=scaler, lf=loss_fn):
+                for group in bare_groups(n, batches, (x, y), k):
+                    group = [to_device(*xy, hw, cfg["channels_last"]) for xy in group]
+                    bare_training_step(m, group, lf, o, sc, prec, hw, cfg["grad_clip_norm"])
         runners.append(run)
     return runners
+
+
+def bare_groups(n, batches, held, k):
+    """The bare loop's micro-batch groups: n groups of the held batch, or a loader's batches k at a
+    time, as a plain loop over a DataLoader reads them."""
+    if batches is None:
+        yield from ([held] * k for _ in range(n))
+        return
+    batches = iter(batches)
+    while group := list(itertools.islice(batches, k)):
+        yield group
 
 
 def measure_overhead(cfg, hw, prec, steps, rounds, pairs):
     """Trainer vs bare loop at one configuration.
 
     Ops: aten ops per optimizer step, counted on one held batch (the zero-gradient sampling averaged
-    in). Speed: the trainer's training pass over the run's own loader (its workers, decoding and
-    augmentation) against the bare loop on a batch held on the device, `steps` optimizer steps each,
-    timed in alternating rounds. img/s vs bare is the median of the rounds' ratios: side by side, so
-    the shared machine's drift in speed falls on both alike.
+    in). Speed: `steps` optimizer steps each of the trainer and of the bare loop, both over the run's
+    own loader (its workers, decoding and augmentation), and of the bare loop on a batch held on the
+    device (no data loading at all), timed in alternating rounds. img/s vs bare (and vs held batch) is
+    the median of the rounds' ratios: side by side, so the machine's drift in speed falls on all alike.
     """
     trainer, bare = step_runners(cfg, hw, prec)
     ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
     bare_ops, _ = count_ops_per_step(bare)
     loader = timing_loader(cfg, hw, steps, pairs)  # alternate_timings' untimed round starts its workers
-    times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps)}, rounds, hw)
+    times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps, loader),
+                               "held": lambda: bare(steps)}, rounds, hw)
     images = steps * cfg["batch_size"] * cfg["accumulation_steps"]
-    ratios = [b / t for b, t in zip(times["bare"], times["trainer"])]
+    ratios = {name: [b / t for b, t in zip(times[name], times["trainer"])] for name in ("bare", "held")}
+    speed = {name: images / float(np.median(times[name])) for name in times}
     return {"ops_per_step": ops, "bare_ops_per_step": bare_ops, "ops_vs_bare": ops / bare_ops,
-            "trainer_images_per_s": images / float(np.median(times["trainer"])),
-            "bare_images_per_s": images / float(np.median(times["bare"])),
-            "images_per_s_vs_bare": float(np.median(ratios)), "round_ratios": ratios}
+            "trainer_images_per_s": speed["trainer"], "bare_images_per_s": speed["bare"],
+            "held_batch_images_per_s": speed["held"], "images_per_s_vs_bare": float(np.median(ratios["bare"])),
+            "images_per_s_vs_held_batch": float(np.median(ratios["held"])),
+            "round_ratios": ratios["bare"], "held_round_ratios": ratios["held"]}
 
 
 def timing_loader(cfg, hw, steps, pairs):
@@ -2783,8 +2800,8 @@ def timing_loader(cfg, hw, steps, pairs):
 
 def alternate_timings(runs, rounds, hw):
     """{name: seconds per round} for each function in `runs`, called in turn every round after one
-    untimed round (first passes are slower); the order flips each round (A B, B A, A B, ...), so
-    neither always runs first after the other."""
+    untimed round (first passes are slower); the order flips each round (A B C, C B A, A B C, ...), so
+    A and B run next to each other every round, and neither always first."""
     names, times = list(runs), {name: [] for name in runs}
     for name in names:
         runs[name]()
@@ -2802,7 +2819,8 @@ def add_overhead(row, name, base, hw, opts, pairs):
     """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
     (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
     row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "trainer_images_per_s",
-                                      "bare_images_per_s", "images_per_s_vs_bare")})
+                                      "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
+                                      "images_per_s_vs_held_batch")})
     if row.get("status") != "ok" or opts["bare_steps"] < 1 or row["compile"]:
         return row
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
@@ -2816,22 +2834,23 @@ def add_overhead(row, name, base, hw, opts, pairs):
 
 def format_benchmark_table(rows):
     header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
-              "Ops/step vs bare", "img/s vs bare", "Note")
+              "Ops/step vs bare", "img/s vs bare", "vs held batch", "Note")
     lines = [header]
     for r in rows:
         if r.get("status", "").startswith("probe"):
             lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
-                          "-", "-", "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
+                          "-", "-", "-", "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
             continue
         if r.get("status") != "ok":
-            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
+            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
             continue
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
         ops = (f"{r['ops_vs_bare']:.2f}x ({r['ops_per_step']:.0f}/{r['bare_ops_per_step']:.0f})"
                if r.get("ops_vs_bare") else "-")
-        vs_bare = f"{r['images_per_s_vs_bare']:.2f}x" if r.get("images_per_s_vs_bare") else "-"
+        vs_bare, vs_held = (f"{r[key]:.2f}x" if r.get(key) else "-"
+                            for key in ("images_per_s_vs_bare", "images_per_s_vs_held_batch"))
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare,
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare, vs_held,
                       f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
@@ -2894,9 +2913,10 @@ def run_benchmark(args=()):
           f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
           f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
     print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
-          "a bare loop that also clips; img/s vs bare: the trainer's training pass over its own loader against "
-          f"the bare loop on a held batch, same precision, layout and batch, {opts['overhead_rounds']} alternating "
-          f"rounds of {opts['bare_steps']} steps, median of the rounds' ratios.")
+          "a bare loop that also clips; img/s vs bare: the trainer's training pass over the run's own loader "
+          "against a bare loop over the same loader, same precision, layout and batch; vs held batch: against the "
+          f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
+          f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
     return result
 
 

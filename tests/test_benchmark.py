@@ -55,7 +55,7 @@ def test_benchmark_rows_files_and_table(bench, capsys):
     assert set(result["bare_loop_s_per_step"]) == {"fp32", "bf16", "bf16_cl"}
     table = train_unet.format_benchmark_table(result["rows"])
     for column in ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
-                   "Ops/step vs bare", "img/s vs bare"):
+                   "Ops/step vs bare", "img/s vs bare", "vs held batch"):
         assert column in table.splitlines()[0]
 
 
@@ -73,24 +73,28 @@ def test_benchmark_measures_trainer_against_a_bare_loop(bench):
         assert row["ops_per_step"] > row["bare_ops_per_step"] > 100
         assert row["ops_vs_bare"] == pytest.approx(row["ops_per_step"] / row["bare_ops_per_step"])
         assert row["ops_vs_bare"] <= 1.05
-        assert row["bare_images_per_s"] > 0 and row["trainer_images_per_s"] > 0
+        assert row["bare_images_per_s"] > 0 and row["trainer_images_per_s"] > 0 and row["held_batch_images_per_s"] > 0
         # the median of the alternating rounds' ratios (bare_steps=1, overhead_rounds=3 here)
-        assert len(row["round_ratios"]) == 3
+        assert len(row["round_ratios"]) == len(row["held_round_ratios"]) == 3
         assert row["images_per_s_vs_bare"] == pytest.approx(sorted(row["round_ratios"])[1])
+        assert row["images_per_s_vs_held_batch"] == pytest.approx(sorted(row["held_round_ratios"])[1])
         assert float(csv_rows[name]["trainer_images_per_s"]) == pytest.approx(row["trainer_images_per_s"])
         assert float(csv_rows[name]["ops_vs_bare"]) == pytest.approx(row["ops_vs_bare"])
         assert float(csv_rows[name]["images_per_s_vs_bare"]) == pytest.approx(row["images_per_s_vs_bare"])
+        assert float(csv_rows[name]["images_per_s_vs_held_batch"]) == pytest.approx(row["images_per_s_vs_held_batch"])
     assert csv_rows["fp16"]["ops_vs_bare"] == ""  # skipped configuration: nothing measured
 
 
 def test_overhead_rounds_alternate_and_time_each_call():
-    """After an untimed round, trainer and bare loop run in turn, the order flipping every round
-    (A B, B A, A B): a machine that slows down over the measurement slows both alike."""
+    """After an untimed round, the trainer, the bare loop over the same loader and the bare loop on a
+    held batch run in turn, the order flipping every round (A B C, C B A, A B C): a machine that
+    slows down over the measurement slows all alike, and trainer and bare loop always run adjacent."""
     calls, hw = [], train_unet.detect_hardware("cpu")
-    runs = {"trainer": lambda: calls.append("trainer"), "bare": lambda: calls.append("bare")}
+    runs = {name: (lambda name=name: calls.append(name)) for name in ("trainer", "bare", "held")}
     times = train_unet.alternate_timings(runs, 3, hw)
-    assert calls == ["trainer", "bare"] + ["trainer", "bare", "bare", "trainer", "trainer", "bare"]  # warm-up first
-    assert {k: len(v) for k, v in times.items()} == {"trainer": 3, "bare": 3}
+    order = ["trainer", "bare", "held"]
+    assert calls == order + order + order[::-1] + order  # the untimed round first
+    assert {k: len(v) for k, v in times.items()} == {"trainer": 3, "bare": 3, "held": 3}
 
 
 def test_overhead_is_timed_over_the_runs_own_loader(tmp_path):

@@ -142,6 +142,23 @@ def test_trainer_ops_per_step_within_5_percent_of_a_bare_loop(cpu_hw, name, size
     assert ops <= 1.05 * bare_ops, (ops, bare_ops, sorted(extra.items(), key=lambda kv: -kv[1])[:10])
 
 
+def test_bare_loop_over_a_loader_steps_every_k_batches_in_the_runs_layout(cpu_hw, monkeypatch):
+    """The bare reference loop over a real loader reads it as a plain PyTorch loop would: k batches
+    per optimizer step (the last group of a pass may be short), moved to the device in the run's
+    layout; without a loader it repeats its held batch."""
+    cfg = tiny(accumulation_steps=2, channels_last=True)
+    _, bare = step_runners(cfg, cpu_hw, precision(cpu_hw, "fp32"))
+    groups = []
+    monkeypatch.setattr(train_unet, "bare_training_step", lambda model, group, *args: groups.append(group))
+    batches = [(torch.full((2, 3, 32, 32), float(i)), torch.zeros(2, 32, 32, dtype=torch.long)) for i in range(5)]
+    bare(3, batches)
+    assert [[x[0, 0, 0, 0].item() for x, _ in g] for g in groups] == [[0, 1], [2, 3], [4]]
+    assert all(x.is_contiguous(memory_format=torch.channels_last) for g in groups for x, _ in g)
+    groups.clear()
+    bare(3)
+    assert [len(g) for g in groups] == [2, 2, 2] and all(g[0][0] is g[1][0] for g in groups)
+
+
 def test_count_ops_per_step_counts_per_step_work():
     x = torch.ones(3)
 
