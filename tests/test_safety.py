@@ -441,6 +441,20 @@ def test_gradient_health_columns(data, tmp_path, monkeypatch):
     assert csv_row["fallback"] == "" and csv_row["precision"] == "bf16"
 
 
+@pytest.mark.parametrize("by_l1", [False, True])
+def test_zero_gradient_count_is_exact(monkeypatch, by_l1):
+    """Both ways of counting (the L0 norm on a CPU, |sign(g)|'s L1 norm where _foreach_norm is fused,
+    CUDA) count exactly the fp32 gradient entries that are 0 (+0 and -0, not tiny or infinite ones).
+    NaN is left out: with nan_guard (the default) or fp16's scaler its step is skipped, uncounted."""
+    monkeypatch.setattr(train_unet, "ZERO_COUNT_BY_L1", ("cpu",) if by_l1 else ())
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p)
+             for shape, p in (((64, 32, 3, 3), 0.3), ((7,), 0.9), ((5, 5), 0.0), ((3, 3), 1.0))]
+    grads.append(torch.tensor([0.0, -0.0, 1e-30, float("inf"), -1.0]))
+    expected = sum(int((t == 0).sum()) for t in grads)
+    assert expected > 5000 and train_unet.count_zero_grads(grads).item() == expected
+
+
 # ---------------------------------------------------------------------------------------------------
 # h. nan_guard=False: no detection, no fallback
 # ---------------------------------------------------------------------------------------------------
