@@ -190,3 +190,21 @@ def test_notebook_runs_top_to_bottom_on_the_benchmark(bench):
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3  # bars, curves, predictions
     text = "".join(o.get("text", "") for o in outputs)
     assert "fp32" in text and "bf16" in text and "best.pt" in text
+
+
+def test_loader_workers_tool_makes_frames_the_data_check_accepts(tmp_path):
+    """tools/loader_workers.py's synthetic 1100x700 frames are valid training pairs with cells and background."""
+    import importlib.util
+
+    import cv2
+
+    spec = importlib.util.spec_from_file_location("loader_workers", ROOT / "tools" / "loader_workers.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.make_frames(tmp_path, count=3)
+    cfg = train_unet.parse_overrides([f"data_dir={tmp_path}", "val_fraction=0.34", "batch_size=2"])
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    assert len(train_pairs) == 2 and len(val_pairs) == 1
+    image, mask = (cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in train_pairs[0])
+    assert image.shape == (700, 1100, 3) and mask.shape == (700, 1100)
+    assert set(map(int, mask.ravel())) == {0, 255}

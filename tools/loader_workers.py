@@ -1,0 +1,73 @@
+"""Which num_workers keeps the model fed on this machine? The trainer's training pass with 0, 1 and 2
+DataLoader workers, and a bare loop on a batch held in memory (no loading at all), side by side.
+
+    python tools/loader_workers.py                               # 32 synthetic 1100x700 frames (made once)
+    python tools/loader_workers.py data_dir=data/mine amp_dtype=bfloat16 encoder_name=resnet34
+
+Any key=value is a training config override (defaults here: resnet34, 256 px, batch 8). The runs
+alternate in rounds (the order flipping each round) after one untimed round, so a shared machine's
+drift falls on all alike; prints the median images/s of each and every round's figure.
+"""
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_unet  # noqa: E402
+
+FRAMES = Path(__file__).resolve().parents[1] / "data" / "frames_1100x700"
+STEPS, ROUNDS = 6, 5
+
+
+def make_frames(root, count=32, width=1100, height=700, seed=0):
+    """Microscopy-like RGB frames: a blurred background, bright elliptic cells, and pixel noise that
+    PNG cannot compress away (so decoding costs what a real frame's does)."""
+    rng = np.random.default_rng(seed)
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        mask = np.zeros((height, width), np.uint8)
+        for _ in range(rng.integers(20, 60)):
+            centre = (int(rng.integers(0, width)), int(rng.integers(0, height)))
+            axes = (int(rng.integers(8, 30)), int(rng.integers(8, 30)))
+            cv2.ellipse(mask, centre, axes, float(rng.uniform(0, 180)), 0, 360, 255, -1)
+        background = cv2.GaussianBlur(rng.normal(90, 25, (height, width)).astype(np.float32), (0, 0), 8)
+        grey = np.clip(background + (mask > 0) * 70 + rng.normal(0, 12, (height, width)), 0, 255).astype(np.uint8)
+        rgb = np.stack([grey, (grey * 0.8).astype(np.uint8), (grey * 0.6).astype(np.uint8)], -1)
+        cv2.imwrite(str(root / "images" / f"f{i:03d}.png"), rgb)
+        cv2.imwrite(str(root / "masks" / f"f{i:03d}.png"), mask)
+
+
+def main(args):
+    if not any(a.startswith("data_dir=") for a in args) and not (FRAMES / "masks").is_dir():
+        make_frames(FRAMES)
+    given = {train_unet.normalize_key(a.partition("=")[0]) for a in args}
+    defaults = [f"data_dir={FRAMES}", "image_size=256", "encoder_name=resnet34", "batch_size=8",
+                "val_fraction=0.1", "progress=False"]
+    cfg = train_unet.parse_overrides([d for d in defaults if d.partition("=")[0] not in given] + args)
+    hw = train_unet.detect_hardware(cfg["device"])
+    prec = train_unet.decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    if cfg["channels_last"] == "auto":
+        cfg["channels_last"] = train_unet.decide_channels_last(cfg, hw, prec)[0]
+    train_unet.apply_tf32(cfg["tf32_matmul_precision"], prec)
+    pairs = train_unet.prepare_data(cfg)
+    trainer, bare = train_unet.step_runners(cfg, hw, prec)
+    runs = {f"num_workers={w}": (lambda loader: lambda: trainer(STEPS, loader))(
+            train_unet.timing_loader({**cfg, "num_workers": w}, hw, STEPS, pairs)) for w in (0, 1, 2)}
+    runs["held batch (no loading)"] = lambda: bare(STEPS)
+    print(f"{train_unet.describe(hw)}; {prec.dtype}, channels_last={cfg['channels_last']}, "
+          f"{ROUNDS} rounds of {STEPS} steps of batch {cfg['batch_size']}", flush=True)
+    times = train_unet.alternate_timings(runs, ROUNDS, hw)
+    images = STEPS * cfg["batch_size"] * cfg["accumulation_steps"]
+    for name, seconds in times.items():
+        print(f"{name:24s} {images / np.median(seconds):7.2f} img/s   rounds: "
+              + " ".join(f"{images / s:.2f}" for s in seconds))
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except train_unet.UserError as exc:  # a message, not a traceback
+        sys.exit(f"error: {exc}")
