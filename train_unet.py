@@ -1174,8 +1174,9 @@ def loader_options(cfg, hw):
 def one_opencv_thread(worker_id):
     """In a DataLoader worker (PyTorch already gives each one torch thread): OpenCV would start a
     thread per core in every worker; on a CPU those take cores from the model's threads (measured:
-    1.76 ms of CPU time per augmented image with OpenCV's pool, 0.99 ms without; README "Data loading"). 0 = run on the calling thread;
-    setNumThreads(1) hangs in a worker forked from a process whose OpenCV pool had started."""
+    1.76 ms of CPU time per augmented image with OpenCV's pool, 0.99 ms without; README "Data
+    loading"). 0 = run on the calling thread; setNumThreads(1) hangs in a worker forked from a
+    process whose OpenCV pool had started."""
     cv2.setNumThreads(0)
 
 

@@ -9,6 +9,7 @@ alternate in rounds (the order flipping each round) after one untimed round, so 
 drift falls on all alike; prints the median images/s of each and every round's figure.
 """
 import sys
+from functools import partial
 from pathlib import Path
 
 import cv2
@@ -41,12 +42,13 @@ def make_frames(root, count=32, width=1100, height=700, seed=0):
 
 
 def main(args):
-    if not any(a.startswith("data_dir=") for a in args) and not (FRAMES / "masks").is_dir():
+    defaults = train_unet.parse_overrides([f"data_dir={FRAMES}", "image_size=256", "encoder_name=resnet34",
+                                           "batch_size=8", "val_fraction=0.1", "progress=False"])
+    cfg = train_unet.parse_overrides(args, base=defaults)  # the user's keys win
+    if not isinstance(cfg["batch_size"], int):
+        raise train_unet.UserError(f"batch_size={cfg['batch_size']}: give a number of images here")
+    if Path(cfg["data_dir"]) == FRAMES and not (FRAMES / "masks").is_dir():
         make_frames(FRAMES)
-    given = {train_unet.normalize_key(a.partition("=")[0]) for a in args}
-    defaults = [f"data_dir={FRAMES}", "image_size=256", "encoder_name=resnet34", "batch_size=8",
-                "val_fraction=0.1", "progress=False"]
-    cfg = train_unet.parse_overrides([d for d in defaults if d.partition("=")[0] not in given] + args)
     hw = train_unet.detect_hardware(cfg["device"])
     prec = train_unet.decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     if cfg["channels_last"] == "auto":
@@ -54,9 +56,10 @@ def main(args):
     train_unet.apply_tf32(cfg["tf32_matmul_precision"], prec)
     pairs = train_unet.prepare_data(cfg)
     trainer, bare = train_unet.step_runners(cfg, hw, prec)
-    runs = {f"num_workers={w}": (lambda loader: lambda: trainer(STEPS, loader))(
-            train_unet.timing_loader({**cfg, "num_workers": w}, hw, STEPS, pairs)) for w in (0, 1, 2)}
-    runs["held batch (no loading)"] = lambda: bare(STEPS)
+    runs = {f"num_workers={w}": partial(trainer, STEPS, train_unet.timing_loader({**cfg, "num_workers": w}, hw,
+                                                                                 STEPS, pairs))
+            for w in (0, 1, 2)}
+    runs["held batch (no loading)"] = partial(bare, STEPS)
     print(f"{train_unet.describe(hw)}; {prec.dtype}, channels_last={cfg['channels_last']}, "
           f"{ROUNDS} rounds of {STEPS} steps of batch {cfg['batch_size']}", flush=True)
     times = train_unet.alternate_timings(runs, ROUNDS, hw)
