@@ -61,6 +61,8 @@ CONFIG = {
     "val_fraction": 0.2,           # used when <data_dir> has no train/ and val/ folders
     "max_train_images": None,      # None = all; a number = a quick run on the first N (benchmarks)
     "num_workers": None,           # None = auto: 1 on a CPU with 2+ cores, else a share of the cores
+    "cache_images": True,          # fit mode: decode and resize each image once per run (temporary
+                                   # .npy files, image_size^2 x channels bytes each); False = every epoch
     # large images (README "Large images"): "fit" resizes each image to image_size (and pads);
     # "patch" trains on image_size patches and validates/predicts whole images by a sliding window
     "data_mode": "fit",            # "fit" | "patch"
@@ -419,6 +421,16 @@ def preset_table():
         rows.append(f"| `{name}` | {PRESET_USES[name]} | " + ", ".join(f"`{k}={v}`" for k, v in values.items())
                     + " |")
     return "\n".join(rows)
+
+
+def user_message(exc):
+    """A UserError's message. One raised in a DataLoader worker (a file that broke after the data check,
+    a full disk) comes back re-raised with the worker's traceback as its text: its last line is the
+    original "...UserError: message"."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    return text.strip().splitlines()[-1].split("UserError: ", 1)[-1]
 
 
 def first_line(exc, limit=160):
@@ -1057,16 +1069,23 @@ def build_transforms(cfg, train, resize=True):
     training, normalize."""
     import albumentations as A
 
-    size = cfg["image_size"]
-    # Keep the aspect ratio and pad at the bottom/right, so predictions crop back exactly.
-    fit = [A.LongestMaxSize(max_size=size),
-           A.PadIfNeeded(size, size, position="top_left", border_mode=cv2.BORDER_CONSTANT, fill=0,
-                         fill_mask=IGNORE_INDEX)] if resize else []
+    fit = fit_transforms(cfg["image_size"]) if resize else []
     augment = [A.HorizontalFlip(p=0.5), A.VerticalFlip(p=0.5),
                A.Affine(scale=(0.9, 1.1), translate_percent=(-0.05, 0.05), rotate=(-15, 15),
                         fill_mask=IGNORE_INDEX, p=0.5),
                A.RandomBrightnessContrast(0.2, 0.2, p=0.5)] if train else []
     return A.Compose(fit + augment + [A.Lambda(image=normalizer(cfg), name="normalize")])
+
+
+def fit_transforms(size):
+    """Fit mode's resize: longer side to `size`, then padded to a square. Keeps the aspect ratio and pads
+    at the bottom/right, so predictions crop back exactly. Draws no random numbers: it can run once per
+    run (ResizedImages) and leave the augmentation's random sequence unchanged."""
+    import albumentations as A
+
+    return [A.LongestMaxSize(max_size=size),
+            A.PadIfNeeded(size, size, position="top_left", border_mode=cv2.BORDER_CONSTANT, fill=0,
+                          fill_mask=IGNORE_INDEX)]
 
 
 def normalizer(cfg):
@@ -1121,7 +1140,8 @@ class SegDataset(Dataset):
 
     def __init__(self, pairs, cfg, train):
         self.pairs, self.cfg, self.train = pairs, cfg, train
-        self.transform = build_transforms(cfg, train)
+        self.resized = ResizedImages(cfg) if cfg["cache_images"] and cfg["data_mode"] == "fit" else None
+        self.transform = build_transforms(cfg, train, resize=self.resized is None)
         # In shared memory: persistent DataLoader workers keep their copy of the dataset across
         # epochs, and must still see the epoch the main process sets.
         self._epoch = multiprocessing.RawValue("q", 0)
@@ -1138,10 +1158,75 @@ class SegDataset(Dataset):
         return len(self.pairs)
 
     def __getitem__(self, index):
-        image, mask = read_pair(self.pairs[index], self.cfg)
+        image, mask = self.read(index)
         seed_augmentation(self.transform, self.cfg["seed"], self.epoch, index)
         out = self.transform(image=image, mask=mask)
         return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
+
+    def read(self, index):
+        """The pair as read_pair gives it, or (cache_images) already resized, from the run's cache."""
+        if self.resized is None:
+            return read_pair(self.pairs[index], self.cfg)
+        return self.resized.get(index, self.pairs[index])
+
+
+class ResizedImages:
+    """cache_images (fit mode): each image and mask decoded and resized once per run, then read back from
+    a .npy file (DecodedImages), where decoding a large PNG or TIFF every epoch would cost the model's
+    CPU time (README "Data loading"). The result is the same to the bit: the resize draws no random
+    numbers, so the augmentation that follows draws the same ones."""
+
+    def __init__(self, cfg):
+        import albumentations as A
+
+        self.cfg, self.fit = cfg, A.Compose(fit_transforms(cfg["image_size"]))
+        self.decoded = DecodedImages(fix=("set cache_images=False",))
+
+    def get(self, index, pair):
+        # Copied into memory: small at image_size, and the augmentation may write to its input.
+        return [np.array(array) for array in self.decoded.get(index, lambda: self.decode(pair))]
+
+    def decode(self, pair):
+        image, mask = read_pair(pair, self.cfg)
+        out = self.fit(image=image, mask=mask)
+        return out["image"], out["mask"]
+
+
+class DecodedImages:
+    """Images decoded once per run (fit mode: resized, ResizedImages; patch mode: scaled), then read
+    through a memory map: a patch of a 10,000² scene reads its own pixels, not the whole file. The .npy
+    copies live in a temporary folder (as much disk as the decoded images) that the process that made
+    it removes when the data set is collected or at exit; the kernel's page cache keeps the busy ones in
+    memory. Loader workers share the files (each written atomically), so an image is decoded about once
+    in all. `fix`: what else the user can do when the disk is full."""
+
+    def __init__(self, fix=()):
+        self.folder, self.fix = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix
+        weakref.finalize(self, remove_folder, self.folder, os.getpid())
+
+    def get(self, key, decode):
+        """(image, mask) as read-only memory maps; `decode()` makes them the first time."""
+        paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
+        if not all(path.exists() for path in paths):
+            for path, array in zip(paths, decode()):
+                self.write(path, array)
+        return [np.load(path, mmap_mode="r") for path in paths]
+
+    def write(self, path, array):
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                np.save(f, array)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            fixes = " or ".join(["free disk space there", "point TMPDIR at a larger disk", *self.fix])
+            raise UserError(f"cannot write decoded images to {self.folder} ({exc.strerror or exc}): {fixes}") from None
+
+
+def remove_folder(folder, owner):
+    if os.getpid() == owner:  # forked loader workers hold the same finalizer: only the owner removes
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def worker_count(cfg, hw):
@@ -1318,34 +1403,6 @@ def cut_patch(image, mask, foreground, cfg, rng):
     window = (slice(top, top + size), slice(left, left + size))  # copied out: the image may be a memory map
     return (pad_to(np.array(image[window]), size, size, 0),
             pad_to(np.array(mask[window]), size, size, IGNORE_INDEX))
-
-
-class DecodedImages:
-    """Each training image decoded (and scaled) once per run, then read through a memory map: a patch of
-    a 10,000² scene reads its own pixels, not the whole file. The .npy copies live in a temporary folder
-    (as much disk as the decoded training images) that the process that made it removes when the data
-    set is collected or at exit; the kernel's page cache keeps the busy ones in memory. Loader workers
-    share the files (each written atomically), so an image is decoded about once in all."""
-
-    def __init__(self):
-        self.folder = Path(tempfile.mkdtemp(prefix="unet_amp_patches_"))
-        weakref.finalize(self, remove_folder, self.folder, os.getpid())
-
-    def get(self, key, decode):
-        """(image, mask) as read-only memory maps; `decode()` makes them the first time."""
-        paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
-        if not all(path.exists() for path in paths):
-            for path, array in zip(paths, decode()):
-                tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                with open(tmp, "wb") as f:
-                    np.save(f, array)
-                os.replace(tmp, path)
-        return [np.load(path, mmap_mode="r") for path in paths]
-
-
-def remove_folder(folder, owner):
-    if os.getpid() == owner:  # forked loader workers hold the same finalizer: only the owner removes
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 PATCH_STREAM = 1  # keeps the patch-position generator apart from the augmentation's (seed_augmentation)
@@ -3406,7 +3463,7 @@ def train_main(cfg, explicit=()):
         return train(cfg, explicit)
     except UserError as exc:
         if DIST.enabled:  # say which process failed; torchrun then stops the others
-            raise UserError(f"[rank {DIST.rank}] {exc}") from None
+            raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None
         raise
     finally:
         cleanup_distributed()
@@ -3431,7 +3488,7 @@ def main(argv=None):
             raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
                             f"followed by key=value settings")
     except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: checkpoints written so far are intact; resume=True continues", file=sys.stderr)
