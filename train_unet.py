@@ -18,6 +18,7 @@ import contextlib
 import copy
 import csv
 import difflib
+import errno
 import itertools
 import json
 import math
@@ -27,8 +28,10 @@ import platform
 import random
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -61,8 +64,8 @@ CONFIG = {
     "val_fraction": 0.2,           # used when <data_dir> has no train/ and val/ folders
     "max_train_images": None,      # None = all; a number = a quick run on the first N (benchmarks)
     "num_workers": None,           # None = auto: 1 on a CPU with 2+ cores, else a share of the cores
-    "cache_images": True,          # fit mode: decode and resize each image once per run (temporary
-                                   # .npy files, image_size^2 x channels bytes each); False = every epoch
+    "cache_images": True,          # fit mode: decode and resize each image once per run (temporary .npy
+                                   # files: image_size^2 x (channels + 1) bytes each); False = every epoch
     # large images (README "Large images"): "fit" resizes each image to image_size (and pads);
     # "patch" trains on image_size patches and validates/predicts whole images by a sliding window
     "data_mode": "fit",            # "fit" | "patch"
@@ -430,7 +433,9 @@ def user_message(exc):
     text = str(exc)
     if "Original Traceback" not in text:
         return text
-    return text.strip().splitlines()[-1].split("UserError: ", 1)[-1]
+    lines = text.rstrip("\n").splitlines()
+    last = max((i for i, line in enumerate(lines) if re.match(r"[\w.]*UserError: ", line)), default=None)
+    return text if last is None else "\n".join(lines[last:]).split("UserError: ", 1)[1]
 
 
 def first_line(exc, limit=160):
@@ -1140,7 +1145,7 @@ class SegDataset(Dataset):
 
     def __init__(self, pairs, cfg, train):
         self.pairs, self.cfg, self.train = pairs, cfg, train
-        self.resized = ResizedImages(cfg) if cfg["cache_images"] and cfg["data_mode"] == "fit" else None
+        self.resized = image_cache(pairs, cfg)
         self.transform = build_transforms(cfg, train, resize=self.resized is None)
         # In shared memory: persistent DataLoader workers keep their copy of the dataset across
         # epochs, and must still see the epoch the main process sets.
@@ -1168,6 +1173,27 @@ class SegDataset(Dataset):
         if self.resized is None:
             return read_pair(self.pairs[index], self.cfg)
         return self.resized.get(index, self.pairs[index])
+
+
+def image_cache(pairs, cfg):
+    """ResizedImages for cache_images in fit mode, or None: off, or the cache would take more than half
+    the free space where temporary files go (checkpoints need room too): then decoded every epoch."""
+    if not (cfg["cache_images"] and cfg["data_mode"] == "fit" and pairs):
+        return None
+    need, folder = cache_bytes(pairs, cfg), tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free
+    if need > free / 2:
+        print(f"cache_images: the resized images would take {need / 2**30:.1f} GB of the {free / 2**30:.1f} GB "
+              f"free in {folder}: decoding them every epoch instead (point TMPDIR at a larger disk to cache them)")
+        return None
+    return ResizedImages(cfg)
+
+
+def cache_bytes(pairs, cfg):
+    """The cache's size: image_size² pixels per pair, channels at the first image's depth after
+    scale_image (1 byte for 8-bit, 4 for 16-bit and float), and 1 byte per mask pixel."""
+    depth = read_image(pairs[0][0], cfg["in_channels"]).itemsize
+    return len(pairs) * cfg["image_size"] ** 2 * (cfg["in_channels"] * depth + 1)
 
 
 class ResizedImages:
@@ -1201,7 +1227,11 @@ class DecodedImages:
     in all. `fix`: what else the user can do when the disk is full."""
 
     def __init__(self, fix=()):
-        self.folder, self.fix = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix
+        try:
+            self.folder, self.fix = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix
+        except OSError as exc:
+            raise UserError(f"cannot make a folder for decoded images in {tempfile.gettempdir()} "
+                            f"({exc.strerror or exc}): point TMPDIR at a writable folder") from None
         weakref.finalize(self, remove_folder, self.folder, os.getpid())
 
     def get(self, key, decode):
@@ -1219,9 +1249,16 @@ class DecodedImages:
                 np.save(f, array)
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            fixes = " or ".join(["free disk space there", "point TMPDIR at a larger disk", *self.fix])
-            raise UserError(f"cannot write decoded images to {self.folder} ({exc.strerror or exc}): {fixes}") from None
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            fixes = ["free disk space there", "point TMPDIR at a larger disk"] if exc.errno in FULL_DISK else \
+                ["check that it still exists and is writable (a temporary-file cleaner may have removed it)",
+                 "point TMPDIR elsewhere"]
+            raise UserError(f"cannot write decoded images to {self.folder} ({exc.strerror or exc}): "
+                            f"{', '.join([*fixes, *self.fix][:-1])} or {[*fixes, *self.fix][-1]}") from None
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
 
 
 def remove_folder(folder, owner):
@@ -3469,6 +3506,24 @@ def train_main(cfg, explicit=()):
         cleanup_distributed()
 
 
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends the run like
+    Ctrl-C: Python's exit handlers then remove the temporary image caches (DecodedImages), which a
+    plain SIGTERM would leave behind. Checkpoints are written atomically either way."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
@@ -3477,23 +3532,28 @@ def main(argv=None):
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
     try:
-        if command == "train":
-            train_main(parse_overrides(args), explicit_keys(args))
-        elif command == "predict":
-            return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
-        elif command == "benchmark":
-            rows = run_benchmark(args)["rows"]
-            return 1 if any(r["status"].startswith("failed") for r in rows) else 0
-        else:
-            raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
-                            f"followed by key=value settings")
+        with sigterm_as_exit():
+            return run_command(command, args)
     except UserError as exc:
         print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: checkpoints written so far are intact; resume=True continues", file=sys.stderr)
         return 130
-    return 0
+
+
+def run_command(command, args):
+    """train, predict or benchmark: the exit code."""
+    if command == "train":
+        train_main(parse_overrides(args), explicit_keys(args))
+        return 0
+    if command == "predict":
+        return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
+    if command == "benchmark":
+        rows = run_benchmark(args)["rows"]
+        return 1 if any(r["status"].startswith("failed") for r in rows) else 0
+    raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
+                    f"followed by key=value settings")
 
 
 if __name__ == "__main__":

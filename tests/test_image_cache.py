@@ -1,6 +1,8 @@
 """cache_images (fit mode): each image decoded and resized once per run, the samples unchanged to the
 bit; a full disk and an error inside a loader worker are one-line messages."""
 import errno
+import os
+import types
 
 import cv2
 import numpy as np
@@ -31,11 +33,11 @@ def samples(dataset, epochs=(0, 1, 2)):
     return out
 
 
-@pytest.mark.parametrize("train", [True, False])
-def test_cached_samples_equal_uncached_ones_to_the_bit(make_cfg, mixed_data, train):
+@pytest.mark.parametrize("train, size", [(True, 32), (False, 32), (True, 96)])  # 96: upscaled
+def test_cached_samples_equal_uncached_ones_to_the_bit(make_cfg, mixed_data, train, size):
     """Resized once and read back, with the augmentation's random draws unchanged: every sample of
     three epochs (the first decodes, the others read the cache) equals the uncached one."""
-    cached, plain = make_cfg(image_size=32, cache_images=True), make_cfg(image_size=32, cache_images=False)
+    cached, plain = make_cfg(image_size=size, cache_images=True), make_cfg(image_size=size, cache_images=False)
     train_pairs, val_pairs = prepare_data(plain)
     pairs = train_pairs if train else val_pairs + train_pairs[:4]
     got, want = samples(SegDataset(pairs, cached, train)), samples(SegDataset(pairs, plain, train))
@@ -74,35 +76,100 @@ def test_the_cache_folder_goes_with_the_data_set(make_cfg):
     assert SegDataset(train, make_cfg(cache_images=False), train=True).resized is None
 
 
-def test_a_full_disk_is_a_one_line_error_with_the_fixes(make_cfg, monkeypatch):
+@pytest.mark.parametrize("code, advice", [(errno.ENOSPC, "free disk space there, point TMPDIR at a larger disk"),
+                                          (errno.ENOENT, "check that it still exists and is writable")])
+def test_a_failed_cache_write_is_a_one_line_error_with_the_fixes(make_cfg, monkeypatch, code, advice):
     cfg = make_cfg()
     train, _ = prepare_data(cfg)
     dataset = SegDataset(train, cfg, train=True)
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(train_unet.np, "save", full)
+    def failing(*args, **kwargs):
+        raise OSError(code, "No space left on device" if code == errno.ENOSPC else "No such file or directory")
+    monkeypatch.setattr(train_unet.np, "save", failing)
     with pytest.raises(UserError) as info:
         dataset[0]
     message = str(info.value)
-    assert "\n" not in message and "No space left on device" in message
-    assert "TMPDIR" in message and "cache_images=False" in message
+    assert "\n" not in message and str(dataset.resized.decoded.folder) in message
+    assert advice in message and message.endswith(" or set cache_images=False")
     assert not list(dataset.resized.decoded.folder.iterdir())  # no half-written file left behind
     monkeypatch.undo()
     assert torch.equal(dataset[0][1], SegDataset(train, make_cfg(cache_images=False), train=True)[0][1])
 
 
-@pytest.mark.parametrize("cache", [True, False])
-def test_an_error_in_a_loader_worker_is_printed_as_one_line(data_dir, tmp_path, monkeypatch, capsys, cache):
-    """A file that breaks after the data check fails inside a worker; PyTorch re-raises it in the main
-    process with the worker's traceback as its text. The user sees the message, not the traceback."""
-    def broken(pair, cfg):
-        raise UserError(f"cannot read image {pair[0]} (corrupt or not an image): fix or remove it")
-    monkeypatch.setattr(train_unet, "read_pair", broken)  # the forked worker inherits it
-    rc = train_unet.main([f"data_dir={data_dir}", f"checkpoint_dir={tmp_path / 'ck'}", "image_size=32",
-                          "epochs=1", "batch_size=4", "num_workers=1", "progress=False", "device=cpu",
-                          "use_amp=False", "logger=csv", f"cache_images={cache}"])
+@pytest.mark.parametrize("size, channels, bits", [(32, 3, 8), (64, 1, 8), (32, 3, 16)])
+def test_the_size_estimate_is_what_the_cache_takes(make_cfg, data_dir, size, channels, bits):
+    if bits == 16:
+        for path in (data_dir / "images").glob("*.png"):
+            cv2.imwrite(str(path), cv2.imread(str(path)).astype(np.uint16) * 257)
+    cfg = make_cfg(image_size=size, in_channels=channels)
+    train, _ = prepare_data(cfg)
+    dataset = SegDataset(train, cfg, train=True)
+    samples(dataset, epochs=(0,))
+    files = list(dataset.resized.decoded.folder.glob("*.npy"))
+    written = sum(f.stat().st_size for f in files)
+    need = train_unet.cache_bytes(train, cfg)
+    assert len(files) == 2 * len(train) and need <= written <= need + 256 * len(files)  # + .npy headers
+
+
+def test_without_room_on_the_disk_images_are_decoded_every_epoch(make_cfg, monkeypatch, capsys):
+    cfg = make_cfg()
+    train, _ = prepare_data(cfg)
+    need = train_unet.cache_bytes(train, cfg)
+    monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2 * need - 1))
+    dataset = SegDataset(train, cfg, train=True)
+    assert dataset.resized is None and "decoding them every epoch instead" in capsys.readouterr().out
+    assert torch.equal(dataset[1][0], SegDataset(train, make_cfg(cache_images=False), train=True)[1][0])
+    monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2 * need))
+    assert SegDataset(train, cfg, train=True).resized is not None
+
+
+def test_a_file_that_breaks_after_the_data_check_is_a_one_line_error(data_dir, tmp_path, capsys):
+    """The data check caches its verdict by size and modification time; a file whose bytes change with
+    neither (a network share, a copy tool) first fails inside a loader worker, and PyTorch re-raises
+    the error in the main process with the worker's traceback as its text. The user sees the message."""
+    args = [f"data_dir={data_dir}", f"checkpoint_dir={tmp_path / 'ck'}", "image_size=32", "epochs=1",
+            "batch_size=2", "num_workers=1", "progress=False", "device=cpu", "use_amp=False", "logger=csv"]
+    train, _ = prepare_data(train_unet.parse_overrides(args))  # the data check's verdicts are cached
+    stat = train[0][0].stat()
+    train[0][0].write_bytes(b"\0" * stat.st_size)
+    os.utime(train[0][0], ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert train_unet.main(args) == 2
     err = capsys.readouterr().err
-    assert rc == 2
-    assert err.startswith("error: cannot read image ") and err.endswith(": fix or remove it\n")
-    assert err.count("\n") == 1 and "Traceback" not in err and "DataLoader worker" not in err
+    assert err == f"error: cannot read image {train[0][0]} (corrupt or not an image): fix or remove it\n"
+
+
+@pytest.mark.parametrize("text, want", [
+    ("a plain message: fix it", "a plain message: fix it"),
+    ("Caught UserError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+     '  File "x.py", line 1, in f\n    raise UserError("it: fix")\ntrain_unet.UserError: it: fix\n', "it: fix"),
+    ("Caught UserError in DataLoader worker process 1.\nOriginal Traceback (most recent call last):\n"
+     "__main__.UserError: two\nlines\n", "two\nlines"),
+    ("Caught UserError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+     "train_unet.UserError\n", None),  # no message to extract: the text as it came
+])
+def test_user_message_takes_the_workers_message_out_of_its_traceback(text, want):
+    assert train_unet.user_message(UserError(text)) == (text if want is None else want)
+
+
+def test_a_terminated_run_removes_its_caches(data_dir, tmp_path):
+    """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends a run like Ctrl-C,
+    so the exit handlers remove its temporary caches instead of leaving them on the disk."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    run = subprocess.Popen([sys.executable, str(train_unet.Path(train_unet.__file__)), f"data_dir={data_dir}",
+                            f"checkpoint_dir={tmp_path / 'ck'}", "image_size=32", "epochs=500", "batch_size=2",
+                            "num_workers=1", "progress=False", "device=cpu", "use_amp=False", "logger=csv"],
+                           env={**os.environ, "TMPDIR": str(temp)}, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(temp.glob("unet_amp_decoded_*/*.npy")) and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert list(temp.glob("unet_amp_decoded_*/*.npy")), "the run made no cache"
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130 and "interrupted: checkpoints written so far are intact" in err
+    assert not list(temp.glob("unet_amp_decoded_*"))
