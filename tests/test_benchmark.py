@@ -7,6 +7,7 @@ from pathlib import Path
 import nbclient
 import nbformat
 import pytest
+import torch
 
 import train_unet
 
@@ -208,9 +209,9 @@ def test_loader_workers_tool_makes_frames_the_data_check_accepts(tmp_path):
     image, mask = (cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in train_pairs[0])
     assert image.shape == (700, 1100, 3) and mask.shape == (700, 1100)
     assert set(map(int, mask.ravel())) == {0, 255}
-    cv2_threads = cv2.getNumThreads()
+    threads = cv2.getNumThreads(), torch.get_num_threads()
     ms = tool.sample_cpu_ms({**cfg, "image_size": 64, "checkpoint_dir": str(tmp_path / "ck")},
                             (train_pairs, val_pairs), rounds=2)
     assert set(ms) == {"first epoch (decode, write)", "cache_images=True", "cache_images=False"}
     assert all(value > 0 for value in ms.values())
-    assert cv2.getNumThreads() == cv2_threads  # the tool's own OpenCV setting is restored
+    assert (cv2.getNumThreads(), torch.get_num_threads()) == threads  # the tool restores both

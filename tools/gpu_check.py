@@ -152,7 +152,7 @@ def main():
                 status, detail = "ok", check(hw, tmp)
                 status = "skip" if detail.startswith("skipped") else status
             except Exception as exc:  # report every check, then fail
-                status, detail = "FAIL", f"{type(exc).__name__}: {T.first_line(exc)}"
+                status, detail = "FAIL", f"{type(exc).__name__}: {T.first_line(T.user_message(exc))}"
                 failed += 1
                 if os.environ.get("GPU_CHECK_TRACEBACK"):
                     traceback.print_exc()

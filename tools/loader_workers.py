@@ -48,8 +48,8 @@ def make_frames(root, count=32, width=1100, height=700, seed=0):
 
 def sample_cpu_ms(cfg, pairs, count=32, rounds=7):
     """Median CPU time per training sample (read, resize, augment, to tensor), as a loader worker spends
-    it (OpenCV on the calling thread): decoded every epoch, read back from cache_images' files, and in
-    the first epoch, which also writes them (a fresh cache each time)."""
+    it (OpenCV on the calling thread, one torch thread): decoded every epoch, read back from
+    cache_images' files, and in the first epoch, which also writes them (a fresh cache each time)."""
     train = pairs[0][:count]
 
     def per_sample(cache, epoch, dataset=None):
@@ -60,8 +60,9 @@ def sample_cpu_ms(cfg, pairs, count=32, rounds=7):
             dataset[i]
         return (time.process_time() - start) * 1e3 / len(train)
 
-    threads = cv2.getNumThreads()
+    threads = cv2.getNumThreads(), train_unet.torch.get_num_threads()
     cv2.setNumThreads(0)
+    train_unet.torch.set_num_threads(1)  # as in a worker; idle OpenMP threads would count their spinning
     per_sample(False, 0)  # warm-up: the transforms' first calls, the page cache
     ms = {"first epoch (decode, write)": [per_sample(True, 0) for _ in range(3)]}
     kept = {False: train_unet.SegDataset(train, {**cfg, "cache_images": False}, True),
@@ -70,7 +71,8 @@ def sample_cpu_ms(cfg, pairs, count=32, rounds=7):
     for r in range(rounds):
         for cache in (True, False) if r % 2 == 0 else (False, True):
             ms.setdefault(f"cache_images={cache}", []).append(per_sample(cache, r + 1, kept[cache]))
-    cv2.setNumThreads(threads)
+    cv2.setNumThreads(threads[0])
+    train_unet.torch.set_num_threads(threads[1])
     return {name: float(np.median(values)) for name, values in ms.items()}
 
 
