@@ -1251,11 +1251,11 @@ class DecodedImages:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            fixes = ["free disk space there", "point TMPDIR at a larger disk"] if exc.errno in FULL_DISK else \
-                ["check that it still exists and is writable (a temporary-file cleaner may have removed it)",
-                 "point TMPDIR elsewhere"]
+            fixes = [*(["free disk space there", "point TMPDIR at a larger disk"] if exc.errno in FULL_DISK else
+                       ["check that it still exists and is writable (a temporary-file cleaner may have removed it)",
+                        "point TMPDIR elsewhere"]), *self.fix]
             raise UserError(f"cannot write decoded images to {self.folder} ({exc.strerror or exc}): "
-                            f"{', '.join([*fixes, *self.fix][:-1])} or {[*fixes, *self.fix][-1]}") from None
+                            f"{', '.join(fixes[:-1])} or {fixes[-1]}") from None
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)

@@ -53,7 +53,8 @@ def sample_cpu_ms(cfg, pairs, count=32, rounds=7):
     train = pairs[0][:count]
 
     def per_sample(cache, epoch, dataset=None):
-        dataset = dataset or train_unet.SegDataset(train, {**cfg, "cache_images": cache}, True)
+        if dataset is None:  # a fresh one (a Dataset's truth value would be its length)
+            dataset = train_unet.SegDataset(train, {**cfg, "cache_images": cache}, True)
         dataset.epoch = epoch
         start = time.process_time()
         for i in range(len(train)):
