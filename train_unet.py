@@ -2527,6 +2527,38 @@ def output_paths(paths, out_dir):
     return outputs
 
 
+def write_png(path, image):
+    """cv2.imwrite that cannot fail silently (imwrite only returns False, with no reason): encoded in
+    memory, written under a temporary name and renamed, so a failed write (a removed folder, a full
+    disk) raises OSError with its cause and leaves no partial file. The folder is not re-created: a
+    folder removed mid-run is an error, not a fresh start that hides the loss."""
+    ok, data = cv2.imencode(".png", image)
+    if not ok:
+        raise RuntimeError(f"OpenCV could not encode a {image.dtype} {image.shape} array as PNG for {path}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # a killed run's leftover; O_EXCL below never follows a planted link
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            f.write(data.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_prediction(path, image, done):
+    """write_png for predict: a failed write stops the run with a one-line UserError (every later write
+    would fail the same way); the `done` images written before it stay."""
+    try:
+        write_png(path, image)
+    except OSError as exc:
+        fix = ("free disk space there or choose another output=..." if exc.errno in FULL_DISK else
+               "check that the output folder still exists and is writable, or choose another output=...")
+        raise UserError(f"cannot write {path} ({exc.strerror or exc}): {fix}; the {done} image(s) predicted "
+                        f"before it are kept") from None
+
+
 def predict_layout(model, cfg, opts, hw, prec):
     """Layout decided for this machine and predict's batch of images, or of tiles in patch mode
     ("auto": the checkpoint's layout was a speed choice of the machine that trained it); the model
@@ -2570,9 +2602,9 @@ def predict(opts):
                 failed.append((str(path), str(exc)))
         masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
         for (path, image), mask in zip(batch, masks):
-            cv2.imwrite(str(outputs[path]), mask_to_png(mask, cfg["num_classes"]))
+            save_prediction(outputs[path], mask_to_png(mask, cfg["num_classes"]), done)
             if opts["overlay"]:
-                cv2.imwrite(str(out_dir / f"{path.stem}_overlay.png"), overlay_image(image, mask))
+                save_prediction(out_dir / f"{path.stem}_overlay.png", overlay_image(image, mask), done)
             done += 1
         bar.update(len(paths[i:i + per_batch]))
     bar.close()
