@@ -2268,8 +2268,12 @@ def write_json(path, data):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
 
-def archive_previous_run(ckpt_dir, names=("last.pt", "best.pt", "history.csv", "config.json", "tensorboard")):
-    """A fresh run never overwrites an earlier one: its files move to <ckpt_dir>/previous/<time>/."""
+RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard")  # what a run writes
+
+
+def archive_previous_run(ckpt_dir, names=RUN_FILES):
+    """A fresh run never overwrites an earlier one: its files (only `names`; anything else in ckpt_dir
+    stays) move to <ckpt_dir>/previous/<time>/."""
     ckpt_dir = Path(ckpt_dir)
     old = [ckpt_dir / n for n in names if (ckpt_dir / n).exists()]
     if not old:
@@ -3010,7 +3014,7 @@ def run_benchmark(args=()):
     hw = detect_hardware(base["device"])
     out_dir = Path(opts["output"])
     check_writable(out_dir)
-    moved = archive_previous_run(out_dir, [p.name for p in sorted(out_dir.iterdir()) if p.name != "previous"])
+    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, names))
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
     pairs = prepare_data(base)  # writes the embedded data set once, before the runs start
@@ -3055,6 +3059,33 @@ def run_benchmark(args=()):
           f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
           f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
     return result
+
+
+BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
+
+
+def benchmark_outputs(out_dir, configs):
+    """The names an earlier benchmark wrote in out_dir: its results, and each configuration's log and
+    run folder. Only these are archived; anything else there (output=. holds the user's files and
+    train_unet.py itself) is not the benchmark's and stays, as does a folder named like a configuration
+    that holds no run. One that this benchmark would train in (`configs`) is refused instead: the run
+    would write into it, and the next benchmark would archive it."""
+    names = [*BENCHMARK_RESULTS, *(n for config in BENCHMARK_SETTINGS for n in (config, f"{config}.log"))]
+    found = [n for n in names if (out_dir / n).exists() or (out_dir / n).is_symlink()]
+    foreign = [n for n in found if n in BENCHMARK_SETTINGS and not is_run_folder(out_dir / n)]
+    clash = next((n for n in foreign if n in configs), None)
+    if clash is not None:
+        raise UserError(f"{out_dir / clash} is not a benchmark run (no checkpoint or history inside), but "
+                        f"the benchmark's {clash} run writes there: move it or choose another output=...")
+    return [n for n in found if n not in foreign]
+
+
+def is_run_folder(path):
+    """A training run's checkpoint_dir (RUN_FILES, or an archive of them), or an empty folder."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    entries = {p.name for p in path.iterdir()}
+    return not entries or bool(entries & {*RUN_FILES, "previous"})
 
 
 def write_rows_csv(path, rows):
