@@ -19,6 +19,7 @@ import copy
 import csv
 import difflib
 import errno
+import functools
 import itertools
 import json
 import math
@@ -1134,7 +1135,13 @@ def read_pair(pair, cfg):
     """(image from read_image, mask of class indices): how every data set reads a pair. The mask's
     values were validated once by the data check, so this only converts (no np.unique per sample)."""
     image_path, mask_path = pair
-    return read_image(image_path, cfg["in_channels"]), mask_to_classes(decode_mask(mask_path), cfg["num_classes"])
+    return read_image(image_path, cfg["in_channels"]), read_classes(mask_path, cfg)
+
+
+def read_classes(mask_path, cfg):
+    """A mask of class indices at its own size, as read_pair reads it (fit-mode validation also reads
+    the original mask alone, when the image comes resized from the cache)."""
+    return mask_to_classes(decode_mask(mask_path), cfg["num_classes"])
 
 
 class SegDataset(Dataset):
@@ -1173,6 +1180,29 @@ class SegDataset(Dataset):
         if self.resized is None:
             return read_pair(self.pairs[index], self.cfg)
         return self.resized.get(index, self.pairs[index])
+
+
+class ValidationImages(SegDataset):
+    """Fit-mode validation: (resized image, resized mask, original mask). The resized pair is the
+    model's input (exactly what predict gives the model) and the val loss's target; IoU/Dice are
+    counted against the original mask (read_classes: at the image's own size), as predict's output
+    would be. With cache_images the image comes resized from the cache and the mask file is read again."""
+
+    def __init__(self, pairs, cfg):
+        super().__init__(pairs, cfg, train=False)
+
+    def __getitem__(self, index):
+        image, mask = self.read(index)
+        original = mask if self.resized is None else read_classes(self.pairs[index][1], self.cfg)
+        out = self.transform(image=image, mask=mask)
+        return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long(), torch.from_numpy(original)
+
+
+def with_original_masks(items):
+    """Collates ValidationImages items: resized images and masks stacked, original masks (sizes
+    differ) as a list."""
+    images, masks, originals = zip(*items)
+    return torch.stack(images), torch.stack(masks), list(originals)
 
 
 def image_cache(pairs, cfg):
@@ -1321,7 +1351,8 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     # Validation shards the set without padding (validation_shard): with the counts all-reduced, every
     # image is counted exactly once, so the IoU equals a single process's.
     if cfg["data_mode"] == "fit":
-        val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg), **common)
+        val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg),
+                                collate_fn=with_original_masks, **common)
     else:  # whole images, one at a time and unbatched (sizes differ); they stay on the CPU: not pinned
         val_loader = DataLoader(val_set, None, sampler=validation_shard(val_pairs, cfg),
                                 **{**common, "pin_memory": False})
@@ -1340,10 +1371,11 @@ def validation_shard(val_pairs, cfg):
 
 
 def build_datasets(train_pairs, val_pairs, cfg):
-    """fit: resized images; patch: training patches, and whole validation images for the sliding window."""
+    """fit: resized images (validation also with the original masks); patch: training patches, and whole
+    validation images for the sliding window."""
     if cfg["data_mode"] == "patch":
         return PatchDataset(train_pairs, cfg, image_sizes(train_pairs, cfg)), WholeImages(val_pairs, cfg)
-    return SegDataset(train_pairs, cfg, True), SegDataset(val_pairs, cfg, False)
+    return SegDataset(train_pairs, cfg, True), ValidationImages(val_pairs, cfg)
 
 
 def start_epoch_data(loader, epoch, seed):
@@ -2142,8 +2174,9 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
 
 @torch.no_grad()
 def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
-    """Loss and dataset-level IoU/Dice; in fp32 unless eval_amp=True. Patch mode: whole images by
-    the sliding window, as predict sees them."""
+    """Loss and dataset-level IoU/Dice; in fp32 unless eval_amp=True. IoU/Dice are counted at each
+    image's original size against its original mask, on the logits predict would turn into its mask
+    (fit: fit_pieces; patch: whole images by the sliding window, window_pieces)."""
     model.eval()
     prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
     scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
@@ -2152,10 +2185,11 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     start, last_refresh, seen = time.perf_counter(), 0.0, 0
     for batch in bar:
-        for logits, y, images in scored_pieces(model, batch, cfg, prec, hw):
+        for logits, y, images, scored in scored_pieces(model, batch, cfg, prec, hw):
             totals[0] += loss_fn(logits, y).detach().to(hw.device) * images
             totals[1] += images
-            metric.update(logits, y)
+            for score_logits, target in scored:
+                metric.update(score_logits, target)
             seen += images
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
             last_refresh = show_progress(bar, totals, metric, seen, start)
@@ -2165,12 +2199,32 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
 
 
 def fit_pieces(model, batch, cfg, prec, hw):
-    """A batch of resized images: one piece (logits, targets, number of images)."""
-    x, y = batch
-    yield eval_forward(model, x, cfg, prec, hw), y.to(hw.device, non_blocking=True), x.shape[0]
+    """A batch from ValidationImages: one piece (logits, resized targets, number of images, scored).
+    The val loss is taken on the resized images, as the model sees them; `scored` gives the metric each
+    image's logits at its original size (original_size_logits: what predict makes its mask from)
+    against its original mask, in bands of rows. A batch (x, y) with no original masks is of images
+    already image_size square: y is then the original masks too."""
+    x, y, *originals = batch
+    logits = eval_forward(model, x, cfg, prec, hw)
+    masks = originals[0] if originals else y
+    yield logits, y.to(hw.device, non_blocking=True), x.shape[0], original_size_scores(logits, masks, cfg, hw)
 
 
-SCORE_BAND_PIXELS = 1 << 24  # patch-mode validation scores large images in bands of rows of this size
+def original_size_scores(logits, masks, cfg, hw):
+    """(1 x classes x rows x w logits, 1 x rows x w mask) bands of each image at its original size."""
+    for full, mask in zip(original_size_logits(logits, [m.shape for m in masks], cfg), masks):
+        mask = mask.to(hw.device, non_blocking=True)
+        for band in score_bands(*mask.shape):
+            yield full[None, :, band], mask[None, band]
+
+
+SCORE_BAND_PIXELS = 1 << 24  # validation scores large images in bands of rows of this size
+
+
+def score_bands(height, width):
+    """Row slices of at most SCORE_BAND_PIXELS pixels: scoring's int64 temporaries stay a band's size."""
+    rows = max(1, SCORE_BAND_PIXELS // width)
+    return [slice(top, min(top + rows, height)) for top in range(0, height, rows)]
 
 
 def window_pieces(model, batch, cfg, prec, hw):
@@ -2181,10 +2235,9 @@ def window_pieces(model, batch, cfg, prec, hw):
     size of a band."""
     image, mask = batch
     logits, (h, w) = predict_logits(model, image.numpy(), cfg, prec, hw), mask.shape
-    rows = max(1, SCORE_BAND_PIXELS // w)
-    for top in range(0, h, rows):
-        band = slice(top, top + rows)
-        yield logits[None, :, band], mask[None, band].long(), min(rows, h - top) / h
+    for band in score_bands(h, w):
+        pair = logits[None, :, band], mask[None, band].long()
+        yield *pair, (band.stop - band.start) / h, [pair]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2268,8 +2321,12 @@ def write_json(path, data):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
 
-def archive_previous_run(ckpt_dir, names=("last.pt", "best.pt", "history.csv", "config.json", "tensorboard")):
-    """A fresh run never overwrites an earlier one: its files move to <ckpt_dir>/previous/<time>/."""
+RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard")  # what a run writes
+
+
+def archive_previous_run(ckpt_dir, names=RUN_FILES):
+    """A fresh run never overwrites an earlier one: its files (only `names`; anything else in ckpt_dir
+    stays) move to <ckpt_dir>/previous/<time>/."""
     ckpt_dir = Path(ckpt_dir)
     old = [ckpt_dir / n for n in names if (ckpt_dir / n).exists()]
     if not old:
@@ -2450,29 +2507,44 @@ def valid_region(transform, height, width):
     return rows.max() + 1, cols.max() + 1  # padding is at the bottom/right (position="top_left")
 
 
+@functools.lru_cache(maxsize=4096)
+def fit_region(size, height, width):
+    """valid_region of fit mode's resize to `size` (fit_transforms), remembered: validation asks for
+    every image every epoch."""
+    import albumentations as A
+
+    return valid_region(A.Compose(fit_transforms(size)), height, width)
+
+
+def original_size_logits(logits, sizes, cfg):
+    """Fit mode: a batch of logits of resized, padded images -> per image, fp32 logits (classes x h x w,
+    on the logits' device) at its original (h, w): its area cropped out of the padded square, resized
+    back bilinearly. The one way from the model's output to predict's masks; validation scores the
+    same logits, so the val IoU is the IoU of what predict writes."""
+    for logit, (h, w) in zip(logits.float(), sizes):
+        vh, vw = fit_region(cfg["image_size"], h, w)
+        logit = logit[:, :vh, :vw]
+        if (vh, vw) != (h, w):
+            logit = nn.functional.interpolate(logit[None], size=(h, w), mode="bilinear", align_corners=False)[0]
+        yield logit
+
+
 @torch.inference_mode()
 def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
     class indices (uint8) at the same sizes, the way the checkpoint's data_mode validated.
 
-    fit: same preprocessing as validation; logits are cropped to the image's area and resized back.
+    fit: same preprocessing as validation; logits are cropped to the image's area and resized back
+    (original_size_logits: validation scores these same logits).
     patch: each image through the sliding window (predict_logits).
     """
     if cfg["data_mode"] == "patch":
         return [logits_to_mask(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
-    transform = build_transforms(cfg, train=False)
+    transform = build_transforms(cfg, train=False)  # what ValidationImages gives the model
     x = torch.stack([image_tensor(transform(image=image)["image"]) for image in images])
     logits = eval_forward(model, x, cfg, prec, hw)  # channels_last: predict() converts the model to match
-    masks = []
-    for image, logit in zip(images, logits.float()):
-        h, w = image.shape[:2]
-        vh, vw = valid_region(transform, h, w)
-        logit = logit[:, :vh, :vw]
-        if (vh, vw) != (h, w):
-            logit = torch.nn.functional.interpolate(logit[None], size=(h, w), mode="bilinear",
-                                                    align_corners=False)[0]
-        masks.append(logits_to_mask(logit, cfg["num_classes"]))
-    return masks
+    sizes = [image.shape[:2] for image in images]
+    return [logits_to_mask(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
 
 
 def logits_to_mask(logits, num_classes):
@@ -2527,6 +2599,38 @@ def output_paths(paths, out_dir):
     return outputs
 
 
+def write_png(path, image):
+    """cv2.imwrite that cannot fail silently (imwrite only returns False, with no reason): encoded in
+    memory, written under a temporary name and renamed, so a failed write (a removed folder, a full
+    disk) raises OSError with its cause and leaves no partial file. The folder is not re-created: a
+    folder removed mid-run is an error, not a fresh start that hides the loss."""
+    ok, data = cv2.imencode(".png", image)
+    if not ok:
+        raise RuntimeError(f"OpenCV could not encode a {image.dtype} {image.shape} array as PNG for {path}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.unlink(missing_ok=True)  # a killed run's leftover; O_EXCL below never follows a planted link
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
+            f.write(data.tobytes())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_prediction(path, image, done):
+    """write_png for predict: a failed write stops the run with a one-line UserError (every later write
+    would fail the same way); the `done` images written before it stay."""
+    try:
+        write_png(path, image)
+    except OSError as exc:
+        fix = ("free disk space there or choose another output=..." if exc.errno in FULL_DISK else
+               "check that the output folder still exists and is writable, or choose another output=...")
+        raise UserError(f"cannot write {path} ({exc.strerror or exc}): {fix}; the {done} image(s) predicted "
+                        f"before it are kept") from None
+
+
 def predict_layout(model, cfg, opts, hw, prec):
     """Layout decided for this machine and predict's batch of images, or of tiles in patch mode
     ("auto": the checkpoint's layout was a speed choice of the machine that trained it); the model
@@ -2570,9 +2674,9 @@ def predict(opts):
                 failed.append((str(path), str(exc)))
         masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
         for (path, image), mask in zip(batch, masks):
-            cv2.imwrite(str(outputs[path]), mask_to_png(mask, cfg["num_classes"]))
+            save_prediction(outputs[path], mask_to_png(mask, cfg["num_classes"]), done)
             if opts["overlay"]:
-                cv2.imwrite(str(out_dir / f"{path.stem}_overlay.png"), overlay_image(image, mask))
+                save_prediction(out_dir / f"{path.stem}_overlay.png", overlay_image(image, mask), done)
             done += 1
         bar.update(len(paths[i:i + per_batch]))
     bar.close()
@@ -2978,7 +3082,7 @@ def run_benchmark(args=()):
     hw = detect_hardware(base["device"])
     out_dir = Path(opts["output"])
     check_writable(out_dir)
-    moved = archive_previous_run(out_dir, [p.name for p in sorted(out_dir.iterdir()) if p.name != "previous"])
+    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, names))
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
     pairs = prepare_data(base)  # writes the embedded data set once, before the runs start
@@ -3023,6 +3127,33 @@ def run_benchmark(args=()):
           f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
           f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
     return result
+
+
+BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
+
+
+def benchmark_outputs(out_dir, configs):
+    """The names an earlier benchmark wrote in out_dir: its results, and each configuration's log and
+    run folder. Only these are archived; anything else there (output=. holds the user's files and
+    train_unet.py itself) is not the benchmark's and stays, as does a folder named like a configuration
+    that holds no run. One that this benchmark would train in (`configs`) is refused instead: the run
+    would write into it, and the next benchmark would archive it."""
+    names = [*BENCHMARK_RESULTS, *(n for config in BENCHMARK_SETTINGS for n in (config, f"{config}.log"))]
+    found = [n for n in names if (out_dir / n).exists() or (out_dir / n).is_symlink()]
+    foreign = [n for n in found if n in BENCHMARK_SETTINGS and not is_run_folder(out_dir / n)]
+    clash = next((n for n in foreign if n in configs), None)
+    if clash is not None:
+        raise UserError(f"{out_dir / clash} is not a benchmark run (no checkpoint or history inside), but "
+                        f"the benchmark's {clash} run writes there: move it or choose another output=...")
+    return [n for n in found if n not in foreign]
+
+
+def is_run_folder(path):
+    """A training run's checkpoint_dir (RUN_FILES, or an archive of them), or an empty folder."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    entries = {p.name for p in path.iterdir()}
+    return not entries or bool(entries & {*RUN_FILES, "previous"})
 
 
 def write_rows_csv(path, rows):

@@ -1,0 +1,293 @@
+"""Outputs that say what they are: fit-mode validation scores what `predict` writes (at each image's
+original size, against its original mask); the benchmark archives only its own earlier outputs; predict
+never counts a mask it could not write."""
+import errno
+import shutil
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import train_unet
+from train_unet import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+# Not square, none image_size (32): shrunk 1.3-3x, one upscaled, one needing no padding on one side.
+SIZES = [(70, 50), (40, 90), (97, 33), (20, 28), (64, 64), (33, 81)]
+
+
+def odd_sizes(data_dir):
+    """Resizes every pair of a shapes set to one of SIZES (w, h), masks by nearest neighbour."""
+    images, masks = sorted((data_dir / "images").glob("*.png")), sorted((data_dir / "masks").glob("*.png"))
+    for i, (image, mask) in enumerate(zip(images, masks)):
+        w, h = SIZES[i % len(SIZES)]
+        cv2.imwrite(str(image), cv2.resize(cv2.imread(str(image), cv2.IMREAD_UNCHANGED), (w, h)))
+        cv2.imwrite(str(mask), cv2.resize(cv2.imread(str(mask), 0), (w, h), interpolation=cv2.INTER_NEAREST))
+    return data_dir
+
+
+def iou_of_files(pred_dir, pairs, num_classes):
+    """Mean IoU (and per class) of predict's written masks against the original mask files, counted
+    over the whole set, void (255) ignored, classes absent from both left out: computed here with
+    numpy, independently of SegMetric."""
+    n = 2 if num_classes == 1 else num_classes
+    tp, fp, fn = np.zeros(n), np.zeros(n), np.zeros(n)
+    for image_path, mask_path in pairs:
+        pred = cv2.imread(str(pred_dir / f"{image_path.stem}.png"), cv2.IMREAD_UNCHANGED)
+        truth = train_unet.read_mask(mask_path, num_classes)
+        assert pred.shape == truth.shape, image_path.name  # written at the original size
+        pred = (pred > 0).astype(np.uint8) if num_classes == 1 else pred
+        keep = truth != train_unet.IGNORE_INDEX
+        for c in range(n):
+            p, t = (pred == c) & keep, (truth == c) & keep
+            tp[c] += (p & t).sum()
+            fp[c] += (p & ~t).sum()
+            fn[c] += (~p & t).sum()
+    union = tp + fp + fn
+    iou = np.where(union > 0, tp / np.maximum(union, 1), np.nan)
+    iou = iou[1:] if num_classes == 1 else iou
+    return float(np.nanmean(iou)), iou
+
+
+def train_odd(tmp_path, make_data, **overrides):
+    data = odd_sizes(make_data("odd", num_classes=overrides.get("num_classes", 1)))
+    cfg = dict(data_dir=str(data), checkpoint_dir=str(tmp_path / "ckpt"), image_size=32, epochs=2,
+               val_fraction=0.25, batch_size=4, use_amp=False, encoder_name="resnet18", encoder_weights=None,
+               device="cpu", progress=False, num_workers=0, logger="csv", channels_last=False, **overrides)
+    result = train_unet.train(cfg)
+    return result, train_unet.validate_config({**train_unet.CONFIG, **cfg})
+
+
+# ---------------------------------------------------------------------------------------------------
+# 10. Fit mode's val IoU is the IoU of what predict writes
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_classes, cache", [(1, False), (3, True)])
+def test_fit_val_iou_is_the_iou_of_predicts_masks(tmp_path, make_data, num_classes, cache):
+    """The val IoU that chose best.pt equals the IoU of best.pt's masks, written by predict at each
+    image's original size, scored against the original mask files; per class too."""
+    result, cfg = train_odd(tmp_path, make_data, num_classes=num_classes, cache_images=cache)
+    _, val_pairs = train_unet.prepare_data(cfg)
+    assert len(val_pairs) == 3 and len({cv2.imread(str(m), 0).shape for _, m in val_pairs}) > 1
+    images = tmp_path / "val_images"
+    images.mkdir()
+    for image_path, _ in val_pairs:
+        shutil.copy(image_path, images / image_path.name)
+    out = tmp_path / "pred"
+    done = train_unet.predict({"checkpoint": str(tmp_path / "ckpt" / "best.pt"), "input": str(images),
+                               "output": str(out), "use_amp": False, "batch_size": 4, "device": "cpu",
+                               "progress": False})
+    assert done["predicted"] == 3 and done["precision"] == "fp32"
+    want, per_class = iou_of_files(out, val_pairs, num_classes)
+    assert 0 < want < 1, "test setup: the masks should be neither all right nor all wrong"
+    best = max(result["history"], key=lambda row: row["val_iou"])
+    assert result["best_iou"] == best["val_iou"] == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert train_unet.load_checkpoint(tmp_path / "ckpt" / "best.pt")["best_iou"] == pytest.approx(want, abs=1e-12)
+    if num_classes > 1:
+        names = train_unet.load_class_names(cfg)
+        got = [best[f"val_iou_{train_unet.class_slug(n)}"] for n in names]
+        np.testing.assert_allclose(got, per_class, rtol=0, atol=1e-12)
+
+
+def val_counts(cfg, model, monkeypatch, rank=0, world=1):
+    """The confusion matrix evaluate() counts on one rank (all_reduce_ captured, not summed)."""
+    hw = train_unet.detect_hardware("cpu")
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=rank, world=world))
+    captured = []
+    monkeypatch.setattr(train_unet, "all_reduce_", lambda t, op="sum": captured.append(t.clone()) or t)
+    _, loader = train_unet.build_loaders(train_pairs, val_pairs, cfg, hw)
+    fp32 = train_unet.decide_precision(hw, use_amp=False)
+    result = train_unet.evaluate(model, loader, train_unet.SegLoss(cfg["num_classes"]), fp32, hw, cfg)
+    monkeypatch.undo()
+    return captured[-1], result
+
+
+@pytest.mark.parametrize("num_classes", [1, 3])
+def test_validation_counts_each_original_pixel_once_on_every_path(make_data, make_cfg, monkeypatch, num_classes):
+    """Every pixel of every original val mask is counted exactly once: with and without cache_images,
+    and with validation sharded over two ranks (the shards' counts add up to one process's)."""
+    data = odd_sizes(make_data("odd", num_classes=num_classes))
+    cfg = make_cfg(data_dir=str(data), image_size=32, val_fraction=0.5, num_classes=num_classes, batch_size=2)
+    torch.manual_seed(0)
+    model = train_unet.prepare_model(cfg, train_unet.detect_hardware("cpu"))
+    single, result = val_counts(cfg, model, monkeypatch)
+    _, val_pairs = train_unet.prepare_data(cfg)
+    pixels = sum(int((train_unet.read_mask(m, num_classes) != train_unet.IGNORE_INDEX).sum()) for _, m in val_pairs)
+    assert int(single.sum()) == pixels
+    cached, cached_result = val_counts({**cfg, "cache_images": True}, model, monkeypatch)
+    assert torch.equal(cached, single) and (cached_result["loss"], cached_result["iou"]) == (result["loss"], result["iou"])
+    shards = [val_counts(cfg, model, monkeypatch, rank, 2)[0] for rank in (0, 1)]
+    assert torch.equal(shards[0] + shards[1], single) and all(s.sum() > 0 for s in shards)
+
+
+def test_predict_and_validation_share_the_way_back_to_the_original_size(monkeypatch, make_cfg):
+    """predict_batch turns logits into masks through original_size_logits, the function validation
+    scores: replacing it changes predict's output."""
+    cfg = make_cfg(image_size=32)
+    hw = train_unet.detect_hardware("cpu")
+    model = train_unet.prepare_model(cfg, hw).eval()
+    fp32 = train_unet.decide_precision(hw, use_amp=False)
+    image = np.random.default_rng(0).integers(0, 255, (50, 70, 3), np.uint8)
+    monkeypatch.setattr(train_unet, "original_size_logits",
+                        lambda logits, sizes, cfg: (torch.full((1, h, w), 5.0) for h, w in sizes))
+    assert (train_unet.predict_batch(model, [image], cfg, fp32, hw)[0] == 1).all()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 19. benchmark output=DIR archives only the benchmark's own outputs
+# ---------------------------------------------------------------------------------------------------
+def fake_run(name, base, train_args, out_dir):
+    """run_benchmark_config without the training: writes what a run writes."""
+    run = out_dir / name
+    run.mkdir(parents=True, exist_ok=True)
+    for file in ("best.pt", "last.pt", "history.csv", "config.json"):
+        (run / file).write_text(f"{name} {file}")
+    (out_dir / f"{name}.log").write_text(f"{name} log")
+    return {"config": name, "status": "failed (exit 1): fake"}, []
+
+
+def user_files(folder):
+    (folder / "photos").mkdir()
+    (folder / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    (folder / "thesis.tex").write_text("\\chapter{Results}")
+    (folder / "notes.log").write_text("mine")
+    (folder / "fp16").mkdir()  # named like a configuration this benchmark does not run, holds no run
+    (folder / "fp16" / "slides.pdf").write_text("mine")
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def benchmark(monkeypatch, data, output, configs="fp32,fp32_cl"):
+    monkeypatch.setattr(train_unet, "run_benchmark_config", fake_run)
+    return train_unet.run_benchmark([f"configs={configs}", "bare_steps=0", "epochs=1", "image_size=32",
+                                     f"data_dir={data}", f"output={output}"])
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_benchmark_archives_its_own_outputs_and_nothing_else(tmp_path, data_dir, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = user_files(out)
+    benchmark(monkeypatch, data_dir, out)
+    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    benchmark(monkeypatch, data_dir, out)
+    for path, data in mine.items():
+        assert (out / path).read_bytes() == data, f"{path} was moved"
+    archived = list((out / "previous").iterdir())
+    assert len(archived) == 1
+    moved = {p.relative_to(archived[0]): p.read_bytes() for p in archived[0].rglob("*") if p.is_file()}
+    assert moved == {path: data for path, data in first.items() if path not in mine}  # all of it, only it
+    assert {"benchmark.json", "benchmark.csv", "fp32.log", "fp32_cl.log"} <= {str(p) for p in moved}
+    assert (out / "benchmark.json").is_file() and (out / "fp32" / "best.pt").is_file()  # the new run's
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_benchmark_in_the_current_folder_leaves_the_script_alone(tmp_path, data_dir, monkeypatch):
+    cwd = tmp_path / "project"
+    cwd.mkdir()
+    shutil.copy(ROOT / "train_unet.py", cwd / "train_unet.py")
+    mine = user_files(cwd)
+    monkeypatch.chdir(cwd)
+    for _ in range(2):
+        benchmark(monkeypatch, data_dir, ".")
+    assert (cwd / "train_unet.py").read_bytes() == (ROOT / "train_unet.py").read_bytes()
+    for path, data in mine.items():
+        assert (cwd / path).read_bytes() == data, f"{path} was moved"
+    assert (cwd / "previous").is_dir() and not list((cwd / "previous").rglob("train_unet.py"))
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_a_folder_in_the_way_of_a_run_is_refused_before_anything_moves(tmp_path, data_dir, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "fp32").mkdir()
+    (out / "fp32" / "holiday.jpg").write_bytes(b"mine")
+    (out / "benchmark.json").write_text("{}")  # an earlier benchmark's
+    with pytest.raises(UserError, match="fp32 is not a benchmark run") as err:
+        benchmark(monkeypatch, data_dir, out)
+    assert "\n" not in str(err.value) and "output=" in str(err.value)
+    assert (out / "fp32" / "holiday.jpg").read_bytes() == b"mine" and (out / "benchmark.json").is_file()
+    assert not (out / "previous").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 22. predict never counts a mask it could not write
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture
+def checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg(image_size=32)
+    model = train_unet.prepare_model(cfg, train_unet.detect_hardware("cpu"))
+    path = tmp_path / "model.pt"
+    train_unet.save_checkpoint(path, {"model": model.state_dict(), "config": cfg})
+    return path
+
+
+def run_predict(checkpoint, data_dir, out, **extra):
+    return train_unet.predict({"checkpoint": str(checkpoint), "input": str(data_dir / "images"),
+                               "output": str(out), "batch_size": 2, "device": "cpu", "use_amp": False,
+                               "progress": False, **extra})
+
+
+def break_after_first_batch(monkeypatch, breaks):
+    real, calls = train_unet.predict_batch, []
+
+    def predict_batch(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            breaks()
+        return real(*args)
+    monkeypatch.setattr(train_unet, "predict_batch", predict_batch)
+
+
+@pytest.mark.parametrize("how", ["removed", "now a file"])
+def test_predict_stops_when_the_output_folder_goes_away(checkpoint, data_dir, tmp_path, monkeypatch, how):
+    out = tmp_path / "pred"
+
+    def breaks():
+        shutil.rmtree(out)
+        if how == "now a file":
+            out.write_text("in the way")
+    break_after_first_batch(monkeypatch, breaks)
+    with pytest.raises(UserError) as err:
+        run_predict(checkpoint, data_dir, out)
+    message = str(err.value)
+    assert "\n" not in message and str(out / "shape_0002.png") in message and "output=" in message
+    assert "2 image(s) predicted before it" in message
+
+
+def failing_replace(monkeypatch, fail_on):
+    """os.replace in train_unet failing with a full disk from the `fail_on`-th call."""
+    real, calls = train_unet.os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) >= fail_on:
+            raise OSError(errno.ENOSPC, "No space left on device", str(src))
+        return real(src, dst)
+    monkeypatch.setattr(train_unet.os, "replace", replace)
+
+
+@pytest.mark.parametrize("overlay, fail_on, name, kept", [(False, 4, "shape_0003.png", 3),
+                                                        (True, 2, "shape_0000_overlay.png", 0)])
+def test_a_full_disk_keeps_what_was_written_and_counts_honestly(checkpoint, data_dir, tmp_path, monkeypatch,
+                                                                  overlay, fail_on, name, kept):
+    out = tmp_path / "pred"
+    failing_replace(monkeypatch, fail_on)
+    with pytest.raises(UserError, match="free disk space") as err:
+        run_predict(checkpoint, data_dir, out, overlay=overlay)
+    monkeypatch.undo()
+    assert str(out / name) in str(err.value) and f"the {kept} image(s) predicted before it" in str(err.value)
+    assert not (out / name).exists()  # no partial file that looks like a prediction
+    want = ["shape_0000.png"] if overlay else [f"shape_{i:04d}.png" for i in range(kept)]
+    assert sorted(p.name for p in out.iterdir()) == want
+    for path in out.iterdir():  # complete PNGs, no temporary files left
+        assert cv2.imread(str(path), cv2.IMREAD_UNCHANGED).shape == (64, 64)
+
+
+def test_predicted_count_is_the_files_written(checkpoint, data_dir, tmp_path):
+    out = tmp_path / "pred"
+    result = run_predict(checkpoint, data_dir, out, overlay=True)
+    assert result["predicted"] == 12 and result["failed"] == []
+    assert len([p for p in out.iterdir() if not p.name.endswith("_overlay.png")]) == 12
+    assert len(list(out.glob("*_overlay.png"))) == 12 and not list(out.glob(".*"))
