@@ -3105,7 +3105,9 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}"
     else:
         start = time.perf_counter()
-        largest, use = find_batch_size(cfg, hw, prec, cap)
+        # The trials run in the run's layout: on CUDA it does not depend on the batch size.
+        trial = {**cfg, "channels_last": decide_channels_last(cfg, hw, prec)[0]}
+        largest, use = find_batch_size(trial, hw, prec, cap)
         if largest == 0:
             raise UserError(f"batch_size=auto: not even a batch of {min(2, cap)} fits in {describe(hw)}'s "
                             f"memory at image_size={cfg['image_size']}: lower image_size, use a smaller "
@@ -3113,7 +3115,7 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         use = int(all_reduce_(torch.tensor(use, device=hw.device), "min").item())  # same on every rank
         limit = "the training set" if largest == cap else f"{AUTO_BATCH_HEADROOM:.0%} headroom"
         info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
-                f"{', channels_last' if cfg['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
+                f"{', channels_last' if trial['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
         seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
     notes.append(("batch", f"auto -> {use}: {info}"))
     return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
@@ -3122,12 +3124,25 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
 # ----------------------------------------------------------------------------------------------------
 # Main: set up, train epoch by epoch, checkpoint, stop early.
 # ----------------------------------------------------------------------------------------------------
-def setup_precision(cfg):
+def effective_config(cfg, hw, prec, state, n_train, notes):
+    """What this run uses, settled in dependency order before anything (loaders, caches, the model) is
+    built from it. `prec` is already the resumed run's (setup_precision); then the batch size (auto:
+    searched in that precision), then the layout (on a CPU it depends on the batch size). Returns (cfg
+    with both resolved, as config.json saves it; the layout and why; what batch_size=auto did)."""
+    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
+    layout = decide_channels_last(cfg, hw, prec)
+    return {**cfg, "channels_last": layout[0]}, layout, auto_batch
+
+
+def setup_precision(cfg, state=None):
+    """Hardware and the precision this run trains in: a resumed run that fell back keeps its safer
+    precision (keep_safer_precision), decided here, before the layout and batch size are."""
     hw = detect_hardware(cfg["device"])
-    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    prec = decided if state is None else keep_safer_precision(decided, state, hw)
     tf32_note = apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
-    notes = [prec.warning, tf32_note]
+    notes = [decided.warning, prec.reason if prec is not decided else None, tf32_note]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
     return hw, prec, notes
@@ -3309,15 +3324,12 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         resumed_schedule(state, cfg, steps_per_epoch, notes)
     run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch, schedule), None, prec,
               [], [], lr_schedule=schedule)
+    run.scaler = build_scaler(prec, hw, cfg)
     if state is not None:
-        run.prec = keep_safer_precision(prec, state, hw)
-        run.scaler = build_scaler(run.prec, hw, cfg)
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
-        notes.append(run.prec.reason if run.prec is not prec else None)
     else:
-        run.scaler = build_scaler(prec, hw, cfg)
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
     run.eval_model = torch.compile(model) if cfg["compile_model"] else model
@@ -3350,21 +3362,19 @@ def train(cfg, explicit=()):
     win over the preset (apply_preset).
     """
     cfg, preset_line = apply_preset(validate_config(cfg), explicit)
-    hw, prec, notes = setup_precision(cfg)
-    notes.insert(0, preset_line and ("preset", preset_line))
-    layout = decide_channels_last(cfg, hw, prec)
-    cfg = {**cfg, "channels_last": layout[0]}  # what this run uses (saved so in its config)
-    if cfg["sync_batchnorm"] and hw.kind != "cuda":
-        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
-                        "set sync_batchnorm=False")
-    seed_everything(cfg["seed"])
     ckpt_dir = Path(cfg["checkpoint_dir"])
     if DIST.is_main:
         check_writable(ckpt_dir, "checkpoint_dir")
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
+    hw, prec, notes = setup_precision(cfg, state)
+    notes.insert(0, preset_line and ("preset", preset_line))
+    if cfg["sync_batchnorm"] and hw.kind != "cuda":
+        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
+                        "set sync_batchnorm=False")
+    seed_everything(cfg["seed"])
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
+    cfg, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
