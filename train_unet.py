@@ -3071,12 +3071,14 @@ def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
 def find_batch_size(cfg, hw, prec, cap):
     """Search on a throw-away model; returns (largest batch that fit, batch to use)."""
     model = prepare_model({**cfg, "encoder_weights": None}, hw).train()
-    optimizer, scaler = build_optimizer(model, cfg), build_scaler(prec, hw, cfg)
+    optimizer = build_optimizer(model, cfg)
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
     def fits(n):
         try:
-            batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n)
+            # A fresh GradScaler (fp16) per trial: an OOM after unscale_() leaves a scaler mid-step,
+            # and the next trial's unscale_() would raise instead of measuring.
+            batch_trial(model, optimizer, loss_fn, build_scaler(prec, hw, cfg), prec, hw, cfg, n)
             ok = True
         except torch.cuda.OutOfMemoryError:
             ok = False

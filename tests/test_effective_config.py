@@ -82,3 +82,26 @@ def test_layout_follows_the_precision_kept_on_resume(make_cfg, monkeypatch, caps
     assert seen["cfg"]["channels_last"] is False
     assert "contiguous (NCHW) (auto: fp32 without tensor cores gains nothing from NHWC)" in banner
     assert "AMP convolutions" not in banner
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. batch_size=auto with fp16: an OOM after unscale_() does not break the next trial
+# ---------------------------------------------------------------------------------------------------
+def test_batch_trials_survive_an_oom_after_unscale(make_cfg, cpu_hw, monkeypatch):
+    cfg = make_cfg(batch_size="auto", image_size=32, grad_clip_norm=None)
+    fp16 = Precision(torch.float16, True, "fp16 + GradScaler (test)")
+    assert train_unet.build_scaler(fp16, cpu_hw, cfg).is_enabled()  # a real GradScaler("cpu")
+    tried, real_trial, real_norm = [], train_unet.batch_trial, torch.nn.utils.get_total_norm
+
+    def trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
+        tried.append(n)
+        return real_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n)
+
+    def norm_then_oom(grads, *args, **kwargs):  # runs right after scaler.unscale_() in optimizer_step
+        if tried[-1] > 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (faked after unscale_)")
+        return real_norm(grads, *args, **kwargs)
+    monkeypatch.setattr(train_unet, "batch_trial", trial)
+    monkeypatch.setattr(torch.nn.utils, "get_total_norm", norm_then_oom)
+    largest, use = train_unet.find_batch_size(cfg, cpu_hw, fp16, cap=16)
+    assert tried == [2, 4, 3] and largest == 3  # 4 ran out of memory mid-step; 3 was still measured
