@@ -1710,6 +1710,12 @@ def unwrap(model):
 # ----------------------------------------------------------------------------------------------------
 # Metrics: dataset-level IoU / Dice from a confusion matrix kept on the device.
 # ----------------------------------------------------------------------------------------------------
+def sum_dtype(device):
+    """dtype of the running sums kept on the device (losses, gradient norms): float64, so an epoch's
+    sum loses nothing, except on MPS, which has no float64. Exact counts are int64 everywhere."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 class SegMetric:
     """Accumulates a class confusion matrix (int64, on the device: no host sync per batch).
 
@@ -1759,7 +1765,8 @@ class SegMetric:
         return tp, self.matrix.sum(0) - tp, self.matrix.sum(1) - tp
 
     def compute(self):
-        tp, fp, fn = (c.double() for c in self.counts())
+        # The rates in float64 on the host: the exact counts go there anyway, and MPS has no float64.
+        tp, fp, fn = (c.double() for c in self.with_counts(self.flat.cpu()).counts())
         union = tp + fp + fn
         iou = torch.where(union > 0, tp / union.clamp(min=1), torch.nan)
         dice = torch.where(union > 0, 2 * tp / (2 * tp + fp + fn).clamp(min=1), torch.nan)
@@ -1896,9 +1903,9 @@ class GradHealth:
     """
 
     def __init__(self, device, streak=0):
-        self.norm_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.norm_sum = torch.zeros((), dtype=sum_dtype(device), device=device)
         self.norm_max = torch.zeros((), dtype=torch.float32, device=device)
-        self.counts = torch.zeros(3, dtype=torch.float64, device=device)  # skipped, zero entries, entries
+        self.counts = torch.zeros(3, dtype=torch.int64, device=device)  # skipped, zero entries, entries
         self.steps, self.skipped, self.bad_streak, self.last_norm = 0, 0, streak, None
 
     def sample_zeros(self):
@@ -1919,16 +1926,16 @@ class GradHealth:
         if on_device:
             self.counts[0] += ~step.applied
         if step.zeros is not None:
-            weight = step.applied.double() if on_device else 1.0
+            weight = step.applied if on_device else 1
             self.counts[1] += step.zeros * weight
             self.counts[2] += weight * step.elems
 
     def stats(self):
-        """The epoch's StepStats: one device->host read."""
-        norm_sum, norm_max, device_skips, zeros, elems = torch.cat(
-            [torch.stack([self.norm_sum, self.norm_max.double()]), self.counts]).tolist()
-        return StepStats(self.steps, self.skipped + int(device_skips), norm_sum, norm_max, int(zeros),
-                         int(elems), self.bad_streak)
+        """The epoch's StepStats: two small device->host reads (the norms, the exact counts)."""
+        norm_sum, norm_max = torch.stack([self.norm_sum, self.norm_max.to(self.norm_sum.dtype)]).tolist()
+        device_skips, zeros, elems = self.counts.tolist()
+        return StepStats(self.steps, self.skipped + device_skips, norm_sum, norm_max, zeros, elems,
+                         self.bad_streak)
 
 
 # Where _foreach_norm has a fused kernel for ord 1, 2 and inf only (CUDA's multi-tensor kernels).
@@ -1943,7 +1950,7 @@ def count_zero_grads(grads):
     in one pass with no temporaries (a CPU: 12 ms instead of 40 for the default model's gradients).
     """
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.int64)
     if grads[0].device.type in ZERO_COUNT_BY_L1:
         nonzero = torch._foreach_sign(grads)
         torch._foreach_abs_(nonzero)
@@ -1951,7 +1958,7 @@ def count_zero_grads(grads):
     else:
         norms = torch._foreach_norm(grads, 0)
     total = sum(g.numel() for g in grads)
-    return total - torch.stack(norms).double().sum()
+    return total - torch.stack(norms).long().sum()  # each norm is a whole count: exact in int64
 
 
 class BatchNormSnapshot:
@@ -2032,7 +2039,7 @@ def scaler_step(optimizer, scaler, cfg, loss_ok, result):
         return
     # The guard's one sync also answers GradScaler.step's question (any inf?), so the optimizer is
     # stepped here directly, exactly when GradScaler.step would.
-    loss_fine, grads_fine, scale = host_flags(loss_ok.double(), (found_inf == 0).double(), scaler._scale.double())
+    loss_fine, grads_fine, scale = host_flags(loss_ok.float(), (found_inf == 0).float(), scaler._scale.float())
     if grads_fine:
         optimizer.step()
     scaler.update()
@@ -2043,7 +2050,7 @@ def scaler_step(optimizer, scaler, cfg, loss_ok, result):
 def show_progress(bar, loss_pair, metric, seen, start):
     """Loss, IoU so far and images/s on a tqdm bar; one device->host copy per refresh, and callers
     refresh at most twice a second (none with progress=False). Returns the time of this refresh."""
-    host = torch.cat([loss_pair.double(), metric.flat.double()]).cpu()
+    host = torch.cat([loss_pair.cpu().double(), metric.flat.cpu().double()])  # float64 on the host: MPS has none
     loss_sum, count = host[:2].tolist()
     loss = loss_sum / max(1.0, count)
     now = time.perf_counter()
@@ -2094,7 +2101,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     model.train()
     n, k = len(loader), cfg["accumulation_steps"]
     metric = SegMetric(cfg["num_classes"], hw.device)
-    loss_sum = torch.zeros((), device=hw.device, dtype=torch.float64)
+    loss_sum = torch.zeros((), device=hw.device, dtype=sum_dtype(hw.device))
     finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
     health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
     bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
@@ -2128,7 +2135,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             if health.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            last_refresh = show_progress(bar, torch.stack([loss_sum, finite_losses.double()]), metric, seen, start)
+            last_refresh = show_progress(bar, torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)]), metric, seen, start)
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
@@ -2148,7 +2155,7 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
     scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
     metric = SegMetric(cfg["num_classes"], hw.device)
-    totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
+    totals = torch.zeros(2, device=hw.device, dtype=sum_dtype(hw.device))  # loss * images, images
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     start, last_refresh, seen = time.perf_counter(), 0.0, 0
     for batch in bar:
@@ -2346,7 +2353,7 @@ class RunLogger:
         precision fallback go to group "rolled_back", so the re-run's steps do not overlap them."""
         if self.writer is None or not self.steps:
             return
-        rows = torch.stack([torch.stack([v.double() for v in values])
+        rows = torch.stack([torch.stack([v.to(values[0].dtype) for v in values])  # the loss sum's sum_dtype
                             for _, _, values in self.steps]).tolist()
         prev_sum = prev_count = 0.0  # the buffer holds one epoch: its running sums start at 0
         for (step, lr, _), row in zip(self.steps, rows):

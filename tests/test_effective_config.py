@@ -2,12 +2,16 @@
 (batch_size=auto and the kept precision before the layout), batch-size trials with a clean GradScaler,
 no float64 on MPS, and torchrun's start-up check shared by the ranks without the collective timeout.
 GPUs, MPS and torchrun are faked on the CPU."""
-import dataclasses
 import json
+import math
+import traceback
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 import train_unet
 from train_unet import Hardware, Precision
@@ -105,3 +109,111 @@ def test_batch_trials_survive_an_oom_after_unscale(make_cfg, cpu_hw, monkeypatch
     monkeypatch.setattr(torch.nn.utils, "get_total_norm", norm_then_oom)
     largest, use = train_unet.find_batch_size(cfg, cpu_hw, fp16, cap=16)
     assert tried == [2, 4, 3] and largest == 3  # 4 ran out of memory mid-step; 3 was still measured
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. MPS has no float64: nothing the step, the metrics or the logging keep on the device is float64
+# ---------------------------------------------------------------------------------------------------
+class FakeMPS(TorchDispatchMode):
+    """Runs code written for device "mps" on the CPU. A factory or .to() for "mps" makes a CPU tensor
+    tagged as on MPS; any op with a tagged input makes tagged outputs (an explicit device, as .cpu()
+    gives, does not). Records every float64 tensor made on the fake MPS device."""
+
+    def __init__(self):
+        super().__init__()
+        self.tagged, self.float64 = weakref.WeakValueDictionary(), []  # id -> tensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None:
+            on_mps = torch.device(device).type == "mps"
+            if on_mps:
+                kwargs["device"] = torch.device("cpu")
+        else:
+            on_mps = any(self.on_mps(t) for t in tree_leaves((args, kwargs)))
+        out = func(*args, **kwargs)
+        if on_mps:
+            self.tag(out, func)
+        return out
+
+    def on_mps(self, t):
+        return isinstance(t, torch.Tensor) and self.tagged.get(id(t)) is t
+
+    def tag(self, out, why="to"):
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.tagged[id(t)] = t
+                if t.dtype == torch.float64:
+                    where = [f for f in traceback.extract_stack() if f.filename.endswith("train_unet.py")]
+                    self.float64.append(f"{why} in {where[-1].name}:{where[-1].lineno}" if where else str(why))
+        return out
+
+
+@pytest.fixture
+def fake_mps(monkeypatch):
+    """(mode, Hardware): MPS faked on the CPU; Tensor.to(mps) is checked before any dispatch mode sees
+    it (PyTorch without MPS refuses it), so it is redirected here."""
+    mode, real_to = FakeMPS(), torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        parse = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to knows no copy=
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **parse)
+        if device is None or device.type not in ("mps", "cpu") or not (device.type == "mps" or mode.on_mps(self)):
+            return real_to(self, *args, **kwargs)
+        with _disable_current_modes():  # a copy, as a real move between devices makes
+            out = real_to(self, "cpu", dtype or self.dtype, non_blocking, True,
+                          memory_format=memory_format or torch.preserve_format)
+        return mode.tag(out, "Tensor.to") if device.type == "mps" else out
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *args, **kwargs: to(self, "cpu"))
+    return mode, Hardware("mps", "mps", "Fake MPS", None, bf16=False, fp16=True, bf16_feature="faked")
+
+
+class Writer:
+    def add_scalar(self, *args):
+        pass
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("amp, nan_guard", [(False, True), (True, True), (True, False)],
+                         ids=["fp32", "fp16-guard", "fp16-no-guard"])
+def test_nothing_float64_on_mps(make_cfg, fake_mps, amp, nan_guard):
+    mode, hw = fake_mps
+    cfg = make_cfg(image_size=32, batch_size=2, nan_guard=nan_guard, max_train_images=4)
+    prec = Precision(torch.float16, True, "fp16 (test)") if amp else Precision(torch.float32, False, "fp32")
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    train_loader, val_loader = train_unet.build_loaders(train_pairs, val_pairs, cfg, hw)
+    loss_fn = train_unet.SegLoss(cfg["num_classes"], cfg["loss"])
+    with mode:
+        model = train_unet.prepare_model(cfg, hw)
+        for t in [*model.parameters(), *model.buffers()]:
+            mode.tag(t)
+        optimizer, scaler = train_unet.build_optimizer(model, cfg), train_unet.build_scaler(prec, hw, cfg)
+        scheduler = train_unet.build_scheduler(optimizer, cfg, len(train_loader))
+        logger = train_unet.RunLogger()
+        logger.writer = Writer()
+        out = train_unet.train_one_epoch(model, train_loader, loss_fn, optimizer, scheduler, scaler, prec, hw,
+                                         cfg, logger=logger)
+        logger.flush_steps()
+        val = train_unet.evaluate(model, val_loader, loss_fn, prec, hw, cfg)
+        metric = train_unet.SegMetric(1, hw.device)
+        sums = torch.zeros(2, device=hw.device)
+        train_unet.show_progress(type("Bar", (), {"set_postfix": lambda self, **kw: None})(), sums, metric, 1, 0.0)
+    assert mode.tagged, "the fake saw no MPS tensor: it tested nothing"
+    assert mode.float64 == [], f"float64 tensors made on MPS by: {sorted(set(mode.float64))}"
+    assert out["stats"].optimizer_steps == 2 and math.isfinite(out["loss"]) and 0 <= val["iou"] <= 1
+
+
+def test_sums_stay_float64_off_mps(make_cfg, cpu_hw):
+    """CPU (and CUDA) keep float64 running sums: their results do not change."""
+    assert train_unet.sum_dtype(cpu_hw.device) == torch.float64 == train_unet.sum_dtype("cuda:0")
+    assert train_unet.sum_dtype("mps") == torch.float32
+    health = train_unet.GradHealth("cpu")
+    for norm in (1.0, 1e-9):
+        health.record(train_unet.StepResult(torch.tensor(norm), True, zeros=torch.tensor(3), elems=10))
+    stats = health.stats()
+    assert stats.grad_norm_sum == 1.0 + 1e-9  # float32 would lose the second step
+    assert (stats.zero_grad_elems, stats.grad_elems) == (6, 20)
