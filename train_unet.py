@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import datetime
 import difflib
 import errno
 import itertools
@@ -183,6 +184,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    setup_group: object = None    # start-up waits (barrier, gather_setup); None = the default group
 
     @property
     def enabled(self):
@@ -196,6 +198,14 @@ class Dist:
 DIST = Dist()
 
 
+# Start-up work before training can keep some ranks waiting for long: the first data check of a large
+# set, writing the embedded data set. Under the default group's timeout NCCL's watchdog kills a rank
+# whose wait passes 10 minutes. Those waits use a gloo group of their own with a generous timeout (gloo
+# has no watchdog and carries Python objects on the CPU); a rank that fails still stops the others at
+# once (torchrun), and the check's decoding is shared by the ranks (checked_facts), so waits stay short.
+SETUP_TIMEOUT = datetime.timedelta(hours=6)  # far beyond any start-up; a real hang still ends
+
+
 def setup_distributed(device="auto"):
     """Join torchrun's process group (nccl on CUDA, gloo on CPU); a no-op in a plain run."""
     global DIST
@@ -206,6 +216,7 @@ def setup_distributed(device="auto"):
     if cuda:
         torch.cuda.set_device(DIST.local_rank)
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    DIST.setup_group = torch.distributed.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
     return DIST
 
 
@@ -216,9 +227,19 @@ def cleanup_distributed():
     DIST = Dist()
 
 
+def gather_setup(obj):
+    """Every rank's `obj`, in rank order ([obj] in a single process), during start-up (SETUP_TIMEOUT)."""
+    if not DIST.enabled:
+        return [obj]
+    objs = [None] * DIST.world
+    torch.distributed.all_gather_object(objs, obj, group=DIST.setup_group)
+    return objs
+
+
 def barrier():
+    """Wait for every rank (start-up work of unequal length: on the setup group, SETUP_TIMEOUT)."""
     if DIST.enabled:
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=DIST.setup_group)
 
 
 def all_reduce_(tensor, op="sum"):
@@ -948,15 +969,12 @@ def check_pairs(pairs, cfg):
     """Check every image and mask before training, so a bad file stops the run at minute 0.
 
     Each file is decoded once: its result (size; a mask's set of values) is cached by path, size
-    and modification time, so later runs only stat the files. Under torchrun rank 0 checks and
-    writes the cache while the other ranks wait, then they read it.
+    and modification time, so later runs only stat the files. Under torchrun each rank checks its
+    share of the pairs, all exchange their results, and rank 0 writes the cache.
     """
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
-    if DIST.is_main:
-        facts = checked_facts(paths, cfg, write=True)
-    barrier()
-    if not DIST.is_main:
-        facts = checked_facts(paths, cfg, write=False)
+    facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
+    barrier()  # the cache is written: image_sizes reads it on every rank
     for image_path, mask_path in pairs:
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
@@ -969,12 +987,15 @@ def check_pairs(pairs, cfg):
                         f"0/255 masks use num_classes=1")
 
 
-def checked_facts(paths, cfg, write):
-    """{path: facts} for every file, decoding only those the cache does not know unchanged."""
+def checked_facts(paths, cfg, write, share=False):
+    """{path: facts} for every file (image, mask, image, mask, ...), decoding only those the cache does
+    not know unchanged. share=True, called by every rank: each checks whole pairs r, r + world, ... and
+    all receive every rank's facts, so a large first check takes 1/world of the time on each."""
     cache_paths = check_cache_paths(cfg)
     cache = load_check_cache(cache_paths)
-    stamps = {p: file_stamp(p) for p in paths}
-    todo = [p for p in paths if cache.get(p, {}).get("stamp") != stamps[p]]
+    mine = [p for i, p in enumerate(paths) if i // 2 % DIST.world == DIST.rank] if share else paths
+    stamps = {p: file_stamp(p) for p in mine}
+    todo = [p for p in mine if cache.get(p, {}).get("stamp") != stamps[p]]
     masks = set(paths[1::2])
 
     def check(path):
@@ -985,7 +1006,10 @@ def checked_facts(paths, cfg, write):
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
         for path, facts in zip(todo, pool.map(check, todo)):
             cache[path] = {"stamp": stamps[path], **facts}
-    if write and todo:
+    shares = gather_setup(({p: cache[p] for p in mine}, len(todo))) if share else [({}, len(todo))]
+    for found, _ in shares:
+        cache.update(found)
+    if write and any(decoded for _, decoded in shares):
         save_check_cache(cache_paths, cache)
     return cache
 

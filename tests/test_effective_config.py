@@ -2,8 +2,12 @@
 (batch_size=auto and the kept precision before the layout), batch-size trials with a clean GradScaler,
 no float64 on MPS, and torchrun's start-up check shared by the ranks without the collective timeout.
 GPUs, MPS and torchrun are faked on the CPU."""
+import datetime
 import json
 import math
+import os
+import socket
+import time
 import traceback
 import weakref
 from pathlib import Path
@@ -217,3 +221,64 @@ def test_sums_stay_float64_off_mps(make_cfg, cpu_hw):
     stats = health.stats()
     assert stats.grad_norm_sum == 1.0 + 1e-9  # float32 would lose the second step
     assert (stats.zero_grad_elems, stats.grad_elems) == (6, 20)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 7. torchrun: start-up work longer than the default group's timeout (NCCL's watchdog: 10 minutes)
+# ---------------------------------------------------------------------------------------------------
+DEFAULT_TIMEOUT_S = 3   # the default process group's timeout in this test (NCCL's is 10 minutes)
+SLOW_FILE_S = 1.0       # per decoded file; 4 threads: 12 pairs take 6 s on one rank, 3 s on each of two
+
+
+def start_up_in_rank(rank, world, port, root, out):
+    """One torchrun rank (spawned): join the group with a short default timeout, then prepare_data on a
+    first run of the embedded data set (rank 0 writes it, slowly) with slow decoding."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    init = torch.distributed.init_process_group
+    torch.distributed.init_process_group = lambda backend, **kw: init(
+        backend, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    train_unet.setup_distributed("cpu")
+    decoded = []
+
+    def slow(decode):
+        def run(path, *args):
+            decoded.append(path)
+            time.sleep(SLOW_FILE_S)
+            return decode(path, *args)
+        return run
+    train_unet.read_image, train_unet.decode_mask = slow(train_unet.read_image), slow(train_unet.decode_mask)
+    train_unet.EMBEDDED_DATA_DIR = str(root / "shapes")
+
+    def write_embedded(folder):
+        time.sleep(DEFAULT_TIMEOUT_S + 2)
+        train_unet.generate_shapes_dataset(folder, count=12, size=32)
+    train_unet.write_embedded_dataset = write_embedded
+    cfg = {**train_unet.CONFIG, "data_dir": str(root / "shapes"), "checkpoint_dir": str(root / "ckpt"),
+           "image_size": 32, "batch_size": 2}
+    first = train_unet.prepare_data(cfg)
+    start = len(decoded)
+    again = train_unet.prepare_data(cfg)  # the cache written by rank 0 is read by every rank
+    (out / f"{rank}.json").write_text(json.dumps({"decoded": decoded[:start], "again": decoded[start:],
+                                                  "first": first, "second": again}, default=str))
+    train_unet.cleanup_distributed()
+
+
+def test_torchrun_start_up_outlasts_the_default_timeout(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = torch.multiprocessing.start_processes(start_up_in_rank, (2, port, tmp_path, tmp_path), nprocs=2,
+                                                join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=5):  # raises if a rank failed (old code: a barrier timed out)
+        assert time.monotonic() < deadline, "the ranks did not finish"
+    ranks = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["first"] == ranks[1]["first"] == ranks[0]["second"] == ranks[1]["second"]
+    files = {p for pair in ranks[0]["first"][0] + ranks[0]["first"][1] for p in pair}
+    decoded = [set(r["decoded"]) for r in ranks]
+    assert len(files) == 24 and decoded[0] | decoded[1] == {os.path.abspath(p) for p in files}
+    assert not decoded[0] & decoded[1] and len(decoded[0]) == len(decoded[1]) == 12  # each its share, once
+    assert ranks[0]["again"] == ranks[1]["again"] == []  # the second start-up only reads the cache
+    cache = json.loads((tmp_path / "shapes" / train_unet.CHECK_CACHE_NAME).read_text())
+    assert len(cache["files"]) == 24
