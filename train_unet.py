@@ -2159,7 +2159,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             if health.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            last_refresh = show_progress(bar, torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)]), metric, seen, start)
+            pair = torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)])
+            last_refresh = show_progress(bar, pair, metric, seen, start)
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
