@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import datetime
 import difflib
 import errno
 import functools
@@ -184,6 +185,7 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    setup_group: object = None    # start-up waits (barrier, gather_setup); None = the default group
 
     @property
     def enabled(self):
@@ -197,6 +199,14 @@ class Dist:
 DIST = Dist()
 
 
+# Start-up work before training can keep some ranks waiting for long: the first data check of a large
+# set, writing the embedded data set. Under the default group's timeout NCCL's watchdog kills a rank
+# whose wait passes 10 minutes. Those waits use a gloo group of their own with a generous timeout (gloo
+# has no watchdog and carries Python objects on the CPU); a rank that fails still stops the others at
+# once (torchrun), and the check's decoding is shared by the ranks (checked_facts), so waits stay short.
+SETUP_TIMEOUT = datetime.timedelta(hours=6)  # far beyond any start-up; a real hang still ends
+
+
 def setup_distributed(device="auto"):
     """Join torchrun's process group (nccl on CUDA, gloo on CPU); a no-op in a plain run."""
     global DIST
@@ -207,6 +217,7 @@ def setup_distributed(device="auto"):
     if cuda:
         torch.cuda.set_device(DIST.local_rank)
     torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    DIST.setup_group = torch.distributed.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
     return DIST
 
 
@@ -217,9 +228,19 @@ def cleanup_distributed():
     DIST = Dist()
 
 
+def gather_setup(obj):
+    """Every rank's `obj`, in rank order ([obj] in a single process), during start-up (SETUP_TIMEOUT)."""
+    if not DIST.enabled:
+        return [obj]
+    objs = [None] * DIST.world
+    torch.distributed.all_gather_object(objs, obj, group=DIST.setup_group)
+    return objs
+
+
 def barrier():
+    """Wait for every rank (start-up work of unequal length: on the setup group, SETUP_TIMEOUT)."""
     if DIST.enabled:
-        torch.distributed.barrier()
+        torch.distributed.barrier(group=DIST.setup_group)
 
 
 def all_reduce_(tensor, op="sum"):
@@ -949,15 +970,12 @@ def check_pairs(pairs, cfg):
     """Check every image and mask before training, so a bad file stops the run at minute 0.
 
     Each file is decoded once: its result (size; a mask's set of values) is cached by path, size
-    and modification time, so later runs only stat the files. Under torchrun rank 0 checks and
-    writes the cache while the other ranks wait, then they read it.
+    and modification time, so later runs only stat the files. Under torchrun each rank checks its
+    share of the pairs, all exchange their results, and rank 0 writes the cache.
     """
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
-    if DIST.is_main:
-        facts = checked_facts(paths, cfg, write=True)
-    barrier()
-    if not DIST.is_main:
-        facts = checked_facts(paths, cfg, write=False)
+    facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
+    barrier()  # the cache is written: image_sizes reads it on every rank
     for image_path, mask_path in pairs:
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
@@ -970,12 +988,15 @@ def check_pairs(pairs, cfg):
                         f"0/255 masks use num_classes=1")
 
 
-def checked_facts(paths, cfg, write):
-    """{path: facts} for every file, decoding only those the cache does not know unchanged."""
+def checked_facts(paths, cfg, write, share=False):
+    """{path: facts} for every file (image, mask, image, mask, ...), decoding only those the cache does
+    not know unchanged. share=True, called by every rank: each checks whole pairs r, r + world, ... and
+    all receive every rank's facts, so a large first check takes 1/world of the time on each."""
     cache_paths = check_cache_paths(cfg)
     cache = load_check_cache(cache_paths)
-    stamps = {p: file_stamp(p) for p in paths}
-    todo = [p for p in paths if cache.get(p, {}).get("stamp") != stamps[p]]
+    mine = [p for i, p in enumerate(paths) if i // 2 % DIST.world == DIST.rank] if share else paths
+    stamps = {p: file_stamp(p) for p in mine}
+    todo = [p for p in mine if cache.get(p, {}).get("stamp") != stamps[p]]
     masks = set(paths[1::2])
 
     def check(path):
@@ -986,7 +1007,10 @@ def checked_facts(paths, cfg, write):
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
         for path, facts in zip(todo, pool.map(check, todo)):
             cache[path] = {"stamp": stamps[path], **facts}
-    if write and todo:
+    shares = gather_setup(({p: cache[p] for p in mine}, len(todo))) if share else [({}, len(todo))]
+    for found, _ in shares:
+        cache.update(found)
+    if write and any(decoded for _, decoded in shares):
         save_check_cache(cache_paths, cache)
     return cache
 
@@ -1742,6 +1766,12 @@ def unwrap(model):
 # ----------------------------------------------------------------------------------------------------
 # Metrics: dataset-level IoU / Dice from a confusion matrix kept on the device.
 # ----------------------------------------------------------------------------------------------------
+def sum_dtype(device):
+    """dtype of the running sums kept on the device (losses, gradient norms): float64, so an epoch's
+    sum loses nothing, except on MPS, which has no float64. Exact counts are int64 everywhere."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 class SegMetric:
     """Accumulates a class confusion matrix (int64, on the device: no host sync per batch).
 
@@ -1791,7 +1821,8 @@ class SegMetric:
         return tp, self.matrix.sum(0) - tp, self.matrix.sum(1) - tp
 
     def compute(self):
-        tp, fp, fn = (c.double() for c in self.counts())
+        # The rates in float64 on the host: the exact counts go there anyway, and MPS has no float64.
+        tp, fp, fn = (c.double() for c in self.with_counts(self.flat.cpu()).counts())
         union = tp + fp + fn
         iou = torch.where(union > 0, tp / union.clamp(min=1), torch.nan)
         dice = torch.where(union > 0, 2 * tp / (2 * tp + fp + fn).clamp(min=1), torch.nan)
@@ -1928,9 +1959,9 @@ class GradHealth:
     """
 
     def __init__(self, device, streak=0):
-        self.norm_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.norm_sum = torch.zeros((), dtype=sum_dtype(device), device=device)
         self.norm_max = torch.zeros((), dtype=torch.float32, device=device)
-        self.counts = torch.zeros(3, dtype=torch.float64, device=device)  # skipped, zero entries, entries
+        self.counts = torch.zeros(3, dtype=torch.int64, device=device)  # skipped, zero entries, entries
         self.steps, self.skipped, self.bad_streak, self.last_norm = 0, 0, streak, None
 
     def sample_zeros(self):
@@ -1951,16 +1982,16 @@ class GradHealth:
         if on_device:
             self.counts[0] += ~step.applied
         if step.zeros is not None:
-            weight = step.applied.double() if on_device else 1.0
+            weight = step.applied if on_device else 1
             self.counts[1] += step.zeros * weight
             self.counts[2] += weight * step.elems
 
     def stats(self):
-        """The epoch's StepStats: one device->host read."""
-        norm_sum, norm_max, device_skips, zeros, elems = torch.cat(
-            [torch.stack([self.norm_sum, self.norm_max.double()]), self.counts]).tolist()
-        return StepStats(self.steps, self.skipped + int(device_skips), norm_sum, norm_max, int(zeros),
-                         int(elems), self.bad_streak)
+        """The epoch's StepStats: two small device->host reads (the norms, the exact counts)."""
+        norm_sum, norm_max = torch.stack([self.norm_sum, self.norm_max.to(self.norm_sum.dtype)]).tolist()
+        device_skips, zeros, elems = self.counts.tolist()
+        return StepStats(self.steps, self.skipped + device_skips, norm_sum, norm_max, zeros, elems,
+                         self.bad_streak)
 
 
 # Where _foreach_norm has a fused kernel for ord 1, 2 and inf only (CUDA's multi-tensor kernels).
@@ -1975,7 +2006,7 @@ def count_zero_grads(grads):
     in one pass with no temporaries (a CPU: 12 ms instead of 40 for the default model's gradients).
     """
     if not grads:
-        return torch.zeros(())
+        return torch.zeros((), dtype=torch.int64)
     if grads[0].device.type in ZERO_COUNT_BY_L1:
         nonzero = torch._foreach_sign(grads)
         torch._foreach_abs_(nonzero)
@@ -1983,7 +2014,7 @@ def count_zero_grads(grads):
     else:
         norms = torch._foreach_norm(grads, 0)
     total = sum(g.numel() for g in grads)
-    return total - torch.stack(norms).double().sum()
+    return total - torch.stack(norms).long().sum()  # each norm is a whole count: exact in int64
 
 
 class BatchNormSnapshot:
@@ -2064,7 +2095,7 @@ def scaler_step(optimizer, scaler, cfg, loss_ok, result):
         return
     # The guard's one sync also answers GradScaler.step's question (any inf?), so the optimizer is
     # stepped here directly, exactly when GradScaler.step would.
-    loss_fine, grads_fine, scale = host_flags(loss_ok.double(), (found_inf == 0).double(), scaler._scale.double())
+    loss_fine, grads_fine, scale = host_flags(loss_ok.float(), (found_inf == 0).float(), scaler._scale.float())
     if grads_fine:
         optimizer.step()
     scaler.update()
@@ -2075,7 +2106,7 @@ def scaler_step(optimizer, scaler, cfg, loss_ok, result):
 def show_progress(bar, loss_pair, metric, seen, start):
     """Loss, IoU so far and images/s on a tqdm bar; one device->host copy per refresh, and callers
     refresh at most twice a second (none with progress=False). Returns the time of this refresh."""
-    host = torch.cat([loss_pair.double(), metric.flat.double()]).cpu()
+    host = torch.cat([loss_pair.cpu().double(), metric.flat.cpu().double()])  # float64 on the host: MPS has none
     loss_sum, count = host[:2].tolist()
     loss = loss_sum / max(1.0, count)
     now = time.perf_counter()
@@ -2126,7 +2157,7 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
     model.train()
     n, k = len(loader), cfg["accumulation_steps"]
     metric = SegMetric(cfg["num_classes"], hw.device)
-    loss_sum = torch.zeros((), device=hw.device, dtype=torch.float64)
+    loss_sum = torch.zeros((), device=hw.device, dtype=sum_dtype(hw.device))
     finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
     health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
     bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
@@ -2160,7 +2191,8 @@ def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, 
             if health.bad_streak >= cfg["nan_patience"]:
                 raise NonFiniteStreak(scheduler.last_epoch, (x, y))
         if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            last_refresh = show_progress(bar, torch.stack([loss_sum, finite_losses.double()]), metric, seen, start)
+            pair = torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)])
+            last_refresh = show_progress(bar, pair, metric, seen, start)
     bar.close()
     synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
     elapsed = time.perf_counter() - start
@@ -2181,7 +2213,7 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
     scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
     metric = SegMetric(cfg["num_classes"], hw.device)
-    totals = torch.zeros(2, device=hw.device, dtype=torch.float64)  # loss * images, images
+    totals = torch.zeros(2, device=hw.device, dtype=sum_dtype(hw.device))  # loss * images, images
     bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
     start, last_refresh, seen = time.perf_counter(), 0.0, 0
     for batch in bar:
@@ -2403,7 +2435,7 @@ class RunLogger:
         precision fallback go to group "rolled_back", so the re-run's steps do not overlap them."""
         if self.writer is None or not self.steps:
             return
-        rows = torch.stack([torch.stack([v.double() for v in values])
+        rows = torch.stack([torch.stack([v.to(values[0].dtype) for v in values])  # the loss sum's sum_dtype
                             for _, _, values in self.steps]).tolist()
         prev_sum = prev_count = 0.0  # the buffer holds one epoch: its running sums start at 0
         for (step, lr, _), row in zip(self.steps, rows):
@@ -3202,12 +3234,14 @@ def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
 def find_batch_size(cfg, hw, prec, cap):
     """Search on a throw-away model; returns (largest batch that fit, batch to use)."""
     model = prepare_model({**cfg, "encoder_weights": None}, hw).train()
-    optimizer, scaler = build_optimizer(model, cfg), build_scaler(prec, hw, cfg)
+    optimizer = build_optimizer(model, cfg)
     loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
 
     def fits(n):
         try:
-            batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n)
+            # A fresh GradScaler (fp16) per trial: an OOM after unscale_() leaves a scaler mid-step,
+            # and the next trial's unscale_() would raise instead of measuring.
+            batch_trial(model, optimizer, loss_fn, build_scaler(prec, hw, cfg), prec, hw, cfg, n)
             ok = True
         except torch.cuda.OutOfMemoryError:
             ok = False
@@ -3236,7 +3270,9 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}"
     else:
         start = time.perf_counter()
-        largest, use = find_batch_size(cfg, hw, prec, cap)
+        # The trials run in the run's layout: on CUDA it does not depend on the batch size.
+        trial = {**cfg, "channels_last": decide_channels_last(cfg, hw, prec)[0]}
+        largest, use = find_batch_size(trial, hw, prec, cap)
         if largest == 0:
             raise UserError(f"batch_size=auto: not even a batch of {min(2, cap)} fits in {describe(hw)}'s "
                             f"memory at image_size={cfg['image_size']}: lower image_size, use a smaller "
@@ -3244,7 +3280,7 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         use = int(all_reduce_(torch.tensor(use, device=hw.device), "min").item())  # same on every rank
         limit = "the training set" if largest == cap else f"{AUTO_BATCH_HEADROOM:.0%} headroom"
         info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
-                f"{', channels_last' if cfg['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
+                f"{', channels_last' if trial['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
         seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
     notes.append(("batch", f"auto -> {use}: {info}"))
     return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
@@ -3253,12 +3289,25 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
 # ----------------------------------------------------------------------------------------------------
 # Main: set up, train epoch by epoch, checkpoint, stop early.
 # ----------------------------------------------------------------------------------------------------
-def setup_precision(cfg):
+def effective_config(cfg, hw, prec, state, n_train, notes):
+    """What this run uses, settled in dependency order before anything (loaders, caches, the model) is
+    built from it. `prec` is already the resumed run's (setup_precision); then the batch size (auto:
+    searched in that precision), then the layout (on a CPU it depends on the batch size). Returns (cfg
+    with both resolved, as config.json saves it; the layout and why; what batch_size=auto did)."""
+    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
+    layout = decide_channels_last(cfg, hw, prec)
+    return {**cfg, "channels_last": layout[0]}, layout, auto_batch
+
+
+def setup_precision(cfg, state=None):
+    """Hardware and the precision this run trains in: a resumed run that fell back keeps its safer
+    precision (keep_safer_precision), decided here, before the layout and batch size are."""
     hw = detect_hardware(cfg["device"])
-    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    prec = decided if state is None else keep_safer_precision(decided, state, hw)
     tf32_note = apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
-    notes = [prec.warning, tf32_note]
+    notes = [decided.warning, prec.reason if prec is not decided else None, tf32_note]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
     return hw, prec, notes
@@ -3440,15 +3489,12 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         resumed_schedule(state, cfg, steps_per_epoch, notes)
     run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch, schedule), None, prec,
               [], [], lr_schedule=schedule)
+    run.scaler = build_scaler(prec, hw, cfg)
     if state is not None:
-        run.prec = keep_safer_precision(prec, state, hw)
-        run.scaler = build_scaler(run.prec, hw, cfg)
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
-        notes.append(run.prec.reason if run.prec is not prec else None)
     else:
-        run.scaler = build_scaler(prec, hw, cfg)
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
     run.eval_model = torch.compile(model) if cfg["compile_model"] else model
@@ -3481,21 +3527,19 @@ def train(cfg, explicit=()):
     win over the preset (apply_preset).
     """
     cfg, preset_line = apply_preset(validate_config(cfg), explicit)
-    hw, prec, notes = setup_precision(cfg)
-    notes.insert(0, preset_line and ("preset", preset_line))
-    layout = decide_channels_last(cfg, hw, prec)
-    cfg = {**cfg, "channels_last": layout[0]}  # what this run uses (saved so in its config)
-    if cfg["sync_batchnorm"] and hw.kind != "cuda":
-        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
-                        "set sync_batchnorm=False")
-    seed_everything(cfg["seed"])
     ckpt_dir = Path(cfg["checkpoint_dir"])
     if DIST.is_main:
         check_writable(ckpt_dir, "checkpoint_dir")
     state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
+    hw, prec, notes = setup_precision(cfg, state)
+    notes.insert(0, preset_line and ("preset", preset_line))
+    if cfg["sync_batchnorm"] and hw.kind != "cuda":
+        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
+                        "set sync_batchnorm=False")
+    seed_everything(cfg["seed"])
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
+    cfg, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
