@@ -805,7 +805,7 @@ def read_image(path, channels):
 def decode_image(path, channels=3):
     """Pixels at their stored depth, RGB order. TIFF goes through tifffile, the field's reader,
     which also tells multi-page stacks apart; OpenCV reads the rest (and LZW TIFFs tifffile cannot)."""
-    image = read_tiff(path) if Path(path).suffix.lower() in (".tif", ".tiff") else None
+    image = read_tiff(path) if is_tiff(path) else None
     if image is None:
         # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
         # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
@@ -818,28 +818,47 @@ def decode_image(path, channels=3):
     return image
 
 
-def read_tiff(path):
-    """A one-image TIFF as an array, or None where tifffile cannot decode it (LZW without
-    imagecodecs, palette colours): OpenCV tries next."""
+def is_tiff(path):
+    return Path(path).suffix.lower() in (".tif", ".tiff")
+
+
+def read_tiff(path, mask=False):
+    """Level 0 of a TIFF's first image as an array, or None where tifffile cannot decode it (LZW
+    without imagecodecs; an image's palette colours): OpenCV tries next. A mask's palette is read as
+    its indices (the VOC/labelme convention), as tifffile returns them. Overview levels (GeoTIFF, COG,
+    pyramidal slides) are not extra images; a stack of full-size images is refused."""
     import tifffile
 
     try:
         with tifffile.TiffFile(path) as tif:
-            series, pages = tif.series[0], len(tif.pages)
+            series = tif.series[0]
             planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
-            if pages > 1 or len(series.shape) > 3 or (len(series.shape) == 3 and series.axes[-1] != "S"
-                                                       and not planar):
-                raise UserError(f"image {path} is a stack ({pages} page(s), shape {series.shape}, axes "
-                                f"{series.axes}): multi-page TIFFs are not supported; save one image per file")
-            if tif.pages[0].photometric == tifffile.PHOTOMETRIC.PALETTE:
+            check_single_image(path, tif, series, planar, "mask" if mask else "image")
+            if series.keyframe.photometric == tifffile.PHOTOMETRIC.PALETTE and not mask:
                 return None
             try:
-                image = series.asarray()
+                image = series.asarray()  # level 0
             except (ValueError, NotImplementedError, KeyError):
                 return None
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError):
         return None  # not a TIFF tifffile understands: OpenCV tries, then says it cannot read it
+
+
+def check_single_image(path, tif, series, planar, kind):
+    """One image per file: level 0 of the first series holds one (gray, RGB or planar RGB) image, and no
+    other series is a second full-size image (smaller ones, a slide's thumbnail or label, are ignored)."""
+    extra = len(series.shape) > 3 or (len(series.shape) == 3 and series.axes[-1] != "S" and not planar)
+    twins = [other for other in tif.series[1:] if plane_size(other) == plane_size(series)]
+    if len(series.pages) > 1 or extra or twins:
+        raise UserError(f"{kind} {path} is a stack ({len(tif.pages)} page(s), first image shape "
+                        f"{series.shape}, axes {series.axes}): multi-page TIFFs are not supported; save "
+                        f"one image per file")
+
+
+def plane_size(series):
+    """(height, width) of a tifffile series' level 0."""
+    return tuple(series.shape[-3:-1] if series.axes.endswith("S") else series.shape[-2:])
 
 
 def scale_image(image, path="image"):
@@ -897,7 +916,11 @@ def read_mask(path, num_classes):
 
 
 def decode_mask(path):
-    mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    """A mask's stored values. Palette files (VOC and labelme PNGs) give their indices, not colours;
+    TIFFs follow read_tiff's rules (level 0, no stacks)."""
+    mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
+    if mask is None:
+        mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if mask is None:
         raise UserError(f"cannot read mask {path} (corrupt or not an image): fix or remove it")
     if mask.ndim == 3:
@@ -906,6 +929,23 @@ def decode_mask(path):
             raise UserError(f"mask {path} is a colour image: save masks as one channel of class indices")
         mask = mask[..., 0]
     return mask
+
+
+def palette_indices(path):
+    """A palette image's indices (Pillow reads them as stored), or None for any other file."""
+    from PIL import BmpImagePlugin, PngImagePlugin
+
+    # The format's own reader, not Image.open: its decompression-bomb limit (179 Mpx), a guard against
+    # untrusted downloads, would refuse a user's own large-scene masks.
+    readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile}
+    reader = readers.get(Path(path).suffix.lower())
+    if reader is None:
+        return None
+    try:
+        with reader(path) as image:
+            return np.asarray(image) if image.mode == "P" else None
+    except (OSError, SyntaxError, ValueError):
+        return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
 
 
 def mask_to_classes(mask, num_classes):
@@ -920,13 +960,32 @@ def check_mask_values(path, values, num_classes, dtype):
             return
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {mask_hint(path, dtype, values)}")
-    classes = values - {IGNORE_INDEX}
+    odd = not_class_indices(values)
+    if odd:
+        fix = (f"mark ignored pixels with {IGNORE_INDEX}, not negative values" if odd[0] < 0 else
+               "save masks as 8-bit class indices (no scaling or interpolation)")
+        raise UserError(f"mask {path} ({np.dtype(dtype)}) holds values {format_values(odd)} that are not "
+                        f"class indices: with num_classes={num_classes} masks hold whole numbers "
+                        f"0..{num_classes - 1} and {IGNORE_INDEX} = void; {fix}")
+    classes = {int(v) for v in values} - {IGNORE_INDEX}
     if classes and max(classes) >= num_classes:
         top = max(classes)
         hint = (f"set num_classes={top + 1} or fix the mask" if top < IGNORE_INDEX else
                 f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): {hint}")
+
+
+def not_class_indices(values):
+    """The values that cannot be class indices: negative, fractional, NaN/inf. Whole-numbered floats
+    (a float32 TIFF of 0.0/1.0/2.0) are accepted: they convert to uint8 exactly."""
+    return sorted((v for v in values if not (math.isfinite(v) and v >= 0 and v == int(v))),
+                  key=lambda v: (math.isnan(v), v))
+
+
+def format_values(values, limit=8):
+    shown = ", ".join(f"{v:g}" for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 def mask_hint(path, dtype, values):
