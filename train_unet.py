@@ -912,7 +912,7 @@ def read_mask(path, num_classes):
     multi-class masks keep their indices, and 255 (void, the VOC convention) stays IGNORE_INDEX."""
     mask = decode_mask(path)
     check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)
-    return mask_to_classes(mask, num_classes)
+    return mask_to_classes(mask, num_classes, path)
 
 
 def decode_mask(path):
@@ -948,9 +948,21 @@ def palette_indices(path):
         return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
 
 
-def mask_to_classes(mask, num_classes):
-    """Conversion only, for masks whose values the data check has accepted (no np.unique per sample)."""
-    return (mask > 0).astype(np.uint8) if num_classes == 1 else mask.astype(np.uint8)
+def mask_to_classes(mask, num_classes, path="mask"):
+    """Conversion, for masks whose values the data check has accepted (no np.unique per sample). A
+    multi-class mask is still guarded by its maximum: a file changed since the check must stop the run
+    with its name, not reach cross-entropy (on CUDA a device-side assert) or wrap around in uint8."""
+    if num_classes == 1:
+        return (mask > 0).astype(np.uint8)
+    classes = mask.astype(np.uint8)
+    if mask.dtype != np.uint8 and not np.array_equal(classes, mask):
+        check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)  # says which values
+    # + 1 wraps void (255) to 0, so the maximum is the top class + 1 (0 for an all-void mask).
+    top = int(np.add(classes, 1, dtype=np.uint8).max()) - 1
+    if top >= num_classes:
+        raise UserError(f"mask {path} holds class {top} but num_classes={num_classes}, unseen by the data "
+                        f"check (changed since?): set num_classes={top + 1} or fix the mask")
+    return classes
 
 
 def check_mask_values(path, values, num_classes, dtype):
@@ -1001,13 +1013,14 @@ def mask_hint(path, dtype, values):
 
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
+CHECK_CACHE_VERSION = 2  # 2: stamps with ctime (file_stamp)
 
 
 def check_pairs(pairs, cfg):
     """Check every image and mask before training, so a bad file stops the run at minute 0.
 
-    Each file is decoded once: its result (size; a mask's set of values) is cached by path, size
-    and modification time, so later runs only stat the files. Under torchrun rank 0 checks and
+    Each file is decoded once: its result (size; a mask's set of values) is cached by path and
+    file_stamp, so later runs only stat the files. Under torchrun rank 0 checks and
     writes the cache while the other ranks wait, then they read it.
     """
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
@@ -1029,12 +1042,13 @@ def check_pairs(pairs, cfg):
 
 
 def checked_facts(paths, cfg, write):
-    """{path: facts} for every file, decoding only those the cache does not know unchanged."""
+    """{path: facts} for every file, decoding only those no cache knows in their present state."""
     cache_paths = check_cache_paths(cfg)
-    cache = load_check_cache(cache_paths)
-    stamps = {p: file_stamp(p) for p in paths}
-    todo = [p for p in paths if cache.get(p, {}).get("stamp") != stamps[p]]
+    caches = [load_check_cache(path) for path in cache_paths]
     masks = set(paths[1::2])
+    stamps = {p: file_stamp(p) for p in paths}
+    facts = {p: known_facts(caches, p, stamps[p], p in masks) for p in paths}
+    todo = [p for p in paths if facts[p] is None]
 
     def check(path):
         if path in masks:
@@ -1042,47 +1056,103 @@ def checked_facts(paths, cfg, write):
             return {"hw": list(mask.shape[:2]), "values": np.unique(mask).tolist(), "dtype": str(mask.dtype)}
         return {"hw": list(read_image(path, cfg["in_channels"]).shape[:2])}
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
-        for path, facts in zip(todo, pool.map(check, todo)):
-            cache[path] = {"stamp": stamps[path], **facts}
-    if write and todo:
-        save_check_cache(cache_paths, cache)
-    return cache
+        for path, found in zip(todo, pool.map(check, todo)):
+            facts[path] = {"stamp": stamps[path], **found}
+    if write:
+        save_check_cache(cache_paths, caches, facts)
+    return facts
 
 
 def file_stamp(path):
+    """What tells a file's present state from the one checked: size and mtime, which copies that keep
+    times (cp -p, rsync -a, tar) carry over, and ctime, which every write, copy, rename and os.utime
+    sets to now and nothing sets back. Cheaper than hashing the contents, which would read every file
+    at every start-up; no inode, which some network and FUSE mounts renumber at each mount."""
     try:
-        stat = Path(path).stat()
+        return stat_stamp(os.stat(path))
     except OSError as exc:
         raise UserError(f"cannot read {path} ({exc.strerror}): fix its permissions or remove it") from None
-    return [stat.st_size, stat.st_mtime_ns]
+
+
+def stat_stamp(stat):
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def known_facts(caches, path, stamp, mask):
+    """The first cache entry for path taken from the file as it is now, or None: check it again."""
+    for cache in caches:
+        entry = cache.get(path)
+        if entry_valid(entry, mask) and entry["stamp"] == stamp:
+            return entry
+    return None
+
+
+def entry_valid(entry, mask):
+    """A whole entry, as checked_facts writes it: a damaged or hand-edited one counts as unchecked."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("stamp"), list) and len(entry["stamp"]) == 3
+            and all(isinstance(n, int) for n in entry["stamp"]) and isinstance(entry.get("hw"), list)
+            and len(entry["hw"]) == 2 and all(isinstance(n, int) and n > 0 for n in entry["hw"])):
+        return False
+    if not mask:
+        return True
+    values, dtype = entry.get("values"), entry.get("dtype")
+    if not (isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values)
+            and isinstance(dtype, str)):
+        return False
+    try:
+        return np.dtype(dtype).kind in "biuf"
+    except TypeError:
+        return False
 
 
 def check_cache_paths(cfg):
     return [Path(cfg["data_dir"]) / CHECK_CACHE_NAME, Path(cfg["checkpoint_dir"]) / CHECK_CACHE_NAME]
 
 
-def load_check_cache(candidates):
-    """The first readable cache; a missing or damaged one just means checking again."""
-    for path in candidates:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("version") == 1 and isinstance(data.get("files"), dict):
-                return data["files"]
-        except (OSError, ValueError, AttributeError):
-            continue
+def load_check_cache(path):
+    """A cache's {path: entry}; a missing or damaged one is empty (its files are checked again)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CHECK_CACHE_VERSION and isinstance(data.get("files"), dict):
+            return data["files"]
+    except (OSError, ValueError, AttributeError):
+        pass
     return {}
 
 
-def save_check_cache(candidates, files):
-    """Into the data folder if it is writable (shared by every run on it), else into checkpoint_dir."""
-    for path in candidates:
+def save_check_cache(candidates, caches, facts):
+    """Into the data folder if it is writable (shared by every run on it), else into checkpoint_dir;
+    nothing is written where the first cache that takes it already holds these facts."""
+    files = None
+    for path, cache in zip(candidates, caches):
+        if all(cache.get(p) == entry for p, entry in facts.items()):
+            return path
+        if files is None:
+            files = {**entries_still_current(caches, facts), **facts}
         try:
-            text = json.dumps({"version": 1, "files": files}, separators=(",", ":"))
+            text = json.dumps({"version": CHECK_CACHE_VERSION, "files": files}, separators=(",", ":"))
             atomic_write(path, lambda tmp: Path(tmp).write_text(text))
             return path
         except OSError:
             continue
     return None
+
+
+def entries_still_current(caches, skip):
+    """The caches' entries for files other than skip that still match their file: other runs may use
+    other subsets of data_dir (max_train_images) and keep theirs; files gone or changed are dropped."""
+    kept = {}
+    for cache in caches:
+        for path, entry in cache.items():
+            is_mask = isinstance(entry, dict) and "values" in entry
+            if path in skip or path in kept or not entry_valid(entry, is_mask):
+                continue
+            try:
+                if entry["stamp"] == stat_stamp(os.stat(path)):
+                    kept[path] = entry
+            except OSError:
+                continue  # gone
+    return kept
 
 
 def prepare_data(cfg):
@@ -1193,7 +1263,8 @@ def read_pair(pair, cfg):
     """(image from read_image, mask of class indices): how every data set reads a pair. The mask's
     values were validated once by the data check, so this only converts (no np.unique per sample)."""
     image_path, mask_path = pair
-    return read_image(image_path, cfg["in_channels"]), mask_to_classes(decode_mask(mask_path), cfg["num_classes"])
+    return read_image(image_path, cfg["in_channels"]), mask_to_classes(decode_mask(mask_path), cfg["num_classes"],
+                                                                       mask_path)
 
 
 class SegDataset(Dataset):
@@ -2250,16 +2321,27 @@ def window_pieces(model, batch, cfg, prec, hw):
 # Checkpoints and history: atomic writes, weights_only loads, exact resume.
 # ----------------------------------------------------------------------------------------------------
 def atomic_write(path, write):
-    """write(tmp_path), then rename over path: a crash never leaves a half-written file."""
+    """write(tmp_path), then rename over path: a crash never leaves a half-written file. The temporary
+    file is created new (mkstemp: O_EXCL, an unpredictable name), so a file or symlink planted under its
+    name cannot be written through; it gets the permissions a plain new file would (umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
+        tmp.chmod(0o666 & ~current_umask())  # mkstemp's 0600 would hide a shared cache from other users
         write(tmp)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def current_umask():
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def save_checkpoint(path, state):

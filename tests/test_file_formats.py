@@ -240,3 +240,213 @@ def test_requirements_list_pillow():
     """Palette masks are read with Pillow, imported directly: a requirement of its own."""
     text = (ROOT / "requirements.txt").read_text().lower()
     assert any(line.split(">=")[0].strip() == "pillow" for line in text.splitlines())
+
+
+# ----------------------------------------------------------------------------------------------------
+# 16. The data-check cache
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def count_decodes(monkeypatch):
+    calls = []
+    real_mask, real_image = train_unet.decode_mask, train_unet.read_image
+    monkeypatch.setattr(train_unet, "decode_mask", lambda p: calls.append(Path(p).name) or real_mask(p))
+    monkeypatch.setattr(train_unet, "read_image", lambda p, c: calls.append(Path(p).name) or real_image(p, c))
+    return calls
+
+
+def edit_keeping_mtime(path, values):
+    """Same size, same mtime: a BMP rewritten in place, then os.utime puts the old time back."""
+    before = path.stat()
+    time.sleep(0.02)  # past the file system's timestamp granularity (ctime is a coarse clock on Linux)
+    cv2.imwrite(str(path), values)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.fixture
+def bmp_data(data_dir):
+    """The 12 pairs with BMP masks: an edited BMP keeps its size (no compression)."""
+    for path in sorted((data_dir / "masks").glob("*.png")):
+        cv2.imwrite(str(path.with_suffix(".bmp")), cv2.imread(str(path), cv2.IMREAD_UNCHANGED))
+        path.unlink()
+    return data_dir
+
+
+def test_an_edited_mask_with_its_old_size_and_mtime_is_checked_again(make_cfg, bmp_data, count_decodes):
+    cfg = make_cfg()
+    prepare_data(cfg)
+    mask = sorted((bmp_data / "masks").glob("*.bmp"))[0]
+    edit_keeping_mtime(mask, np.full((64, 64), 7, np.uint8))
+    count_decodes.clear()
+    one_line_error(prepare_data, cfg, match=f"{mask.name} holds values")
+    assert count_decodes == [mask.name]
+
+
+def test_an_edited_copy_with_the_old_mtime_is_checked_again(make_cfg, bmp_data, tmp_path):
+    """cp -p / rsync -a of an edited same-size file over the checked one (shutil.copy2 does the same)."""
+    cfg = make_cfg()
+    prepare_data(cfg)
+    mask = sorted((bmp_data / "masks").glob("*.bmp"))[0]
+    edited = tmp_path / mask.name
+    shutil.copy2(mask, edited)
+    edit_keeping_mtime(edited, np.full((64, 64), 7, np.uint8))
+    shutil.copy2(edited, mask)
+    assert mask.stat().st_mtime_ns == edited.stat().st_mtime_ns
+    one_line_error(prepare_data, cfg, match=f"{mask.name} holds values")
+
+
+def cached_files(folder):
+    return json.loads((Path(folder) / CHECK_CACHE_NAME).read_text())["files"]
+
+
+def test_entries_of_removed_files_are_pruned_and_other_subsets_kept(make_cfg, data_dir, make_data):
+    prepare_data(make_cfg())
+    all_twelve = set(cached_files(data_dir))
+    assert len(all_twelve) == 24
+    removed = [sorted((data_dir / sub).glob("*.png"))[5] for sub in ("images", "masks")]
+    for path in removed:
+        path.unlink()
+    extra = make_data("extra", count=1, seed=3)  # a new pair: the cache is written again
+    for sub in ("images", "masks"):
+        shutil.copy(extra / sub / "shape_0000.png", data_dir / sub / "new_pair.png")
+    cfg = make_cfg(max_train_images=3, batch_size=2)  # a run on a subset: the others' entries stay for other runs
+    train, val = prepare_data(cfg)
+    files = cached_files(data_dir)
+    assert not {os.path.abspath(p) for p in removed} & set(files)
+    assert set(files) == (all_twelve - {os.path.abspath(p) for p in removed}) | {
+        os.path.abspath(data_dir / sub / "new_pair.png") for sub in ("images", "masks")}
+    assert len(train) == 3 and len(files) > 2 * (len(train) + len(val))
+
+
+@pytest.mark.parametrize("damage", ["no values", "stamp text", "entry list", "hw short", "bad dtype"])
+def test_a_damaged_entry_is_checked_again_not_a_traceback(make_cfg, data_dir, count_decodes, damage):
+    cfg = make_cfg()
+    prepare_data(cfg)
+    cache = json.loads((data_dir / CHECK_CACHE_NAME).read_text())
+    mask = os.path.abspath(sorted((data_dir / "masks").glob("*.png"))[2])
+    entry = cache["files"][mask]
+    if damage == "no values":
+        del entry["values"]
+    elif damage == "stamp text":
+        entry["stamp"] = "yesterday"
+    elif damage == "entry list":
+        cache["files"][mask] = [1, 2]
+    elif damage == "hw short":
+        entry["hw"] = [64]
+    else:
+        entry["dtype"] = "no-such-type"
+    (data_dir / CHECK_CACHE_NAME).write_text(json.dumps(cache))
+    count_decodes.clear()
+    prepare_data(cfg)
+    assert count_decodes == [Path(mask).name]
+    assert cached_files(data_dir)[mask]["values"] == [0, 255]  # repaired
+
+
+def test_a_stale_cache_in_a_read_only_data_dir_is_not_read_in_place_of_the_fresh_one(
+        make_cfg, data_dir, count_decodes, monkeypatch):
+    cfg = make_cfg()
+    prepare_data(cfg)  # data_dir's cache, written while it was writable
+    real = train_unet.atomic_write
+
+    def read_only_data_dir(path, write):
+        if Path(path).parent == data_dir:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, write)
+    monkeypatch.setattr(train_unet, "atomic_write", read_only_data_dir)
+    masks = sorted((data_dir / "masks").glob("*.png"))
+    for mask in masks[:4]:  # edited since: data_dir's entries for them are stale
+        cv2.imwrite(str(mask), np.flipud(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED)))
+    count_decodes.clear()
+    prepare_data(cfg)
+    assert sorted(count_decodes) == sorted(m.name for m in masks[:4])
+    assert (Path(cfg["checkpoint_dir"]) / CHECK_CACHE_NAME).is_file()
+    count_decodes.clear()
+    prepare_data(cfg)  # the fresh entries in checkpoint_dir are used, though data_dir's is read first
+    assert count_decodes == []
+
+
+def test_a_cache_in_another_version_is_checked_again(make_cfg, data_dir, count_decodes):
+    cfg = make_cfg()
+    prepare_data(cfg)
+    cache = json.loads((data_dir / CHECK_CACHE_NAME).read_text())
+    cache["version"] = 1  # stamps of size and mtime only: not trusted
+    (data_dir / CHECK_CACHE_NAME).write_text(json.dumps(cache))
+    count_decodes.clear()
+    prepare_data(cfg)
+    assert len(count_decodes) == 24
+
+
+def multi_class_set_changed_after_the_check(make_data, make_cfg, **overrides):
+    root = make_data("multi", num_classes=3)
+    cfg = make_cfg(data_dir=str(root), num_classes=3, cache_images=False, **overrides)
+    train, val = prepare_data(cfg)
+    bad = train[1][1]
+    mask = cv2.imread(str(bad), cv2.IMREAD_UNCHANGED)
+    cv2.imwrite(str(bad), np.where(mask == 2, 7, mask).astype(np.uint8))  # after the check
+    assert (mask == 2).any()
+    return cfg, train, bad
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_class_the_check_did_not_see_stops_loading_with_one_line(make_data, make_cfg, workers):
+    cfg, train, bad = multi_class_set_changed_after_the_check(make_data, make_cfg)
+    loader = DataLoader(SegDataset(train, cfg, train=True), batch_size=2, num_workers=workers)
+    with pytest.raises(UserError) as info:
+        list(loader)
+    message = train_unet.user_message(info.value)
+    assert "\n" not in message and str(bad) in message
+    assert "holds class 7 but num_classes=3" in message and "set num_classes=8" in message
+
+
+def test_a_class_the_check_did_not_see_is_one_line_from_the_command_line(make_data, make_cfg, monkeypatch,
+                                                                          capsys):
+    """Through a real run with a loader worker: an error message, exit code 2, no CUDA assert/traceback."""
+    cfg, _, bad = multi_class_set_changed_after_the_check(make_data, make_cfg)
+    monkeypatch.setattr(train_unet, "check_pairs", lambda pairs, cfg: None)  # as a stale cache would
+    args = [f"{key}={cfg[key]}" for key in ("data_dir", "checkpoint_dir", "image_size", "encoder_name",
+                                             "batch_size", "num_classes", "device", "use_amp")]
+    args += ["encoder_weights=None", "epochs=1", "num_workers=1", "progress=False", "compile_model=False",
+             "channels_last=False", "cache_images=False", "max_train_images=4"]
+    assert train_unet.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: mask {bad} holds class 7"), err
+
+
+def test_values_that_are_not_class_indices_are_caught_at_load_time(tmp_path, make_cfg):
+    """A mask changed after the check to -1 (would become 255, void) or 0.5 (would become 0)."""
+    image, mask = tmp_path / "i.png", tmp_path / "m.tif"
+    cv2.imwrite(str(image), np.zeros((8, 8, 3), np.uint8))
+    for values, dtype in (([0, 1, -1], np.int16), ([0, 1, 0.5], np.float32)):
+        tifffile.imwrite(mask, np.resize(np.array(values, dtype), (8, 8)))
+        with pytest.raises(UserError, match=f"mask {mask} .*not class indices"):
+            train_unet.read_pair((image, mask), make_cfg(num_classes=3))
+
+
+def test_the_temp_file_is_new_and_unpredictable(tmp_path):
+    """A symlink planted under the old predictable temp name (.<name>.tmp<pid>) is not written through."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    target = tmp_path / CHECK_CACHE_NAME
+    planted = tmp_path / f".{target.name}.tmp{os.getpid()}"
+    planted.symlink_to(victim)
+    train_unet.atomic_write(target, lambda tmp: Path(tmp).write_text("cache"))
+    assert victim.read_text() == "precious"
+    assert target.read_text() == "cache" and not target.is_symlink()
+    assert planted.is_symlink()  # not ours to remove
+
+
+def test_atomic_writes_get_the_usual_permissions_and_leave_nothing_behind(tmp_path):
+    old = os.umask(0o027)
+    try:
+        train_unet.atomic_write(tmp_path / "a.json", lambda tmp: Path(tmp).write_text("{}"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640  # not mkstemp's 0600
+
+    def fail(tmp):
+        Path(tmp).write_text("half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        train_unet.atomic_write(tmp_path / "b.json", fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
