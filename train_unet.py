@@ -827,7 +827,7 @@ def read_image(path, channels):
 def decode_image(path, channels=3):
     """Pixels at their stored depth, RGB order. TIFF goes through tifffile, the field's reader,
     which also tells multi-page stacks apart; OpenCV reads the rest (and LZW TIFFs tifffile cannot)."""
-    image = read_tiff(path) if Path(path).suffix.lower() in (".tif", ".tiff") else None
+    image = read_tiff(path) if is_tiff(path) else None
     if image is None:
         # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
         # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
@@ -840,28 +840,47 @@ def decode_image(path, channels=3):
     return image
 
 
-def read_tiff(path):
-    """A one-image TIFF as an array, or None where tifffile cannot decode it (LZW without
-    imagecodecs, palette colours): OpenCV tries next."""
+def is_tiff(path):
+    return Path(path).suffix.lower() in (".tif", ".tiff")
+
+
+def read_tiff(path, mask=False):
+    """Level 0 of a TIFF's first image as an array, or None where tifffile cannot decode it (LZW
+    without imagecodecs; an image's palette colours): OpenCV tries next. A mask's palette is read as
+    its indices (the VOC/labelme convention), as tifffile returns them. Overview levels (GeoTIFF, COG,
+    pyramidal slides) are not extra images; a stack of full-size images is refused."""
     import tifffile
 
     try:
         with tifffile.TiffFile(path) as tif:
-            series, pages = tif.series[0], len(tif.pages)
+            series = tif.series[0]
             planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
-            if pages > 1 or len(series.shape) > 3 or (len(series.shape) == 3 and series.axes[-1] != "S"
-                                                       and not planar):
-                raise UserError(f"image {path} is a stack ({pages} page(s), shape {series.shape}, axes "
-                                f"{series.axes}): multi-page TIFFs are not supported; save one image per file")
-            if tif.pages[0].photometric == tifffile.PHOTOMETRIC.PALETTE:
+            check_single_image(path, tif, series, planar, "mask" if mask else "image")
+            if series.keyframe.photometric == tifffile.PHOTOMETRIC.PALETTE and not mask:
                 return None
             try:
-                image = series.asarray()
+                image = series.asarray()  # level 0
             except (ValueError, NotImplementedError, KeyError):
                 return None
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError):
         return None  # not a TIFF tifffile understands: OpenCV tries, then says it cannot read it
+
+
+def check_single_image(path, tif, series, planar, kind):
+    """One image per file: level 0 of the first series holds one (gray, RGB or planar RGB) image, and no
+    other series is a second full-size image (smaller ones, a slide's thumbnail or label, are ignored)."""
+    extra = len(series.shape) > 3 or (len(series.shape) == 3 and series.axes[-1] != "S" and not planar)
+    twins = [other for other in tif.series[1:] if plane_size(other) == plane_size(series)]
+    if len(series.pages) > 1 or extra or twins:
+        raise UserError(f"{kind} {path} is a stack ({len(tif.pages)} page(s), first image shape "
+                        f"{series.shape}, axes {series.axes}): multi-page TIFFs are not supported; save "
+                        f"one image per file")
+
+
+def plane_size(series):
+    """(height, width) of a tifffile series' level 0."""
+    return tuple(series.shape[-3:-1] if series.axes.endswith("S") else series.shape[-2:])
 
 
 def scale_image(image, path="image"):
@@ -915,11 +934,15 @@ def read_mask(path, num_classes):
     multi-class masks keep their indices, and 255 (void, the VOC convention) stays IGNORE_INDEX."""
     mask = decode_mask(path)
     check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)
-    return mask_to_classes(mask, num_classes)
+    return mask_to_classes(mask, num_classes, path)
 
 
 def decode_mask(path):
-    mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    """A mask's stored values. Palette files (VOC and labelme PNGs) give their indices, not colours;
+    TIFFs follow read_tiff's rules (level 0, no stacks)."""
+    mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
+    if mask is None:
+        mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
     if mask is None:
         raise UserError(f"cannot read mask {path} (corrupt or not an image): fix or remove it")
     if mask.ndim == 3:
@@ -930,9 +953,38 @@ def decode_mask(path):
     return mask
 
 
-def mask_to_classes(mask, num_classes):
-    """Conversion only, for masks whose values the data check has accepted (no np.unique per sample)."""
-    return (mask > 0).astype(np.uint8) if num_classes == 1 else mask.astype(np.uint8)
+def palette_indices(path):
+    """A palette image's indices (Pillow reads them as stored), or None for any other file."""
+    from PIL import BmpImagePlugin, PngImagePlugin
+
+    # The format's own reader, not Image.open: its decompression-bomb limit (179 Mpx), a guard against
+    # untrusted downloads, would refuse a user's own large-scene masks.
+    readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile}
+    reader = readers.get(Path(path).suffix.lower())
+    if reader is None:
+        return None
+    try:
+        with reader(path) as image:
+            return np.asarray(image) if image.mode == "P" else None
+    except (OSError, SyntaxError, ValueError):
+        return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
+
+
+def mask_to_classes(mask, num_classes, path="mask"):
+    """Conversion, for masks whose values the data check has accepted (no np.unique per sample). A
+    multi-class mask is still guarded by its maximum: a file changed since the check must stop the run
+    with its name, not reach cross-entropy (on CUDA a device-side assert) or wrap around in uint8."""
+    if num_classes == 1:
+        return (mask > 0).astype(np.uint8)
+    classes = mask.astype(np.uint8)
+    if mask.dtype != np.uint8 and not np.array_equal(classes, mask):
+        check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)  # says which values
+    # + 1 wraps void (255) to 0, so the maximum is the top class + 1 (0 for an all-void mask).
+    top = int(np.add(classes, 1, dtype=np.uint8).max()) - 1
+    if top >= num_classes:
+        raise UserError(f"mask {path} holds class {top} but num_classes={num_classes}, unseen by the data "
+                        f"check (changed since?): set num_classes={top + 1} or fix the mask")
+    return classes
 
 
 def check_mask_values(path, values, num_classes, dtype):
@@ -942,13 +994,32 @@ def check_mask_values(path, values, num_classes, dtype):
             return
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {mask_hint(path, dtype, values)}")
-    classes = values - {IGNORE_INDEX}
+    odd = not_class_indices(values)
+    if odd:
+        fix = (f"mark ignored pixels with {IGNORE_INDEX}, not negative values" if odd[0] < 0 else
+               "save masks as 8-bit class indices (no scaling or interpolation)")
+        raise UserError(f"mask {path} ({np.dtype(dtype)}) holds values {format_values(odd)} that are not "
+                        f"class indices: with num_classes={num_classes} masks hold whole numbers "
+                        f"0..{num_classes - 1} and {IGNORE_INDEX} = void; {fix}")
+    classes = {int(v) for v in values} - {IGNORE_INDEX}
     if classes and max(classes) >= num_classes:
         top = max(classes)
         hint = (f"set num_classes={top + 1} or fix the mask" if top < IGNORE_INDEX else
                 f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): {hint}")
+
+
+def not_class_indices(values):
+    """The values that cannot be class indices: negative, fractional, NaN/inf. Whole-numbered floats
+    (a float32 TIFF of 0.0/1.0/2.0) are accepted: they convert to uint8 exactly."""
+    return sorted((v for v in values if not (math.isfinite(v) and v >= 0 and v == int(v))),
+                  key=lambda v: (math.isnan(v), v))
+
+
+def format_values(values, limit=8):
+    shown = ", ".join(f"{v:g}" for v in values[:limit])
+    return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
 def mask_hint(path, dtype, values):
@@ -964,14 +1035,15 @@ def mask_hint(path, dtype, values):
 
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
+CHECK_CACHE_VERSION = 2  # 2: stamps with ctime (file_stamp)
 
 
 def check_pairs(pairs, cfg):
     """Check every image and mask before training, so a bad file stops the run at minute 0.
 
-    Each file is decoded once: its result (size; a mask's set of values) is cached by path, size
-    and modification time, so later runs only stat the files. Under torchrun each rank checks its
-    share of the pairs, all exchange their results, and rank 0 writes the cache.
+    Each file is decoded once: its result (size; a mask's set of values) is cached by path and
+    file_stamp, so later runs only stat the files. Under torchrun each rank checks its share of the
+    pairs, all exchange their results, and rank 0 writes the cache.
     """
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
@@ -989,15 +1061,16 @@ def check_pairs(pairs, cfg):
 
 
 def checked_facts(paths, cfg, write, share=False):
-    """{path: facts} for every file (image, mask, image, mask, ...), decoding only those the cache does
-    not know unchanged. share=True, called by every rank: each checks whole pairs r, r + world, ... and
-    all receive every rank's facts, so a large first check takes 1/world of the time on each."""
+    """{path: facts} for every file (image, mask, image, mask, ...), decoding only those no cache knows
+    in their present state. share=True, called by every rank: each checks whole pairs r, r + world, ...
+    and all receive every rank's facts, so a large first check takes 1/world of the time on each."""
     cache_paths = check_cache_paths(cfg)
-    cache = load_check_cache(cache_paths)
+    caches = [load_check_cache(path) for path in cache_paths]
     mine = [p for i, p in enumerate(paths) if i // 2 % DIST.world == DIST.rank] if share else paths
-    stamps = {p: file_stamp(p) for p in mine}
-    todo = [p for p in mine if cache.get(p, {}).get("stamp") != stamps[p]]
     masks = set(paths[1::2])
+    stamps = {p: file_stamp(p) for p in mine}
+    facts = {p: known_facts(caches, p, stamps[p], p in masks) for p in mine}
+    todo = [p for p in mine if facts[p] is None]
 
     def check(path):
         if path in masks:
@@ -1005,50 +1078,105 @@ def checked_facts(paths, cfg, write, share=False):
             return {"hw": list(mask.shape[:2]), "values": np.unique(mask).tolist(), "dtype": str(mask.dtype)}
         return {"hw": list(read_image(path, cfg["in_channels"]).shape[:2])}
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
-        for path, facts in zip(todo, pool.map(check, todo)):
-            cache[path] = {"stamp": stamps[path], **facts}
-    shares = gather_setup(({p: cache[p] for p in mine}, len(todo))) if share else [({}, len(todo))]
-    for found, _ in shares:
-        cache.update(found)
-    if write and any(decoded for _, decoded in shares):
-        save_check_cache(cache_paths, cache)
-    return cache
+        for path, found in zip(todo, pool.map(check, todo)):
+            facts[path] = {"stamp": stamps[path], **found}
+    if share:
+        facts = {p: entry for part in gather_setup(facts) for p, entry in part.items()}
+    if write:
+        save_check_cache(cache_paths, caches, facts)
+    return facts
 
 
 def file_stamp(path):
+    """What tells a file's present state from the one checked: size and mtime, which copies that keep
+    times (cp -p, rsync -a, tar) carry over, and ctime, which every write, copy, rename and os.utime
+    sets to now and nothing sets back. Cheaper than hashing the contents, which would read every file
+    at every start-up; no inode, which some network and FUSE mounts renumber at each mount."""
     try:
-        stat = Path(path).stat()
+        return stat_stamp(os.stat(path))
     except OSError as exc:
         raise UserError(f"cannot read {path} ({exc.strerror}): fix its permissions or remove it") from None
-    return [stat.st_size, stat.st_mtime_ns]
+
+
+def stat_stamp(stat):
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def known_facts(caches, path, stamp, mask):
+    """The first cache entry for path taken from the file as it is now, or None: check it again."""
+    for cache in caches:
+        entry = cache.get(path)
+        if entry_valid(entry, mask) and entry["stamp"] == stamp:
+            return entry
+    return None
+
+
+def entry_valid(entry, mask):
+    """A whole entry, as checked_facts writes it: a damaged or hand-edited one counts as unchecked."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("stamp"), list) and len(entry["stamp"]) == 3
+            and all(isinstance(n, int) for n in entry["stamp"]) and isinstance(entry.get("hw"), list)
+            and len(entry["hw"]) == 2 and all(isinstance(n, int) and n > 0 for n in entry["hw"])):
+        return False
+    if not mask:
+        return True
+    values, dtype = entry.get("values"), entry.get("dtype")
+    if not (isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values)
+            and isinstance(dtype, str)):
+        return False
+    try:
+        return np.dtype(dtype).kind in "biuf"
+    except TypeError:
+        return False
 
 
 def check_cache_paths(cfg):
     return [Path(cfg["data_dir"]) / CHECK_CACHE_NAME, Path(cfg["checkpoint_dir"]) / CHECK_CACHE_NAME]
 
 
-def load_check_cache(candidates):
-    """The first readable cache; a missing or damaged one just means checking again."""
-    for path in candidates:
-        try:
-            data = json.loads(path.read_text())
-            if data.get("version") == 1 and isinstance(data.get("files"), dict):
-                return data["files"]
-        except (OSError, ValueError, AttributeError):
-            continue
+def load_check_cache(path):
+    """A cache's {path: entry}; a missing or damaged one is empty (its files are checked again)."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CHECK_CACHE_VERSION and isinstance(data.get("files"), dict):
+            return data["files"]
+    except (OSError, ValueError, AttributeError):
+        pass
     return {}
 
 
-def save_check_cache(candidates, files):
-    """Into the data folder if it is writable (shared by every run on it), else into checkpoint_dir."""
-    for path in candidates:
+def save_check_cache(candidates, caches, facts):
+    """Into the data folder if it is writable (shared by every run on it), else into checkpoint_dir;
+    nothing is written where the first cache that takes it already holds these facts."""
+    files = None
+    for path, cache in zip(candidates, caches):
+        if all(cache.get(p) == entry for p, entry in facts.items()):
+            return path
+        if files is None:
+            files = {**entries_still_current(caches, facts), **facts}
         try:
-            text = json.dumps({"version": 1, "files": files}, separators=(",", ":"))
+            text = json.dumps({"version": CHECK_CACHE_VERSION, "files": files}, separators=(",", ":"))
             atomic_write(path, lambda tmp: Path(tmp).write_text(text))
             return path
         except OSError:
             continue
     return None
+
+
+def entries_still_current(caches, skip):
+    """The caches' entries for files other than skip that still match their file: other runs may use
+    other subsets of data_dir (max_train_images) and keep theirs; files gone or changed are dropped."""
+    kept = {}
+    for cache in caches:
+        for path, entry in cache.items():
+            is_mask = isinstance(entry, dict) and "values" in entry
+            if path in skip or path in kept or not entry_valid(entry, is_mask):
+                continue
+            try:
+                if entry["stamp"] == stat_stamp(os.stat(path)):
+                    kept[path] = entry
+            except OSError:
+                continue  # gone
+    return kept
 
 
 def prepare_data(cfg):
@@ -1165,7 +1293,7 @@ def read_pair(pair, cfg):
 def read_classes(mask_path, cfg):
     """A mask of class indices at its own size, as read_pair reads it (fit-mode validation also reads
     the original mask alone, when the image comes resized from the cache)."""
-    return mask_to_classes(decode_mask(mask_path), cfg["num_classes"])
+    return mask_to_classes(decode_mask(mask_path), cfg["num_classes"], mask_path)
 
 
 class SegDataset(Dataset):
@@ -2276,16 +2404,27 @@ def window_pieces(model, batch, cfg, prec, hw):
 # Checkpoints and history: atomic writes, weights_only loads, exact resume.
 # ----------------------------------------------------------------------------------------------------
 def atomic_write(path, write):
-    """write(tmp_path), then rename over path: a crash never leaves a half-written file."""
+    """write(tmp_path), then rename over path: a crash never leaves a half-written file. The temporary
+    file is created new (mkstemp: O_EXCL, an unpredictable name), so a file or symlink planted under its
+    name cannot be written through; it gets the permissions a plain new file would (umask)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
+        tmp.chmod(0o666 & ~current_umask())  # mkstemp's 0600 would hide a shared cache from other users
         write(tmp)
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
+        with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def current_umask():
+    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    os.umask(mask)
+    return mask
 
 
 def save_checkpoint(path, state):

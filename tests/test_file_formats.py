@@ -1,0 +1,452 @@
+"""Issue 20, items 3, 4, 15 and 16: masks and images as real files come (palette PNGs and TIFFs,
+pyramidal TIFFs), mask values that are not class indices, and a data-check cache that is not trusted
+blindly (content-aware stamps, pruning, damaged entries, two caches, a load-time guard, a safe temp file)."""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import tifffile
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import train_unet
+from train_unet import CHECK_CACHE_NAME, IGNORE_INDEX, SegDataset, UserError, prepare_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one_line_error(fn, *args, match):
+    with pytest.raises(UserError, match=match) as info:
+        fn(*args)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def voc_palette():
+    """Pascal VOC's colour map (class 1 dark red, 2 green, ..., 255 the cream void colour)."""
+    palette = []
+    for index in range(256):
+        r = g = b = 0
+        c = index
+        for shift in range(7, -1, -1):
+            r, g, b = r | ((c & 1) << shift), g | (((c >> 1) & 1) << shift), b | (((c >> 2) & 1) << shift)
+            c >>= 3
+        palette += [r, g, b]
+    return palette
+
+
+def voc_indices(size=64):
+    """Classes 1 and 2 on background 0, each object outlined by void (255), as VOC draws them."""
+    mask = np.zeros((size, size), np.uint8)
+    mask[8:30, 8:30], mask[34:60, 30:60] = 1, 2
+    ring = cv2.dilate((mask > 0).astype(np.uint8), np.ones((3, 3), np.uint8)) - (mask > 0)
+    mask[ring > 0] = IGNORE_INDEX
+    return mask
+
+
+def write_palette_file(path, indices, palette=None):
+    image = Image.fromarray(indices, mode="P")
+    image.putpalette(palette or voc_palette())
+    image.save(path)
+    with Image.open(path) as check:
+        assert check.mode == "P"  # a real palette file: OpenCV would expand it to colour
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# 3. Palette masks (VOC, labelme) are read as their indices
+# ----------------------------------------------------------------------------------------------------
+def test_a_voc_palette_png_is_read_as_its_indices(tmp_path):
+    path = write_palette_file(tmp_path / "2007_000032.png", voc_indices())
+    assert cv2.imread(str(path), cv2.IMREAD_UNCHANGED).ndim == 3  # what OpenCV alone made of it
+    np.testing.assert_array_equal(train_unet.decode_mask(path), voc_indices())
+    np.testing.assert_array_equal(train_unet.read_mask(path, 3), voc_indices())
+    binary = (voc_indices() == 1).astype(np.uint8)  # a labelme-style 0/1 palette mask, binary run
+    write_palette_file(path, binary, palette=[0, 0, 0, 128, 0, 0] + [0, 0, 0] * 254)
+    np.testing.assert_array_equal(train_unet.read_mask(path, 1), binary)
+
+
+def test_palette_bmp_and_tiff_masks_are_read_as_their_indices(tmp_path):
+    bmp = write_palette_file(tmp_path / "m.bmp", voc_indices())  # Pillow writes an 8-bit palette BMP
+    assert cv2.imread(str(bmp), cv2.IMREAD_UNCHANGED).ndim == 3
+    tif = tmp_path / "m.tif"
+    colormap = np.array(voc_palette(), np.uint16).reshape(256, 3).T * 257
+    tifffile.imwrite(tif, voc_indices(), photometric="palette", colormap=colormap)
+    for path in (bmp, tif):
+        np.testing.assert_array_equal(train_unet.read_mask(path, 3), voc_indices(), err_msg=path.name)
+
+
+def test_a_voc_set_of_palette_pngs_passes_the_check_and_trains_on_its_indices(make_data, make_cfg):
+    root = make_data("voc", num_classes=3)
+    expected = {}
+    for path in sorted((root / "masks").glob("*.png")):
+        mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+        ring = cv2.dilate((mask > 0).astype(np.uint8), np.ones((3, 3), np.uint8)) - (mask > 0)
+        mask[ring > 0] = IGNORE_INDEX
+        expected[path.name] = mask
+        write_palette_file(path, mask)
+    cfg = make_cfg(data_dir=str(root), num_classes=3)
+    train, val = prepare_data(cfg)  # the data check: one-channel indices, not "a colour image"
+    facts = json.loads((root / CHECK_CACHE_NAME).read_text())["files"]
+    assert set(facts[os.path.abspath(train[0][1])]["values"]) <= {0, 1, 2, IGNORE_INDEX}
+    plain = make_cfg(data_dir=str(root), num_classes=3, cache_images=False)
+    for config in (cfg, plain):
+        dataset = SegDataset(val, config, train=False)
+        for i, (_, mask_path) in enumerate(val):
+            _, y = dataset[i]
+            truth = torch.from_numpy(cv2.resize(expected[mask_path.name], (64, 64),
+                                                interpolation=cv2.INTER_NEAREST)).long()
+            assert torch.equal(y, truth)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 4. Pyramidal TIFFs: level 0 of the first series; real stacks are still refused
+# ----------------------------------------------------------------------------------------------------
+def write_pyramid(path, image, kind, photometric):
+    """Level 0 and one half-size overview, as GeoTIFF/COG (reduced top-level pages), as a tifffile
+    SubIFD pyramid, or as an OME-TIFF pyramid."""
+    half = np.ascontiguousarray(image[::2, ::2])
+    with tifffile.TiffWriter(path, ome=kind == "ome") as tif:
+        if kind == "cog":
+            tif.write(image, photometric=photometric, metadata=None)
+            tif.write(half, photometric=photometric, subfiletype=1, metadata=None)
+        else:
+            tif.write(image, photometric=photometric, subifds=1)
+            tif.write(half, photometric=photometric, subfiletype=1)
+    with tifffile.TiffFile(path) as check:
+        assert len(check.series[0].levels) == 2
+    return path
+
+
+@pytest.mark.parametrize("kind", ["cog", "subifds", "ome"])
+def test_a_pyramidal_tiff_is_read_at_level_0(tmp_path, kind):
+    rgb = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    path = write_pyramid(tmp_path / f"{kind}.tif", rgb, kind, "rgb")
+    np.testing.assert_array_equal(train_unet.read_image(path, 3), rgb)
+    mask = (rgb[..., 0] > 128).astype(np.uint8) * 255
+    mask_path = write_pyramid(tmp_path / f"{kind}_mask.tif", mask, kind, "minisblack")
+    np.testing.assert_array_equal(train_unet.read_mask(mask_path, 1), mask > 0)
+
+
+def test_a_set_of_pyramidal_tiffs_trains(make_data, make_cfg):
+    root = make_data("pyramids", count=6)
+    for folder, photometric in (("images", "rgb"), ("masks", "minisblack")):
+        for path in sorted((root / folder).glob("*.png")):
+            pixels = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+            pixels = cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB) if pixels.ndim == 3 else pixels
+            write_pyramid(path.with_suffix(".tif"), pixels, "cog", photometric)
+            path.unlink()
+    cfg = make_cfg(data_dir=str(root), batch_size=2)
+    train, _ = prepare_data(cfg)
+    x, y = SegDataset(train, cfg, train=False)[0]
+    assert x.shape == (3, 64, 64) and set(torch.unique(y).tolist()) <= {0, 1}
+
+
+def test_a_slides_smaller_extra_images_are_ignored(tmp_path):
+    """An SVS-like file: the pyramid, then a thumbnail (a full image of its own, but smaller)."""
+    image = np.random.default_rng(1).integers(0, 256, (64, 96), dtype=np.uint8)
+    path = tmp_path / "slide.tif"
+    with tifffile.TiffWriter(path) as tif:
+        tif.write(image, photometric="minisblack", subifds=1)
+        tif.write(image[::2, ::2], photometric="minisblack", subfiletype=1)
+        tif.write(image[::4, ::4], photometric="minisblack")
+    with tifffile.TiffFile(path) as check:
+        assert len(check.series) == 2
+    np.testing.assert_array_equal(train_unet.read_image(path, 1), image)
+
+
+def write_stack(path, kind, photometric="minisblack"):
+    page = np.zeros((16, 16), np.uint8)
+    if kind == "one series":  # (2, 16, 16): two pages of one series
+        tifffile.imwrite(path, np.stack([page, page + 1]), photometric=photometric)
+    else:  # two full-size images written one after the other: two series
+        with tifffile.TiffWriter(path) as tif:
+            tif.write(page, photometric=photometric)
+            tif.write(page + 1, photometric=photometric)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["one series", "two series"])
+def test_a_real_stack_is_still_refused_for_images_and_masks(tmp_path, make_cfg, data_dir, kind):
+    message = one_line_error(train_unet.read_image, write_stack(tmp_path / "s.tif", kind), 3,
+                             match="multi-page TIFFs are not supported")
+    assert "image" in message and "s.tif" in message
+    # A mask stack was read as its first page by OpenCV, silently: it is refused the same way.
+    message = one_line_error(train_unet.read_mask, tmp_path / "s.tif", 1, match="multi-page TIFFs")
+    assert message.startswith("mask ")
+    mask = sorted((data_dir / "masks").glob("*.png"))[0]
+    mask.unlink()
+    write_stack(mask.with_suffix(".tif"), kind)
+    one_line_error(prepare_data, make_cfg(), match=f"mask .*{mask.stem}.tif is a stack")
+
+
+# ----------------------------------------------------------------------------------------------------
+# 15. Mask values must be non-negative whole numbers
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("values, dtype, words", [
+    ([0, 0.5, 1, 2], np.float32, "0.5"),
+    ([0, -1, 1, 2], np.int16, "-1"),
+    ([0, 1, 2, np.nan], np.float32, "nan"),
+])
+def test_multi_class_masks_of_other_values_than_class_indices_are_refused(tmp_path, make_cfg, data_dir,
+                                                                          values, dtype, words):
+    mask = np.resize(np.array(values, dtype), (64, 64))
+    path = tmp_path / "m.tif"
+    tifffile.imwrite(path, mask)
+    message = one_line_error(train_unet.read_mask, path, 3, match="not class indices")
+    assert str(path) in message and f"[{words}]" in message and str(np.dtype(dtype)) in message
+    assert ("255, not negative" if words == "-1" else "8-bit class indices") in message
+    # ... and the data check stops the run on it, whatever the other masks hold
+    target = sorted((data_dir / "masks").glob("*.png"))[3]
+    target.unlink()
+    tifffile.imwrite(target.with_suffix(".tif"), mask)
+    one_line_error(prepare_data, make_cfg(num_classes=3), match=f"{target.stem}.tif .* not class indices")
+
+
+def test_binary_masks_refuse_fractions_and_negatives(tmp_path):
+    path = tmp_path / "m.tif"
+    for values, dtype in (([0, 0.5, 1], np.float32), ([0, -1], np.int16)):
+        tifffile.imwrite(path, np.resize(np.array(values, dtype), (8, 8)))
+        one_line_error(train_unet.read_mask, path, 1, match="with num_classes=1 masks must be 0/1 or 0/255")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16, np.uint16])
+def test_whole_numbered_masks_of_any_type_are_accepted_exactly(tmp_path, dtype):
+    """A float32 TIFF of 0.0/1.0/2.0 (numpy pipelines write those) converts exactly; so do int16 and
+    16-bit masks of class indices, and 0.0/1.0 or 0/255 binary masks."""
+    path = tmp_path / "m.tif"
+    indices = voc_indices(32)
+    tifffile.imwrite(path, indices.astype(dtype))
+    np.testing.assert_array_equal(train_unet.read_mask(path, 3), indices)
+    tifffile.imwrite(path, (indices == 1).astype(dtype))
+    np.testing.assert_array_equal(train_unet.read_mask(path, 1), indices == 1)
+
+
+def test_a_16_bit_png_class_mask_is_checked_the_same_way(tmp_path):
+    path = tmp_path / "m.png"
+    cv2.imwrite(str(path), np.resize(np.array([0, 1, 2], np.uint16), (8, 8)))
+    np.testing.assert_array_equal(train_unet.read_mask(path, 3), np.resize(np.array([0, 1, 2]), (8, 8)))
+    cv2.imwrite(str(path), np.resize(np.array([0, 1, 300], np.uint16), (8, 8)))
+    one_line_error(train_unet.read_mask, path, 3, match="holds class 300")
+
+
+def test_requirements_list_pillow():
+    """Palette masks are read with Pillow, imported directly: a requirement of its own."""
+    text = (ROOT / "requirements.txt").read_text().lower()
+    assert any(line.split(">=")[0].strip() == "pillow" for line in text.splitlines())
+
+
+# ----------------------------------------------------------------------------------------------------
+# 16. The data-check cache
+# ----------------------------------------------------------------------------------------------------
+@pytest.fixture
+def count_decodes(monkeypatch):
+    calls = []
+    real_mask, real_image = train_unet.decode_mask, train_unet.read_image
+    monkeypatch.setattr(train_unet, "decode_mask", lambda p: calls.append(Path(p).name) or real_mask(p))
+    monkeypatch.setattr(train_unet, "read_image", lambda p, c: calls.append(Path(p).name) or real_image(p, c))
+    return calls
+
+
+def edit_keeping_mtime(path, values):
+    """Same size, same mtime: a BMP rewritten in place, then os.utime puts the old time back."""
+    before = path.stat()
+    time.sleep(0.02)  # past the file system's timestamp granularity (ctime is a coarse clock on Linux)
+    cv2.imwrite(str(path), values)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+@pytest.fixture
+def bmp_data(data_dir):
+    """The 12 pairs with BMP masks: an edited BMP keeps its size (no compression)."""
+    for path in sorted((data_dir / "masks").glob("*.png")):
+        cv2.imwrite(str(path.with_suffix(".bmp")), cv2.imread(str(path), cv2.IMREAD_UNCHANGED))
+        path.unlink()
+    return data_dir
+
+
+def test_an_edited_mask_with_its_old_size_and_mtime_is_checked_again(make_cfg, bmp_data, count_decodes):
+    cfg = make_cfg()
+    prepare_data(cfg)
+    mask = sorted((bmp_data / "masks").glob("*.bmp"))[0]
+    edit_keeping_mtime(mask, np.full((64, 64), 7, np.uint8))
+    count_decodes.clear()
+    one_line_error(prepare_data, cfg, match=f"{mask.name} holds values")
+    assert count_decodes == [mask.name]
+
+
+def test_an_edited_copy_with_the_old_mtime_is_checked_again(make_cfg, bmp_data, tmp_path):
+    """cp -p / rsync -a of an edited same-size file over the checked one (shutil.copy2 does the same)."""
+    cfg = make_cfg()
+    prepare_data(cfg)
+    mask = sorted((bmp_data / "masks").glob("*.bmp"))[0]
+    edited = tmp_path / mask.name
+    shutil.copy2(mask, edited)
+    edit_keeping_mtime(edited, np.full((64, 64), 7, np.uint8))
+    shutil.copy2(edited, mask)
+    assert mask.stat().st_mtime_ns == edited.stat().st_mtime_ns
+    one_line_error(prepare_data, cfg, match=f"{mask.name} holds values")
+
+
+def cached_files(folder):
+    return json.loads((Path(folder) / CHECK_CACHE_NAME).read_text())["files"]
+
+
+def test_entries_of_removed_files_are_pruned_and_other_subsets_kept(make_cfg, data_dir, make_data):
+    prepare_data(make_cfg())
+    all_twelve = set(cached_files(data_dir))
+    assert len(all_twelve) == 24
+    removed = [sorted((data_dir / sub).glob("*.png"))[5] for sub in ("images", "masks")]
+    for path in removed:
+        path.unlink()
+    extra = make_data("extra", count=1, seed=3)  # a new pair: the cache is written again
+    for sub in ("images", "masks"):
+        shutil.copy(extra / sub / "shape_0000.png", data_dir / sub / "new_pair.png")
+    cfg = make_cfg(max_train_images=3, batch_size=2)  # a run on a subset: the others' entries stay for other runs
+    train, val = prepare_data(cfg)
+    files = cached_files(data_dir)
+    assert not {os.path.abspath(p) for p in removed} & set(files)
+    assert set(files) == (all_twelve - {os.path.abspath(p) for p in removed}) | {
+        os.path.abspath(data_dir / sub / "new_pair.png") for sub in ("images", "masks")}
+    assert len(train) == 3 and len(files) > 2 * (len(train) + len(val))
+
+
+@pytest.mark.parametrize("damage", ["no values", "stamp text", "entry list", "hw short", "bad dtype"])
+def test_a_damaged_entry_is_checked_again_not_a_traceback(make_cfg, data_dir, count_decodes, damage):
+    cfg = make_cfg()
+    prepare_data(cfg)
+    cache = json.loads((data_dir / CHECK_CACHE_NAME).read_text())
+    mask = os.path.abspath(sorted((data_dir / "masks").glob("*.png"))[2])
+    entry = cache["files"][mask]
+    if damage == "no values":
+        del entry["values"]
+    elif damage == "stamp text":
+        entry["stamp"] = "yesterday"
+    elif damage == "entry list":
+        cache["files"][mask] = [1, 2]
+    elif damage == "hw short":
+        entry["hw"] = [64]
+    else:
+        entry["dtype"] = "no-such-type"
+    (data_dir / CHECK_CACHE_NAME).write_text(json.dumps(cache))
+    count_decodes.clear()
+    prepare_data(cfg)
+    assert count_decodes == [Path(mask).name]
+    assert cached_files(data_dir)[mask]["values"] == [0, 255]  # repaired
+
+
+def test_a_stale_cache_in_a_read_only_data_dir_is_not_read_in_place_of_the_fresh_one(
+        make_cfg, data_dir, count_decodes, monkeypatch):
+    cfg = make_cfg()
+    prepare_data(cfg)  # data_dir's cache, written while it was writable
+    real = train_unet.atomic_write
+
+    def read_only_data_dir(path, write):
+        if Path(path).parent == data_dir:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, write)
+    monkeypatch.setattr(train_unet, "atomic_write", read_only_data_dir)
+    masks = sorted((data_dir / "masks").glob("*.png"))
+    for mask in masks[:4]:  # edited since: data_dir's entries for them are stale
+        cv2.imwrite(str(mask), np.flipud(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED)))
+    count_decodes.clear()
+    prepare_data(cfg)
+    assert sorted(count_decodes) == sorted(m.name for m in masks[:4])
+    assert (Path(cfg["checkpoint_dir"]) / CHECK_CACHE_NAME).is_file()
+    count_decodes.clear()
+    prepare_data(cfg)  # the fresh entries in checkpoint_dir are used, though data_dir's is read first
+    assert count_decodes == []
+
+
+def test_a_cache_in_another_version_is_checked_again(make_cfg, data_dir, count_decodes):
+    cfg = make_cfg()
+    prepare_data(cfg)
+    cache = json.loads((data_dir / CHECK_CACHE_NAME).read_text())
+    cache["version"] = 1  # stamps of size and mtime only: not trusted
+    (data_dir / CHECK_CACHE_NAME).write_text(json.dumps(cache))
+    count_decodes.clear()
+    prepare_data(cfg)
+    assert len(count_decodes) == 24
+
+
+def multi_class_set_changed_after_the_check(make_data, make_cfg, **overrides):
+    root = make_data("multi", num_classes=3)
+    cfg = make_cfg(data_dir=str(root), num_classes=3, cache_images=False, **overrides)
+    train, val = prepare_data(cfg)
+    bad = train[1][1]
+    mask = cv2.imread(str(bad), cv2.IMREAD_UNCHANGED)
+    cv2.imwrite(str(bad), np.where(mask == 2, 7, mask).astype(np.uint8))  # after the check
+    assert (mask == 2).any()
+    return cfg, train, bad
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_class_the_check_did_not_see_stops_loading_with_one_line(make_data, make_cfg, workers):
+    cfg, train, bad = multi_class_set_changed_after_the_check(make_data, make_cfg)
+    loader = DataLoader(SegDataset(train, cfg, train=True), batch_size=2, num_workers=workers)
+    with pytest.raises(UserError) as info:
+        list(loader)
+    message = train_unet.user_message(info.value)
+    assert "\n" not in message and str(bad) in message
+    assert "holds class 7 but num_classes=3" in message and "set num_classes=8" in message
+
+
+def test_a_class_the_check_did_not_see_is_one_line_from_the_command_line(make_data, make_cfg, monkeypatch,
+                                                                          capsys):
+    """Through a real run with a loader worker: an error message, exit code 2, no CUDA assert/traceback."""
+    cfg, _, bad = multi_class_set_changed_after_the_check(make_data, make_cfg)
+    monkeypatch.setattr(train_unet, "check_pairs", lambda pairs, cfg: None)  # as a stale cache would
+    args = [f"{key}={cfg[key]}" for key in ("data_dir", "checkpoint_dir", "image_size", "encoder_name",
+                                             "batch_size", "num_classes", "device", "use_amp")]
+    args += ["encoder_weights=None", "epochs=1", "num_workers=1", "progress=False", "compile_model=False",
+             "channels_last=False", "cache_images=False", "max_train_images=4"]
+    assert train_unet.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: mask {bad} holds class 7"), err
+
+
+def test_values_that_are_not_class_indices_are_caught_at_load_time(tmp_path, make_cfg):
+    """A mask changed after the check to -1 (would become 255, void) or 0.5 (would become 0)."""
+    image, mask = tmp_path / "i.png", tmp_path / "m.tif"
+    cv2.imwrite(str(image), np.zeros((8, 8, 3), np.uint8))
+    for values, dtype in (([0, 1, -1], np.int16), ([0, 1, 0.5], np.float32)):
+        tifffile.imwrite(mask, np.resize(np.array(values, dtype), (8, 8)))
+        with pytest.raises(UserError, match=f"mask {mask} .*not class indices"):
+            train_unet.read_pair((image, mask), make_cfg(num_classes=3))
+
+
+def test_the_temp_file_is_new_and_unpredictable(tmp_path):
+    """A symlink planted under the old predictable temp name (.<name>.tmp<pid>) is not written through."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    target = tmp_path / CHECK_CACHE_NAME
+    planted = tmp_path / f".{target.name}.tmp{os.getpid()}"
+    planted.symlink_to(victim)
+    train_unet.atomic_write(target, lambda tmp: Path(tmp).write_text("cache"))
+    assert victim.read_text() == "precious"
+    assert target.read_text() == "cache" and not target.is_symlink()
+    assert planted.is_symlink()  # not ours to remove
+
+
+def test_atomic_writes_get_the_usual_permissions_and_leave_nothing_behind(tmp_path):
+    old = os.umask(0o027)
+    try:
+        train_unet.atomic_write(tmp_path / "a.json", lambda tmp: Path(tmp).write_text("{}"))
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640  # not mkstemp's 0600
+
+    def fail(tmp):
+        Path(tmp).write_text("half")
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError):
+        train_unet.atomic_write(tmp_path / "b.json", fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
