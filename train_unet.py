@@ -1642,6 +1642,25 @@ def build_optimizer(model, cfg):
 
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+# How the update runs on this device, not what it computes: on resume they stay as build_optimizer set
+# them, since a checkpoint's flags belong to the device (and PyTorch version) it was written on.
+OPTIMIZER_RUNTIME_FLAGS = ("fused", "foreach")
+
+
+def load_optimizer_state(optimizer, saved):
+    """optimizer.load_state_dict, keeping this device's fused/foreach and the parameters' memory format.
+
+    load_state_dict replaces the param groups' flags with the checkpoint's and keeps the moments' strides
+    as saved; the fused kernel walks parameters and moments as flat arrays, so after a resume with
+    another channels_last the moments would update the wrong elements.
+    """
+    now = [{k: g[k] for k in OPTIMIZER_RUNTIME_FLAGS if k in g} for g in optimizer.param_groups]
+    groups = [{**g, **flags} for g, flags in zip(saved["param_groups"], now)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})  # also places `step` for these flags
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
 LR_FLOOR = 0.01  # the cosine ends at 1% of the peak learning rate
@@ -3189,7 +3208,7 @@ class Run:
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
