@@ -395,11 +395,11 @@ def test_getitem_runs_no_np_unique(make_cfg, data_dir, monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 def test_extended_schedule_is_continuous():
     cfg = dict(train_unet.CONFIG, epochs=10, warmup_fraction=0.05)
-    old = train_unet.lr_schedule(cfg, steps_per_epoch=5)
+    old = train_unet.lr_schedule(cfg)  # in epochs of progress, sampled here at 5 steps per epoch
     for stop in (30, 50):  # interrupted at epoch 6, or finished
-        new = train_unet.extend_schedule(old, stop, 20 * 5)
-        factors = [train_unet.lr_factor(s, new) for s in range(0, 101)]
-        assert factors[:stop + 1] == [train_unet.lr_factor(s, old) for s in range(stop + 1)]
+        new = train_unet.extend_schedule(old, stop / 5, 20)
+        factors = [train_unet.lr_factor(s / 5, new) for s in range(0, 101)]
+        assert factors[:stop + 1] == [train_unet.lr_factor(s / 5, old) for s in range(stop + 1)]
         jumps = [abs(b - a) for a, b in zip(factors[stop:], factors[stop + 1:])]
         assert max(jumps) < 0.05 * factors[stop] + 1e-12  # no restart: small steps only
         assert factors[-1] == pytest.approx(train_unet.LR_FLOOR)
