@@ -1826,46 +1826,95 @@ def build_optimizer(model, cfg):
 
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+# How the update runs on this device, not what it computes: on resume they stay as build_optimizer set
+# them, since a checkpoint's flags belong to the device (and PyTorch version) it was written on.
+OPTIMIZER_RUNTIME_FLAGS = ("fused", "foreach")
 
 
-LR_FLOOR = 0.01  # the cosine ends at 1% of the peak learning rate
+def load_optimizer_state(optimizer, saved):
+    """optimizer.load_state_dict, keeping this device's fused/foreach and the parameters' memory format.
 
-
-def build_scheduler(optimizer, cfg, steps_per_epoch, schedule=None):
-    """Linear warm-up, then cosine to 1% of the peak LR; stepped once per optimizer step.
-
-    `schedule` (lr_schedule / extend_schedule, kept in checkpoints) fixes the shape; by default
-    it is the one for cfg's epochs.
+    load_state_dict replaces the param groups' flags with the checkpoint's and keeps the moments' strides
+    as saved; the fused kernel walks parameters and moments as flat arrays, so after a resume with
+    another channels_last the moments would update the wrong elements.
     """
-    schedule = schedule or lr_schedule(cfg, steps_per_epoch)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, schedule))
+    now = [{k: g[k] for k in OPTIMIZER_RUNTIME_FLAGS if k in g} for g in optimizer.param_groups]
+    groups = [{**g, **flags} for g, flags in zip(saved["param_groups"], now)]
+    optimizer.load_state_dict({**saved, "param_groups": groups})  # also places `step` for these flags
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.shape == param.shape and value.stride() != param.stride():
+                state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
 
 
-def lr_schedule(cfg, steps_per_epoch):
-    total = max(1, cfg["epochs"] * steps_per_epoch)
-    return {"total": total, "warmup": int(total * cfg["warmup_fraction"]), "tails": []}
+LR_FLOOR = 0.01  # the warm-up starts and the cosine ends at 1% of the peak learning rate
 
 
-def lr_factor(step, schedule):
-    """The LR multiplier at optimizer step `step`: warm-up and cosine, or the latest tail begun."""
-    tails = [tail for tail in schedule["tails"] if tail[0] <= step]
+def build_scheduler(optimizer, cfg, steps_per_epoch, schedule=None, start=(0, 0)):
+    """Stepped once per optimizer step: each step takes the schedule's LR at the training progress it
+    starts from (lr_factor). Progress counts epochs, so the curve does not depend on the steps per
+    epoch, which change with the GPU count under torchrun.
+
+    `schedule` (lr_schedule / extend_schedule, kept in checkpoints) fixes the shape; by default it is
+    the one for cfg's epochs. `start`: (scheduler step, finished epochs) where this run begins: a
+    resumed run counts its progress from the checkpoint's epoch with its own steps per epoch.
+    """
+    schedule = schedule or lr_schedule(cfg)
+    step0, epoch0 = start
+
+    def progress(step):
+        # In integers first, so a resumed run's progress is bit-identical to an uninterrupted run's.
+        # Before a resume's state is loaded, LambdaLR evaluates step 0: clamped to the resume point.
+        epochs, within = divmod(max(0, step - step0), steps_per_epoch)
+        return epoch0 + epochs + within / steps_per_epoch
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(progress(step), schedule))
+
+
+def lr_schedule(cfg):
+    """The schedule's shape in epochs: linear warm-up from the floor to the peak, cosine to the floor."""
+    return {"epochs": cfg["epochs"], "warmup": cfg["epochs"] * cfg["warmup_fraction"], "tails": []}
+
+
+def lr_factor(progress, schedule):
+    """The LR multiplier at `progress` (epochs, fractional): warm-up and cosine, or the latest tail begun."""
+    tails = [tail for tail in schedule["tails"] if tail[0] <= progress]
     if tails:
         start, end, begin = tails[-1]
-        return cosine_factor(begin, (step - start) / max(1, end - start))
-    warmup, total = schedule["warmup"], schedule["total"]
-    if step < warmup:
-        return (step + 1) / (warmup + 1)
-    return cosine_factor(1.0, (step - warmup) / max(1, total - warmup))
+        return cosine_factor(begin, (progress - start) / (end - start))
+    warmup, epochs = schedule["warmup"], schedule["epochs"]
+    if progress < warmup:
+        return LR_FLOOR + (1 - LR_FLOOR) * progress / warmup
+    return cosine_factor(1.0, (progress - warmup) / (epochs - warmup))
 
 
 def cosine_factor(begin, progress):
     return LR_FLOOR + (begin - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def extend_schedule(schedule, step, total):
-    """epochs changed on resume: from `step` on, a cosine from the LR reached there down to the floor
-    over the steps up to the new `total`. No restart: a finished run (at the floor) stays there."""
-    return {**schedule, "tails": [*schedule["tails"], [step, total, lr_factor(step, schedule)]]}
+def in_warmup(progress, schedule):
+    return progress < schedule["warmup"] and not any(tail[0] <= progress for tail in schedule["tails"])
+
+
+def extend_schedule(schedule, progress, epochs):
+    """epochs changed on resume, at `progress`. Still in warm-up: the warm-up goes on to the peak as
+    before, then the cosine spans the new length. Past it: from `progress` on, a cosine from the LR
+    reached there down to the floor at the new end. No restart: a finished run (at the floor) stays there."""
+    if in_warmup(progress, schedule) and schedule["warmup"] < epochs:
+        return {**schedule, "epochs": epochs}
+    return {**schedule, "tails": [*schedule["tails"], [progress, epochs, lr_factor(progress, schedule)]]}
+
+
+def checkpoint_schedule(state, cfg):
+    """The checkpoint's LR schedule. Older checkpoints count it in optimizer steps ("total"), converted
+    with the steps per epoch they ran; the oldest have none: the default one for their epochs."""
+    schedule = state.get("lr_schedule")
+    if schedule is None:
+        return lr_schedule({**cfg, "epochs": state["config"]["epochs"]})
+    if "total" not in schedule:
+        return schedule
+    per = state["scheduler"]["last_epoch"] / state["epoch"]
+    return {"epochs": schedule["total"] / per, "warmup": schedule["warmup"] / per,
+            "tails": [[start / per, end / per, begin] for start, end, begin in schedule["tails"]]}
 
 
 def build_scaler(prec, hw, cfg):
@@ -3508,7 +3557,7 @@ class Run:
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -3624,11 +3673,10 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     if cfg["sync_batchnorm"] and DIST.enabled:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = build_optimizer(model, cfg)
-    schedule = lr_schedule(cfg, steps_per_epoch) if state is None else \
-        resumed_schedule(state, cfg, steps_per_epoch, notes)
-    run = Run(model, model, optimizer, build_scheduler(optimizer, cfg, steps_per_epoch, schedule), None, prec,
-              [], [], lr_schedule=schedule)
-    run.scaler = build_scaler(prec, hw, cfg)
+    schedule = lr_schedule(cfg) if state is None else resumed_schedule(state, cfg, steps_per_epoch, notes)
+    start = (0, 0) if state is None else (state["scheduler"]["last_epoch"], state["epoch"])
+    scheduler = build_scheduler(optimizer, cfg, steps_per_epoch, schedule, start)
+    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, [], [], lr_schedule=schedule)
     if state is not None:
         run.load(state)
         set_rng_state(state["rng"])
@@ -3645,17 +3693,20 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
 
 
 def resumed_schedule(state, cfg, steps_per_epoch, notes):
-    """The checkpoint's LR schedule; with a changed epochs, extended smoothly (extend_schedule)."""
-    old_epochs = state["config"]["epochs"]
-    schedule = state.get("lr_schedule") or lr_schedule({**cfg, "epochs": old_epochs}, steps_per_epoch)
-    if old_epochs == cfg["epochs"]:
+    """The checkpoint's LR schedule; with a changed epochs, extended (extend_schedule)."""
+    old_epochs, done, epochs = state["config"]["epochs"], state["epoch"], cfg["epochs"]
+    schedule = checkpoint_schedule(state, cfg)
+    if old_epochs == epochs:
         return schedule
-    step, total = state["scheduler"]["last_epoch"], max(1, cfg["epochs"] * steps_per_epoch)
-    schedule = extend_schedule(schedule, step, total)
-    lr = cfg["learning_rate"]
-    notes.append(f"epochs changed from {old_epochs} to {cfg['epochs']}: the learning rate continues from "
-                 f"{lr * lr_factor(step, schedule):.2e} (no restart), cosine down to {lr * LR_FLOOR:.2e} "
-                 f"over the remaining {total - step} optimizer steps")
+    schedule = extend_schedule(schedule, done, epochs)
+    lr, change = cfg["learning_rate"], f"epochs changed from {old_epochs} to {epochs}"
+    if in_warmup(done, schedule):  # extended without a tail: the warm-up goes on
+        notes.append(f"{change}: the warm-up goes on to {lr:.2e} at epoch {schedule['warmup']:.3g}, then a "
+                     f"cosine down to {lr * LR_FLOOR:.2e} at epoch {epochs}")
+    else:
+        notes.append(f"{change}: the learning rate continues from {lr * lr_factor(done, schedule):.2e} (no "
+                     f"restart), cosine down to {lr * LR_FLOOR:.2e} over the remaining {epochs - done} "
+                     f"epochs ({(epochs - done) * steps_per_epoch} optimizer steps)")
     return schedule
 
 

@@ -2,6 +2,7 @@
 labels, a cached data check, a smooth LR when a run is extended, exact CE under accumulation."""
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -360,17 +361,27 @@ def test_read_only_data_folder_keeps_the_cache_in_checkpoint_dir(make_cfg, data_
     assert count_decodes == []
 
 
-def test_other_ranks_read_rank_0s_result(make_cfg, data_dir, monkeypatch, count_decodes):
+def test_other_ranks_check_only_their_share_and_never_write(make_cfg, data_dir, monkeypatch, count_decodes):
+    """Rank 1 of 2 takes its share of the pairs from the cache, exchanges it (gather_setup: rank 0's
+    share faked from the cache file) and writes nothing."""
     cfg = make_cfg()
-    prepare_data(cfg)  # rank 0's check
+    prepare_data(cfg)  # a first check, as rank 0's
     count_decodes.clear()
     monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=1, world=2))
-    waits = []
+    waits, sent = [], []
+    cache = train_unet.load_check_cache(Path(cfg["data_dir"]) / train_unet.CHECK_CACHE_NAME)
+
+    def gather(mine):
+        sent.append(mine)
+        return [{p: e for p, e in cache.items() if p not in mine}, mine]
+    monkeypatch.setattr(train_unet, "gather_setup", gather)
     monkeypatch.setattr(train_unet, "barrier", lambda: waits.append(1))
     monkeypatch.setattr(train_unet, "save_check_cache", lambda *a: pytest.fail("only rank 0 writes"))
     monkeypatch.setattr(train_unet, "write_embedded_dataset", lambda *a: pytest.fail("rank 1 writes"))
-    train_unet.check_pairs(train_unet.find_pairs(data_dir), cfg)
+    pairs = train_unet.find_pairs(data_dir)
+    train_unet.check_pairs(pairs, cfg)
     assert waits and count_decodes == []
+    assert sorted(sent[0]) == sorted(os.path.abspath(p) for pair in pairs[1::2] for p in pair)
 
 
 def test_getitem_runs_no_np_unique(make_cfg, data_dir, monkeypatch):
@@ -395,11 +406,11 @@ def test_getitem_runs_no_np_unique(make_cfg, data_dir, monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 def test_extended_schedule_is_continuous():
     cfg = dict(train_unet.CONFIG, epochs=10, warmup_fraction=0.05)
-    old = train_unet.lr_schedule(cfg, steps_per_epoch=5)
+    old = train_unet.lr_schedule(cfg)  # in epochs of progress, sampled here at 5 steps per epoch
     for stop in (30, 50):  # interrupted at epoch 6, or finished
-        new = train_unet.extend_schedule(old, stop, 20 * 5)
-        factors = [train_unet.lr_factor(s, new) for s in range(0, 101)]
-        assert factors[:stop + 1] == [train_unet.lr_factor(s, old) for s in range(stop + 1)]
+        new = train_unet.extend_schedule(old, stop / 5, 20)
+        factors = [train_unet.lr_factor(s / 5, new) for s in range(0, 101)]
+        assert factors[:stop + 1] == [train_unet.lr_factor(s / 5, old) for s in range(stop + 1)]
         jumps = [abs(b - a) for a, b in zip(factors[stop:], factors[stop + 1:])]
         assert max(jumps) < 0.05 * factors[stop] + 1e-12  # no restart: small steps only
         assert factors[-1] == pytest.approx(train_unet.LR_FLOOR)

@@ -1,0 +1,253 @@
+"""Resume is right across layouts, devices, GPU counts and extended epochs (issue 20, items 11-14):
+AdamW's moments in the parameters' memory format, `fused` chosen for the device a run resumes on, an LR
+schedule defined by training progress, and an extension in warm-up that still reaches the peak LR."""
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_unet
+
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+
+
+def layout(channels_last):
+    return torch.channels_last if channels_last else torch.contiguous_format
+
+
+def set_grads(model, seed):
+    """The same gradient values on any layout, stored in the parameter's layout (as autograd does)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+
+
+def fresh_run(cfg, channels_last):
+    torch.manual_seed(0)
+    model = train_unet.build_model(cfg).to(memory_format=layout(channels_last))
+    optimizer = train_unet.build_optimizer(model, cfg)
+    scheduler = train_unet.build_scheduler(optimizer, cfg, steps_per_epoch=1)
+    prec = train_unet.decide_precision(train_unet.detect_hardware("cpu"), use_amp=False)
+    return train_unet.Run(model, model, optimizer, scheduler, None, prec, [], [])
+
+
+def record_lrs(monkeypatch):
+    """The learning rate of every optimizer step, in order."""
+    lrs = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        lrs.append(self.param_groups[0]["lr"])
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return lrs
+
+
+def interrupt_at(monkeypatch, epoch):
+    """Ctrl-C when `epoch` would start: last.pt then holds the epoch before it."""
+    real = train_unet.run_epoch
+
+    def stop(run, e, *args):
+        if e == epoch:
+            raise KeyboardInterrupt
+        return real(run, e, *args)
+    monkeypatch.setattr(train_unet, "run_epoch", stop)
+    return real
+
+
+def train_until(cfg, monkeypatch, epoch):
+    """Train cfg and stop after `epoch` (as if interrupted there)."""
+    real = interrupt_at(monkeypatch, epoch + 1)
+    with pytest.raises(KeyboardInterrupt):
+        train_unet.train(cfg)
+    monkeypatch.setattr(train_unet, "run_epoch", real)
+
+
+def lr_column(result):
+    return [row["lr"] for row in result["history"]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# 11. AdamW's moments follow the parameters' memory format on resume
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("saved_cl, resumed_cl", [(True, False), (False, True)])
+def test_resume_with_another_layout_steps_like_an_uninterrupted_run(make_cfg, saved_cl, resumed_cl):
+    cfg = make_cfg(learning_rate=0.1)
+    straight = fresh_run(cfg, saved_cl)
+    set_grads(straight.model, seed=1)
+    straight.optimizer.step()
+    state = train_unet.to_cpu(straight.state(cfg))  # what last.pt holds after that step
+    set_grads(straight.model, seed=2)
+    straight.optimizer.step()
+
+    resumed = fresh_run(cfg, resumed_cl)
+    resumed.load(state)
+    set_grads(resumed.model, seed=2)
+    resumed.optimizer.step()
+    for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+        assert (a - b).abs().max() <= 1e-7, name  # the old code: off by about the learning rate
+    for p in resumed.model.parameters():
+        for value in resumed.optimizer.state[p].values():
+            if value.shape == p.shape:
+                assert value.stride() == p.stride()
+
+
+# ----------------------------------------------------------------------------------------------------
+# 12. `fused` is chosen for the device a run resumes on, not taken from the checkpoint
+# ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("saved_fused, fused_here", [(False, True), (True, False)])
+def test_resumed_optimizer_is_fused_as_built_for_this_device(make_cfg, monkeypatch, saved_fused, fused_here):
+    cfg = make_cfg()
+    saved = fresh_run(cfg, False)
+    set_grads(saved.model, seed=1)
+    saved.optimizer.step()
+    state = train_unet.to_cpu(saved.state(cfg))
+    for group in state["optimizer"]["param_groups"]:  # an older checkpoint, or one from another device
+        group["fused"] = saved_fused or None
+    if not fused_here:  # a device without fused AdamW (MPS): faked by the CPU not being in the list
+        monkeypatch.setattr(train_unet, "FUSED_ADAMW_DEVICES", ("cuda",))
+    resumed = fresh_run(cfg, False)
+    built = [(g["fused"], g["foreach"]) for g in resumed.optimizer.param_groups]
+    assert all(bool(fused) == fused_here for fused, _ in built)
+    resumed.load(state)
+    assert [(g["fused"], g["foreach"]) for g in resumed.optimizer.param_groups] == built
+    set_grads(resumed.model, seed=2)
+    resumed.optimizer.step()  # and it steps
+
+
+def test_resumed_training_runs_the_fused_optimizer(make_cfg, monkeypatch):
+    """End to end: a last.pt written unfused (an older checkpoint) resumes fused on a CPU."""
+    cfg = make_cfg(epochs=2, early_stopping_patience=None, image_size=32)
+    train_until(cfg, monkeypatch, 1)
+    path = Path(cfg["checkpoint_dir"]) / "last.pt"
+    state = train_unet.load_checkpoint(path)
+    for group in state["optimizer"]["param_groups"]:
+        group["fused"] = None
+    torch.save(state, path)
+    flags = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        flags.append(self.param_groups[0]["fused"])
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    train_unet.train({**cfg, "resume": True})
+    assert flags and all(flags)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 13. Extending a run still in warm-up: the warm-up goes on to the peak
+# ----------------------------------------------------------------------------------------------------
+def test_extension_in_warmup_reaches_the_peak_then_decays_over_the_new_length():
+    """The issue's case: epochs=100 (warm-up 5 epochs), 10 steps/epoch, extended to 200 after epoch 1."""
+    old = train_unet.lr_schedule(dict(train_unet.CONFIG, epochs=100, warmup_fraction=0.05))
+    new = train_unet.extend_schedule(old, 1, 200)
+    factors = [train_unet.lr_factor(s / 10, new) for s in range(2001)]
+    assert factors[:11] == [train_unet.lr_factor(s / 10, old) for s in range(11)]  # the past is kept
+    assert max(factors) == pytest.approx(1.0) and factors[50] == pytest.approx(1.0)  # at epoch 5, as before
+    assert all(b >= a for a, b in zip(factors[:50], factors[1:51]))
+    assert all(b <= a for a, b in zip(factors[50:], factors[51:]))
+    assert factors[1000] > 0.5  # the cosine spans 200 epochs, not 100
+    assert factors[-1] == pytest.approx(train_unet.LR_FLOOR)
+
+
+def test_extended_run_in_warmup_trains_up_to_the_peak(make_cfg, monkeypatch, capsys):
+    # Warm-up over 2 of 20 epochs, 2 steps per epoch; stopped after epoch 1, extended to 40.
+    cfg = make_cfg(epochs=20, warmup_fraction=0.1, early_stopping_patience=None, image_size=32)
+    lrs = record_lrs(monkeypatch)
+    train_until(cfg, monkeypatch, 1)
+    before = list(lrs)
+    lrs.clear()
+    real = interrupt_at(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        train_unet.train({**cfg, "resume": True, "epochs": 40})
+    monkeypatch.setattr(train_unet, "run_epoch", real)
+    history = train_unet.load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt")["history"]
+    assert history[1]["lr"] == pytest.approx(cfg["learning_rate"])  # the peak (old code: 0.6x, then falling)
+    assert max(lrs) == pytest.approx(cfg["learning_rate"])
+    slope = before[1] - before[0]
+    assert lrs[0] - before[-1] == pytest.approx(slope)  # the same linear warm-up, continued
+    assert lrs[1] - lrs[0] == pytest.approx(slope)
+    assert "the warm-up goes on to 2.00e-03 at epoch 2" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------------
+# 14. Another GPU count on resume: the schedule follows training progress
+# ----------------------------------------------------------------------------------------------------
+def as_rank_0_of(world, monkeypatch):
+    """Resume "under torchrun with `world` GPUs": rank 0's shard of the training set, so an epoch has
+    1/world of the optimizer steps (the gradient all-reduce is what a single process cannot fake)."""
+    real = train_unet.build_loaders
+
+    def sharded(train_pairs, val_pairs, cfg, hw):
+        train_loader, val_loader = real(train_pairs, val_pairs, cfg, hw)
+        sampler = torch.utils.data.DistributedSampler(train_loader.dataset, world, 0, shuffle=True,
+                                                      seed=cfg["seed"], drop_last=True)
+        return torch.utils.data.DataLoader(train_loader.dataset, cfg["batch_size"], sampler=sampler,
+                                           drop_last=True), val_loader
+    monkeypatch.setattr(train_unet, "build_loaders", sharded)
+    return real
+
+
+def test_resume_on_four_times_the_gpus_keeps_the_lr_curve(make_data, make_cfg, tmp_path, monkeypatch, capsys):
+    data = make_data("data20", count=20, size=32)  # 16 train images: 4 steps per epoch, 1 on rank 0 of 4
+    common = dict(data_dir=str(data), image_size=32, epochs=4, early_stopping_patience=None,
+                  warmup_fraction=0.25)
+    straight = train_unet.train(make_cfg(checkpoint_dir=str(tmp_path / "straight"), **common))
+    cfg = make_cfg(checkpoint_dir=str(tmp_path / "resumed"), **common)
+    train_until(cfg, monkeypatch, 2)
+    shutil.copytree(tmp_path / "resumed", tmp_path / "extended")
+    as_rank_0_of(4, monkeypatch)
+    capsys.readouterr()
+
+    resumed = train_unet.train({**cfg, "resume": True})
+    assert resumed["history"][-1]["optimizer_steps"] == 1
+    # The LR at each epoch's end is the same curve (old code: ended at 0.5x the peak, not the floor).
+    assert lr_column(resumed) == pytest.approx(lr_column(straight), rel=1e-9)
+    assert lr_column(resumed)[-1] == pytest.approx(cfg["learning_rate"] * train_unet.LR_FLOOR)
+
+    extended = train_unet.train({**cfg, "resume": True, "epochs": 6, "checkpoint_dir": str(tmp_path / "extended")})
+    out = capsys.readouterr().out
+    assert "over the remaining 4 epochs (4 optimizer steps)" in out  # old code: "-2 optimizer steps"
+    assert lr_column(extended)[:2] == pytest.approx(lr_column(straight)[:2], rel=1e-9)
+    assert lr_column(extended)[-1] == pytest.approx(cfg["learning_rate"] * train_unet.LR_FLOOR)
+    assert all(b < a for a, b in zip(lr_column(extended)[1:], lr_column(extended)[2:]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checkpoints written before the schedule was kept in epochs still resume, on the same curve
+# ----------------------------------------------------------------------------------------------------
+def write_old_schedule(path, form):
+    """Rewrite last.pt's LR schedule as older versions wrote it: in optimizer steps, or not at all."""
+    state = train_unet.load_checkpoint(path)
+    per = state["scheduler"]["last_epoch"] // state["epoch"]
+    total = state["config"]["epochs"] * per
+    if form == "steps":
+        state["lr_schedule"] = {"total": total, "warmup": int(total * state["config"]["warmup_fraction"]),
+                                "tails": []}
+    else:
+        del state["lr_schedule"]
+    torch.save(state, path)
+
+
+def test_checkpoints_with_an_old_schedule_resume_on_the_same_curve(make_cfg, tmp_path, monkeypatch):
+    common = dict(epochs=4, early_stopping_patience=None, warmup_fraction=0.25, image_size=32)
+    straight = train_unet.train(make_cfg(checkpoint_dir=str(tmp_path / "straight"), **common))
+    cfg = make_cfg(checkpoint_dir=str(tmp_path / "steps"), **common)
+    train_until(cfg, monkeypatch, 2)
+    shutil.copytree(tmp_path / "steps", tmp_path / "none")
+    for form in ("steps", "none"):
+        write_old_schedule(tmp_path / form / "last.pt", form)
+        resumed = train_unet.train({**cfg, "resume": True, "checkpoint_dir": str(tmp_path / form)})
+        assert lr_column(resumed) == pytest.approx(lr_column(straight), rel=1e-9), form
+
+
+def test_old_extended_schedule_converts_to_epochs():
+    """An extension written in optimizer steps (10 per epoch) means the same in epochs."""
+    old = {"total": 100, "warmup": 5, "tails": [[80, 200, 0.3]]}
+    state = {"lr_schedule": old, "scheduler": {"last_epoch": 120}, "epoch": 12, "config": {"epochs": 20}}
+    schedule = train_unet.checkpoint_schedule(state, train_unet.CONFIG)
+    assert schedule == {"epochs": 10, "warmup": 0.5, "tails": [[8, 20, 0.3]]}
+    assert train_unet.lr_factor(8, schedule) == pytest.approx(0.3)
+    assert train_unet.lr_factor(20, schedule) == pytest.approx(train_unet.LR_FLOOR)
