@@ -1228,19 +1228,26 @@ class DecodedImages:
 
     def __init__(self, fix=()):
         try:
-            self.folder, self.fix = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix
+            self.folder, self.fix, self.layouts = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix, {}
         except OSError as exc:
             raise UserError(f"cannot make a folder for decoded images in {tempfile.gettempdir()} "
                             f"({exc.strerror or exc}): point TMPDIR at a writable folder") from None
         weakref.finalize(self, remove_folder, self.folder, os.getpid())
 
     def get(self, key, decode):
-        """(image, mask) as read-only memory maps; `decode()` makes them the first time."""
+        """(image, mask) as read-only memory maps; `decode()` makes them the first time. Each file's
+        layout is read once per process: parsing a .npy header takes 4x as long as mapping the file."""
         paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
+        if key in self.layouts:
+            return [np.memmap(path, mode="r", **layout) for path, layout in zip(paths, self.layouts[key])]
         if not all(path.exists() for path in paths):
             for path, array in zip(paths, decode()):
                 self.write(path, array)
-        return [np.load(path, mmap_mode="r") for path in paths]
+        maps = [np.load(path, mmap_mode="r") for path in paths]
+        self.layouts[key] = [dict(dtype=m.dtype, offset=m.offset, shape=m.shape,
+                                  order="F" if m.flags.f_contiguous and not m.flags.c_contiguous else "C")
+                             for m in maps]
+        return maps
 
     def write(self, path, array):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -1360,9 +1367,6 @@ def start_epoch_data(loader, epoch, seed):
 # resolution); validation and predict run whole images through one blended sliding window
 # (predict_logits), so the val IoU is the IoU predict gives.
 # ----------------------------------------------------------------------------------------------------
-FOREGROUND_SAMPLES = 4096    # pixel positions kept per class and image for foreground-centred patches
-
-
 def scaled_size(hw, scale):
     """(height, width) after patch_scale: the one rounding rule for patches, tiles and patch counts."""
     return tuple(hw) if scale == 1.0 else tuple(max(1, round(n * scale)) for n in hw)
@@ -1401,27 +1405,32 @@ def pad_to(array, height, width, fill):
     return np.pad(array, ((0, rows), (0, cols)) + ((0, 0),) * (array.ndim - 2), constant_values=fill)
 
 
-def foreground_positions(mask, seed, band_rows=1024):
-    """Per foreground class in the mask: up to FOREGROUND_SAMPLES (row, col) positions, a uniform
-    (seeded) sample, so centring a patch on a class needs no search of the whole mask per patch.
-
-    Found one band of rows at a time, keeping the positions with the smallest random keys: uniform
-    without replacement, in memory bounded by the band, not by the mask (a 10,000² scene)."""
-    rng, keep = np.random.default_rng(seed), {}
+def foreground_index(mask, band_rows=1024):
+    """Per foreground class in the mask: (class, rows holding it, running count of its pixels over those
+    rows), so foreground_pixel can draw a centre uniformly among ALL the class's pixels. Memory grows
+    with the rows, not the pixels (a 10,000² scene: at most 120 kB per class); found one band of rows
+    at a time, so reading the mask takes a band's worth of memory."""
+    per_row = {}
     for top in range(0, mask.shape[0], band_rows):
         band = np.asarray(mask[top:top + band_rows])
-        rows, cols = np.nonzero((band > 0) & (band != IGNORE_INDEX))
-        classes, keys = band[rows, cols], rng.random(len(rows))
-        for c in np.unique(classes):
-            pick = classes == c
-            k, where = keys[pick], np.stack([rows[pick] + top, cols[pick]], axis=1).astype(np.int32)
-            if c in keep:
-                k, where = np.concatenate([keep[c][0], k]), np.concatenate([keep[c][1], where])
-            if len(k) > FOREGROUND_SAMPLES:
-                smallest = np.argpartition(k, FOREGROUND_SAMPLES)[:FOREGROUND_SAMPLES]
-                k, where = k[smallest], where[smallest]
-            keep[c] = (k, where)
-    return [keep[c][1] for c in sorted(keep)]
+        for c in np.flatnonzero(np.bincount(band.ravel(), minlength=IGNORE_INDEX + 1)[1:IGNORE_INDEX]) + 1:
+            counts = per_row.setdefault(int(c), np.zeros(mask.shape[0], np.int64))
+            counts[top:top + len(band)] = (band == c).sum(axis=1)
+    index = []
+    for c in sorted(per_row):
+        rows = np.flatnonzero(per_row[c]).astype(np.int32)
+        index.append((c, rows, np.cumsum(per_row[c][rows])))
+    return index
+
+
+def foreground_pixel(mask, entry, v):
+    """(row, col) of the pixel at share v in [0, 1) of one class's pixels in raster order: a uniform v
+    gives every pixel of the class the same chance. Reads one row of the mask."""
+    c, rows, cumulative = entry
+    k = int(v * int(cumulative[-1]))
+    i = int(np.searchsorted(cumulative, k, side="right"))
+    before = int(cumulative[i - 1]) if i else 0
+    return int(rows[i]), int(np.flatnonzero(np.asarray(mask[rows[i]]) == c)[k - before])
 
 
 def cut_patch(image, mask, foreground, cfg, rng):
@@ -1431,8 +1440,7 @@ def cut_patch(image, mask, foreground, cfg, rng):
     size, (h, w) = cfg["image_size"], mask.shape
     centred, u, v = rng.random() < cfg["patch_foreground"], rng.random(), rng.random()
     if centred and foreground:
-        positions = foreground[int(u * len(foreground))]
-        cy, cx = positions[int(v * len(positions))]
+        cy, cx = foreground_pixel(mask, foreground[int(u * len(foreground))], v)
         top, left = cy - size // 2, cx - size // 2
     else:
         top, left = int(u * (max(h - size, 0) + 1)), int(v * (max(w - size, 0) + 1))
@@ -1440,6 +1448,25 @@ def cut_patch(image, mask, foreground, cfg, rng):
     window = (slice(top, top + size), slice(left, left + size))  # copied out: the image may be a memory map
     return (pad_to(np.array(image[window]), size, size, 0),
             pad_to(np.array(mask[window]), size, size, IGNORE_INDEX))
+
+
+OPEN_FILES_SHARE = 8      # training images kept open take at most 1/8 of a process's file-descriptor limit
+MAX_OPEN_IMAGES = 64      # ... and at most this many images (2 memory maps each)
+
+
+def open_images_limit():
+    """How many training images a process keeps mapped: each holds 2 file descriptors (image and
+    mask), and the process's limit on those (RLIMIT_NOFILE, often 1024, 256 on macOS) is shared with
+    the DataLoader's pipes, the logs and the libraries."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no resource module on Windows
+        return MAX_OPEN_IMAGES
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_IMAGES
+    return max(1, min(MAX_OPEN_IMAGES, soft // (2 * OPEN_FILES_SHARE)))
 
 
 PATCH_STREAM = 1  # keeps the patch-position generator apart from the augmentation's (seed_augmentation)
@@ -1453,7 +1480,8 @@ class PatchDataset(SegDataset):
         super().__init__(pairs, cfg, train=True)
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
-        self.decoded, self.loaded = DecodedImages(), {}
+        self.decoded, self.maps, self.foreground = DecodedImages(), {}, {}
+        self.open_limit = open_images_limit()
 
     def __len__(self):
         return int(self.starts[-1])
@@ -1467,12 +1495,19 @@ class PatchDataset(SegDataset):
         return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
 
     def load(self, j):
-        """Image j scaled by patch_scale and its mask (decoded once: DecodedImages), and its foreground
-        positions: opened and found once per process, not per patch."""
-        if j not in self.loaded:
-            image, mask = self.decoded.get(j, lambda: self.decode(j))
-            self.loaded[j] = (image, mask, foreground_positions(mask, [self.cfg["seed"], j]))
-        return self.loaded[j]
+        """Image j scaled by patch_scale and its mask as memory maps (decoded once: DecodedImages), and
+        its foreground index (found once per process). Each map holds a file descriptor, so only the
+        open_limit images used last stay open (opening one again: about 0.1-0.2 ms)."""
+        if j in self.maps:
+            self.maps[j] = self.maps.pop(j)  # the dict keeps use order: the least recent first
+        else:
+            if len(self.maps) >= self.open_limit:
+                del self.maps[next(iter(self.maps))]
+            self.maps[j] = self.decoded.get(j, lambda: self.decode(j))
+        image, mask = self.maps[j]
+        if j not in self.foreground:
+            self.foreground[j] = foreground_index(mask)
+        return image, mask, self.foreground[j]
 
     def decode(self, j):
         return rescale(*read_pair(self.pairs[j], self.cfg), self.cfg["patch_scale"])
