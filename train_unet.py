@@ -1329,9 +1329,8 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     # image is counted exactly once, so the IoU equals a single process's.
     if cfg["data_mode"] == "fit":
         val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg), **common)
-    else:  # whole images, one at a time and unbatched (sizes differ); they stay on the CPU: not pinned
-        val_loader = DataLoader(val_set, None, sampler=validation_shard(val_pairs, cfg),
-                                **{**common, "pin_memory": False})
+    else:  # whole images, one at a time, read in this process (ReadAhead)
+        val_loader = ReadAhead(val_set, validation_shard(val_pairs, cfg))
     return train_loader, val_loader
 
 
@@ -1525,6 +1524,28 @@ class WholeImages(Dataset):
 
     def __getitem__(self, index):
         return tuple(torch.from_numpy(array) for array in read_pair(self.pairs[index], self.cfg))
+
+
+class ReadAhead:
+    """Patch-mode validation images in `order`, read in this process, the next one on a thread while
+    the model works on the current one (OpenCV and tifffile release the GIL while decoding). Not
+    through DataLoader workers: a worker hands its items over in shared memory (/dev/shm, 64 MB in a
+    default Docker container), and a whole 8000² RGB image is 192 MB. They stay on the CPU: not pinned."""
+
+    def __init__(self, dataset, order):
+        self.dataset, self.order = dataset, list(order)
+
+    def __len__(self):
+        return len(self.order)
+
+    def __iter__(self):
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            reads = (pool.submit(self.dataset.__getitem__, i) for i in self.order)
+            current = next(reads, None)
+            while current is not None:
+                following = next(reads, None)  # the next read starts before this image is handed out
+                yield current.result()
+                current = following
 
 
 def tile_starts(length, window, overlap):
