@@ -1176,24 +1176,54 @@ class SegDataset(Dataset):
 
 
 def image_cache(pairs, cfg):
-    """ResizedImages for cache_images in fit mode, or None: off, or the cache would take more than half
-    the free space where temporary files go (checkpoints need room too): then decoded every epoch."""
+    """ResizedImages for cache_images in fit mode, or None: off, or the caches of this node's processes
+    would take more than half the free space where temporary files go (checkpoints need room too): then
+    decoded every epoch."""
     if not (cfg["cache_images"] and cfg["data_mode"] == "fit" and pairs):
         return None
-    need, folder = cache_bytes(pairs, cfg), tempfile.gettempdir()
+    need, folder = cache_bytes(pairs, cfg) * processes_per_node(), tempfile.gettempdir()
     free = shutil.disk_usage(folder).free
     if need > free / 2:
-        print(f"cache_images: the resized images would take {need / 2**30:.1f} GB of the {free / 2**30:.1f} GB "
-              f"free in {folder}: decoding them every epoch instead (point TMPDIR at a larger disk to cache them)")
+        print(f"cache_images: the resized images would take {need / 2**30:.1f} GB{node_share()} of the "
+              f"{free / 2**30:.1f} GB free in {folder}: decoding them every epoch instead (point TMPDIR at a "
+              f"larger disk to cache them)")
         return None
     return ResizedImages(cfg)
 
 
-def cache_bytes(pairs, cfg):
-    """The cache's size: image_size² pixels per pair, channels at the first image's depth after
-    scale_image (1 byte for 8-bit, 4 for 16-bit and float), and 1 byte per mask pixel."""
+def check_patch_cache_room(pairs, sizes, cfg):
+    """Patch mode trains only from its decoded copies (decoding a large scene again for each patch would
+    take longer than training on it): where the copies of this node's processes would not fit in the
+    free space, the run stops before the first epoch instead of filling the disk in the middle of one."""
+    need, folder = cache_bytes(pairs, cfg, sizes) * processes_per_node(), tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free
+    if pairs and need > free:
+        raise UserError(f"patch mode decodes the training images once, into {need / 2**30:.1f} GB{node_share()} "
+                        f"of temporary files, but {folder} has {free / 2**30:.1f} GB free: point TMPDIR at a "
+                        f"larger disk, lower patch_scale or max_train_images")
+
+
+def processes_per_node():
+    """Training processes on this machine: LOCAL_WORLD_SIZE under torchrun, else 1."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def node_share():
+    """How a per-node figure is counted, for messages: empty for a single process."""
+    n = processes_per_node()
+    return f" ({n} processes on this machine, a copy each)" if n > 1 else ""
+
+
+def cache_bytes(pairs, cfg, sizes=None):
+    """One process's cache: image_size² pixels per pair (fit mode), or each image's `sizes` after
+    patch_scale (patch mode); channels at the first image's depth after scale_image (1 byte for 8-bit,
+    4 for 16-bit and float), and 1 byte per mask pixel."""
+    if not pairs:
+        return 0
     depth = read_image(pairs[0][0], cfg["in_channels"]).itemsize
-    return len(pairs) * cfg["image_size"] ** 2 * (cfg["in_channels"] * depth + 1)
+    pixels = (len(pairs) * cfg["image_size"] ** 2 if sizes is None else
+              sum(h * w for h, w in (scaled_size(size, cfg["patch_scale"]) for size in sizes)))
+    return pixels * (cfg["in_channels"] * depth + 1)
 
 
 class ResizedImages:
@@ -1222,17 +1252,19 @@ class DecodedImages:
     """Images decoded once per run (fit mode: resized, ResizedImages; patch mode: scaled), then read
     through a memory map: a patch of a 10,000² scene reads its own pixels, not the whole file. The .npy
     copies live in a temporary folder (as much disk as the decoded images) that the process that made
-    it removes when the data set is collected or at exit; the kernel's page cache keeps the busy ones in
-    memory. Loader workers share the files (each written atomically), so an image is decoded about once
-    in all. `fix`: what else the user can do when the disk is full."""
+    it removes when the data set is collected or at exit, and the next run removes if this one was
+    killed first (remove_stale_caches); the kernel's page cache keeps the busy ones in memory. Loader
+    workers share the files (each written atomically), so an image is decoded about once in all.
+    `fix`: what else the user can do when the disk is full."""
 
     def __init__(self, fix=()):
         try:
-            self.folder, self.fix, self.layouts = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix, {}
+            remove_stale_caches(tempfile.gettempdir())
+            (self.folder, lock), self.fix, self.layouts = locked_cache_folder(), fix, {}
         except OSError as exc:
             raise UserError(f"cannot make a folder for decoded images in {tempfile.gettempdir()} "
                             f"({exc.strerror or exc}): point TMPDIR at a writable folder") from None
-        weakref.finalize(self, remove_folder, self.folder, os.getpid())
+        weakref.finalize(self, remove_folder, self.folder, os.getpid(), lock)
 
     def get(self, key, decode):
         """(image, mask) as read-only memory maps; `decode()` makes them the first time. Each file's
@@ -1266,11 +1298,52 @@ class DecodedImages:
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+CACHE_PREFIX = "unet_amp_decoded_"  # DecodedImages' folders in the temporary directory: + "<pid>-<random>"
 
 
-def remove_folder(folder, owner):
+def remove_folder(folder, owner, lock=None):
     if os.getpid() == owner:  # forked loader workers hold the same finalizer: only the owner removes
         shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+
+
+def locked_cache_folder():
+    """(a new cache folder, the descriptor holding its lock, or None where the file system has no
+    flock). The kernel drops a flock when the last process holding it ends (loader workers inherit it),
+    however it ends, so a folder whose lock can be taken belongs to no live run, in any container that
+    shares this directory and kernel. The folder gets its searchable name only once locked:
+    remove_stale_caches never sees a live one unlocked."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_PREFIX}{os.getpid()}-"))
+    lock = None
+    with contextlib.suppress(ImportError, OSError):  # Windows; a network file system without flock
+        import fcntl
+
+        lock = os.open(staging, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return staging.rename(staging.with_name(staging.name[1:])), lock
+
+
+def remove_stale_caches(root):
+    """Removes the cache folders in `root` whose lock no live process holds: left by a run killed before
+    its exit handlers ran (kill -9, the out-of-memory killer). Folders named without the "<pid>-" (from
+    older versions) stay: nothing tells whether their run still lives."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    for folder in Path(root).glob(f"{CACHE_PREFIX}*-*"):
+        try:
+            lock = os.open(folder, os.O_RDONLY)
+        except OSError:  # another user's, or just removed
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # held by a live run (or no flock here)
+            pass
+        finally:
+            os.close(lock)
 
 
 def worker_count(cfg, hw):
@@ -1282,7 +1355,7 @@ def worker_count(cfg, hw):
     """
     if cfg["num_workers"] is not None:
         return cfg["num_workers"]
-    cores = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    cores = max(1, (os.cpu_count() or 1) // processes_per_node())
     if hw.kind == "cpu":
         return CPU_WORKERS if cores >= 2 else 0
     return min(8, max(1, cores // 2))
@@ -1479,6 +1552,7 @@ class PatchDataset(SegDataset):
         super().__init__(pairs, cfg, train=True)
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
+        check_patch_cache_room(pairs, sizes, cfg)
         self.decoded, self.maps, self.foreground = DecodedImages(), {}, {}
         self.open_limit = open_images_limit()
 
