@@ -1358,24 +1358,54 @@ def with_original_masks(items):
 
 
 def image_cache(pairs, cfg):
-    """ResizedImages for cache_images in fit mode, or None: off, or the cache would take more than half
-    the free space where temporary files go (checkpoints need room too): then decoded every epoch."""
+    """ResizedImages for cache_images in fit mode, or None: off, or the caches of this node's processes
+    would take more than half the free space where temporary files go (checkpoints need room too): then
+    decoded every epoch."""
     if not (cfg["cache_images"] and cfg["data_mode"] == "fit" and pairs):
         return None
-    need, folder = cache_bytes(pairs, cfg), tempfile.gettempdir()
+    need, folder = cache_bytes(pairs, cfg) * processes_per_node(), tempfile.gettempdir()
     free = shutil.disk_usage(folder).free
     if need > free / 2:
-        print(f"cache_images: the resized images would take {need / 2**30:.1f} GB of the {free / 2**30:.1f} GB "
-              f"free in {folder}: decoding them every epoch instead (point TMPDIR at a larger disk to cache them)")
+        print(f"cache_images: the resized images would take {need / 2**30:.1f} GB{node_share()} of the "
+              f"{free / 2**30:.1f} GB free in {folder}: decoding them every epoch instead (point TMPDIR at a "
+              f"larger disk to cache them)")
         return None
     return ResizedImages(cfg)
 
 
-def cache_bytes(pairs, cfg):
-    """The cache's size: image_size² pixels per pair, channels at the first image's depth after
-    scale_image (1 byte for 8-bit, 4 for 16-bit and float), and 1 byte per mask pixel."""
+def check_patch_cache_room(pairs, sizes, cfg):
+    """Patch mode trains only from its decoded copies (decoding a large scene again for each patch would
+    take longer than training on it): where the copies of this node's processes would not fit in the
+    free space, the run stops before the first epoch instead of filling the disk in the middle of one."""
+    need, folder = cache_bytes(pairs, cfg, sizes) * processes_per_node(), tempfile.gettempdir()
+    free = shutil.disk_usage(folder).free
+    if pairs and need > free:
+        raise UserError(f"patch mode decodes the training images once, into {need / 2**30:.1f} GB{node_share()} "
+                        f"of temporary files, but {folder} has {free / 2**30:.1f} GB free: point TMPDIR at a "
+                        f"larger disk, lower patch_scale or max_train_images")
+
+
+def processes_per_node():
+    """Training processes on this machine: LOCAL_WORLD_SIZE under torchrun, else 1."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def node_share():
+    """How a per-node figure is counted, for messages: empty for a single process."""
+    n = processes_per_node()
+    return f" ({n} processes on this machine, a copy each)" if n > 1 else ""
+
+
+def cache_bytes(pairs, cfg, sizes=None):
+    """One process's cache: image_size² pixels per pair (fit mode), or each image's `sizes` after
+    patch_scale (patch mode); channels at the first image's depth after scale_image (1 byte for 8-bit,
+    4 for 16-bit and float), and 1 byte per mask pixel."""
+    if not pairs:
+        return 0
     depth = read_image(pairs[0][0], cfg["in_channels"]).itemsize
-    return len(pairs) * cfg["image_size"] ** 2 * (cfg["in_channels"] * depth + 1)
+    pixels = (len(pairs) * cfg["image_size"] ** 2 if sizes is None else
+              sum(h * w for h, w in (scaled_size(size, cfg["patch_scale"]) for size in sizes)))
+    return pixels * (cfg["in_channels"] * depth + 1)
 
 
 class ResizedImages:
@@ -1404,25 +1434,34 @@ class DecodedImages:
     """Images decoded once per run (fit mode: resized, ResizedImages; patch mode: scaled), then read
     through a memory map: a patch of a 10,000² scene reads its own pixels, not the whole file. The .npy
     copies live in a temporary folder (as much disk as the decoded images) that the process that made
-    it removes when the data set is collected or at exit; the kernel's page cache keeps the busy ones in
-    memory. Loader workers share the files (each written atomically), so an image is decoded about once
-    in all. `fix`: what else the user can do when the disk is full."""
+    it removes when the data set is collected or at exit, and the next run removes if this one was
+    killed first (remove_stale_caches); the kernel's page cache keeps the busy ones in memory. Loader
+    workers share the files (each written atomically), so an image is decoded about once in all.
+    `fix`: what else the user can do when the disk is full."""
 
     def __init__(self, fix=()):
         try:
-            self.folder, self.fix = Path(tempfile.mkdtemp(prefix="unet_amp_decoded_")), fix
+            remove_stale_caches(tempfile.gettempdir())
+            (self.folder, lock), self.fix, self.layouts = locked_cache_folder(), fix, {}
         except OSError as exc:
             raise UserError(f"cannot make a folder for decoded images in {tempfile.gettempdir()} "
                             f"({exc.strerror or exc}): point TMPDIR at a writable folder") from None
-        weakref.finalize(self, remove_folder, self.folder, os.getpid())
+        weakref.finalize(self, remove_folder, self.folder, os.getpid(), lock)
 
     def get(self, key, decode):
-        """(image, mask) as read-only memory maps; `decode()` makes them the first time."""
+        """(image, mask) as read-only memory maps; `decode()` makes them the first time. Each file's
+        layout is read once per process: parsing a .npy header takes 4x as long as mapping the file."""
         paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
+        if key in self.layouts:
+            return [np.memmap(path, mode="r", **layout) for path, layout in zip(paths, self.layouts[key])]
         if not all(path.exists() for path in paths):
             for path, array in zip(paths, decode()):
                 self.write(path, array)
-        return [np.load(path, mmap_mode="r") for path in paths]
+        maps = [np.load(path, mmap_mode="r") for path in paths]
+        self.layouts[key] = [dict(dtype=m.dtype, offset=m.offset, shape=m.shape,
+                                  order="F" if m.flags.f_contiguous and not m.flags.c_contiguous else "C")
+                             for m in maps]
+        return maps
 
     def write(self, path, array):
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -1441,11 +1480,52 @@ class DecodedImages:
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+CACHE_PREFIX = "unet_amp_decoded_"  # DecodedImages' folders in the temporary directory: + "<pid>-<random>"
 
 
-def remove_folder(folder, owner):
+def remove_folder(folder, owner, lock=None):
     if os.getpid() == owner:  # forked loader workers hold the same finalizer: only the owner removes
         shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
+
+
+def locked_cache_folder():
+    """(a new cache folder, the descriptor holding its lock, or None where the file system has no
+    flock). The kernel drops a flock when the last process holding it ends (loader workers inherit it),
+    however it ends, so a folder whose lock can be taken belongs to no live run, in any container that
+    shares this directory and kernel. The folder gets its searchable name only once locked:
+    remove_stale_caches never sees a live one unlocked."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{CACHE_PREFIX}{os.getpid()}-"))
+    lock = None
+    with contextlib.suppress(ImportError, OSError):  # Windows; a network file system without flock
+        import fcntl
+
+        lock = os.open(staging, os.O_RDONLY)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return staging.rename(staging.with_name(staging.name[1:])), lock
+
+
+def remove_stale_caches(root):
+    """Removes the cache folders in `root` whose lock no live process holds: left by a run killed before
+    its exit handlers ran (kill -9, the out-of-memory killer). Folders named without the "<pid>-" (from
+    older versions) stay: nothing tells whether their run still lives."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    for folder in Path(root).glob(f"{CACHE_PREFIX}*-*"):
+        try:
+            lock = os.open(folder, os.O_RDONLY)
+        except OSError:  # another user's, or just removed
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)
+        except OSError:  # held by a live run (or no flock here)
+            pass
+        finally:
+            os.close(lock)
 
 
 def worker_count(cfg, hw):
@@ -1457,7 +1537,7 @@ def worker_count(cfg, hw):
     """
     if cfg["num_workers"] is not None:
         return cfg["num_workers"]
-    cores = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    cores = max(1, (os.cpu_count() or 1) // processes_per_node())
     if hw.kind == "cpu":
         return CPU_WORKERS if cores >= 2 else 0
     return min(8, max(1, cores // 2))
@@ -1505,9 +1585,8 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     if cfg["data_mode"] == "fit":
         val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg),
                                 collate_fn=with_original_masks, **common)
-    else:  # whole images, one at a time and unbatched (sizes differ); they stay on the CPU: not pinned
-        val_loader = DataLoader(val_set, None, sampler=validation_shard(val_pairs, cfg),
-                                **{**common, "pin_memory": False})
+    else:  # whole images, one at a time, read in this process (ReadAhead)
+        val_loader = ReadAhead(val_set, validation_shard(val_pairs, cfg))
     return train_loader, val_loader
 
 
@@ -1544,9 +1623,6 @@ def start_epoch_data(loader, epoch, seed):
 # resolution); validation and predict run whole images through one blended sliding window
 # (predict_logits), so the val IoU is the IoU predict gives.
 # ----------------------------------------------------------------------------------------------------
-FOREGROUND_SAMPLES = 4096    # pixel positions kept per class and image for foreground-centred patches
-
-
 def scaled_size(hw, scale):
     """(height, width) after patch_scale: the one rounding rule for patches, tiles and patch counts."""
     return tuple(hw) if scale == 1.0 else tuple(max(1, round(n * scale)) for n in hw)
@@ -1585,27 +1661,32 @@ def pad_to(array, height, width, fill):
     return np.pad(array, ((0, rows), (0, cols)) + ((0, 0),) * (array.ndim - 2), constant_values=fill)
 
 
-def foreground_positions(mask, seed, band_rows=1024):
-    """Per foreground class in the mask: up to FOREGROUND_SAMPLES (row, col) positions, a uniform
-    (seeded) sample, so centring a patch on a class needs no search of the whole mask per patch.
-
-    Found one band of rows at a time, keeping the positions with the smallest random keys: uniform
-    without replacement, in memory bounded by the band, not by the mask (a 10,000² scene)."""
-    rng, keep = np.random.default_rng(seed), {}
+def foreground_index(mask, band_rows=1024):
+    """Per foreground class in the mask: (class, rows holding it, running count of its pixels over those
+    rows), so foreground_pixel can draw a centre uniformly among ALL the class's pixels. Memory grows
+    with the rows, not the pixels (a 10,000² scene: at most 120 kB per class); found one band of rows
+    at a time, so reading the mask takes a band's worth of memory."""
+    per_row = {}
     for top in range(0, mask.shape[0], band_rows):
         band = np.asarray(mask[top:top + band_rows])
-        rows, cols = np.nonzero((band > 0) & (band != IGNORE_INDEX))
-        classes, keys = band[rows, cols], rng.random(len(rows))
-        for c in np.unique(classes):
-            pick = classes == c
-            k, where = keys[pick], np.stack([rows[pick] + top, cols[pick]], axis=1).astype(np.int32)
-            if c in keep:
-                k, where = np.concatenate([keep[c][0], k]), np.concatenate([keep[c][1], where])
-            if len(k) > FOREGROUND_SAMPLES:
-                smallest = np.argpartition(k, FOREGROUND_SAMPLES)[:FOREGROUND_SAMPLES]
-                k, where = k[smallest], where[smallest]
-            keep[c] = (k, where)
-    return [keep[c][1] for c in sorted(keep)]
+        for c in np.flatnonzero(np.bincount(band.ravel(), minlength=IGNORE_INDEX + 1)[1:IGNORE_INDEX]) + 1:
+            counts = per_row.setdefault(int(c), np.zeros(mask.shape[0], np.int64))
+            counts[top:top + len(band)] = (band == c).sum(axis=1)
+    index = []
+    for c in sorted(per_row):
+        rows = np.flatnonzero(per_row[c]).astype(np.int32)
+        index.append((c, rows, np.cumsum(per_row[c][rows])))
+    return index
+
+
+def foreground_pixel(mask, entry, v):
+    """(row, col) of the pixel at share v in [0, 1) of one class's pixels in raster order: a uniform v
+    gives every pixel of the class the same chance. Reads one row of the mask."""
+    c, rows, cumulative = entry
+    k = int(v * int(cumulative[-1]))
+    i = int(np.searchsorted(cumulative, k, side="right"))
+    before = int(cumulative[i - 1]) if i else 0
+    return int(rows[i]), int(np.flatnonzero(np.asarray(mask[rows[i]]) == c)[k - before])
 
 
 def cut_patch(image, mask, foreground, cfg, rng):
@@ -1615,8 +1696,7 @@ def cut_patch(image, mask, foreground, cfg, rng):
     size, (h, w) = cfg["image_size"], mask.shape
     centred, u, v = rng.random() < cfg["patch_foreground"], rng.random(), rng.random()
     if centred and foreground:
-        positions = foreground[int(u * len(foreground))]
-        cy, cx = positions[int(v * len(positions))]
+        cy, cx = foreground_pixel(mask, foreground[int(u * len(foreground))], v)
         top, left = cy - size // 2, cx - size // 2
     else:
         top, left = int(u * (max(h - size, 0) + 1)), int(v * (max(w - size, 0) + 1))
@@ -1624,6 +1704,25 @@ def cut_patch(image, mask, foreground, cfg, rng):
     window = (slice(top, top + size), slice(left, left + size))  # copied out: the image may be a memory map
     return (pad_to(np.array(image[window]), size, size, 0),
             pad_to(np.array(mask[window]), size, size, IGNORE_INDEX))
+
+
+OPEN_FILES_SHARE = 8      # training images kept open take at most 1/8 of a process's file-descriptor limit
+MAX_OPEN_IMAGES = 8192    # ... and 2 of the 65,530 memory maps a process may have (vm.max_map_count) each
+
+
+def open_images_limit():
+    """How many training images a process keeps mapped: each holds 2 file descriptors (image and
+    mask), and the process's limit on those (RLIMIT_NOFILE, often 1024, 256 on macOS) is shared with
+    the DataLoader's pipes, the logs and the libraries."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no resource module on Windows
+        return MAX_OPEN_IMAGES
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_IMAGES
+    return max(1, min(MAX_OPEN_IMAGES, soft // (2 * OPEN_FILES_SHARE)))
 
 
 PATCH_STREAM = 1  # keeps the patch-position generator apart from the augmentation's (seed_augmentation)
@@ -1637,7 +1736,9 @@ class PatchDataset(SegDataset):
         super().__init__(pairs, cfg, train=True)
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
-        self.decoded, self.loaded = DecodedImages(), {}
+        check_patch_cache_room(pairs, sizes, cfg)
+        self.decoded, self.maps, self.foreground = DecodedImages(), {}, {}
+        self.open_limit = open_images_limit()
 
     def __len__(self):
         return int(self.starts[-1])
@@ -1651,12 +1752,20 @@ class PatchDataset(SegDataset):
         return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long()
 
     def load(self, j):
-        """Image j scaled by patch_scale and its mask (decoded once: DecodedImages), and its foreground
-        positions: opened and found once per process, not per patch."""
-        if j not in self.loaded:
-            image, mask = self.decoded.get(j, lambda: self.decode(j))
-            self.loaded[j] = (image, mask, foreground_positions(mask, [self.cfg["seed"], j]))
-        return self.loaded[j]
+        """Image j scaled by patch_scale and its mask as memory maps (decoded once: DecodedImages), and
+        its foreground index (found once per process). Each map holds a file descriptor, so only the
+        open_limit images used last stay open (opening one again: 0.2-0.5 ms of a patch's ~1.4 ms on
+        1100x700 frames, README "Large images")."""
+        if j in self.maps:
+            self.maps[j] = self.maps.pop(j)  # the dict keeps use order: the least recent first
+        else:
+            if len(self.maps) >= self.open_limit:
+                del self.maps[next(iter(self.maps))]
+            self.maps[j] = self.decoded.get(j, lambda: self.decode(j))
+        image, mask = self.maps[j]
+        if j not in self.foreground:
+            self.foreground[j] = foreground_index(mask)
+        return image, mask, self.foreground[j]
 
     def decode(self, j):
         return rescale(*read_pair(self.pairs[j], self.cfg), self.cfg["patch_scale"])
@@ -1674,6 +1783,28 @@ class WholeImages(Dataset):
 
     def __getitem__(self, index):
         return tuple(torch.from_numpy(array) for array in read_pair(self.pairs[index], self.cfg))
+
+
+class ReadAhead:
+    """Patch-mode validation images in `order`, read in this process, the next one on a thread while
+    the model works on the current one (OpenCV and tifffile release the GIL while decoding). Not
+    through DataLoader workers: a worker hands its items over in shared memory (/dev/shm, 64 MB in a
+    default Docker container), and a whole 8000² RGB image is 192 MB. They stay on the CPU: not pinned."""
+
+    def __init__(self, dataset, order):
+        self.dataset, self.order = dataset, list(order)
+
+    def __len__(self):
+        return len(self.order)
+
+    def __iter__(self):
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            reads = (pool.submit(self.dataset.__getitem__, i) for i in self.order)
+            current = next(reads, None)
+            while current is not None:
+                following = next(reads, None)  # the next read starts before this image is handed out
+                yield current.result()
+                current = following
 
 
 def tile_starts(length, window, overlap):

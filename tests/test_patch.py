@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import train_unet
-from train_unet import IGNORE_INDEX, PatchDataset, UserError, cut_patch, foreground_positions, predict_logits
+from train_unet import IGNORE_INDEX, PatchDataset, UserError, cut_patch, foreground_index, predict_logits
 
 
 @pytest.fixture
@@ -181,7 +181,7 @@ def blob_mask(h, w, boxes):
 
 def foreground_share(mask, cfg, n=1000, value=None):
     image = np.zeros(mask.shape + (3,), np.uint8)
-    positions, hits = foreground_positions(mask, 0), 0
+    positions, hits = foreground_index(mask), 0
     for i in range(n):
         _, patch = cut_patch(image, mask, positions, cfg, np.random.default_rng(i))
         hits += bool(((patch > 0) & (patch != IGNORE_INDEX)).any() if value is None else (patch == value).any())
@@ -205,7 +205,7 @@ def test_a_rare_class_gets_as_many_centred_patches_as_a_common_one():
 def test_a_patch_of_an_image_smaller_than_the_patch_is_padded_with_the_ignore_label():
     image = np.full((40, 50, 3), 200, np.uint8)
     mask = blob_mask(40, 50, [(1, (10, 10, 5))])
-    img, msk = cut_patch(image, mask, foreground_positions(mask, 0), dict(image_size=64, patch_foreground=0.5),
+    img, msk = cut_patch(image, mask, foreground_index(mask), dict(image_size=64, patch_foreground=0.5),
                          np.random.default_rng(0))
     assert img.shape == (64, 64, 3) and msk.shape == (64, 64)
     assert (msk[40:] == IGNORE_INDEX).all() and (msk[:, 50:] == IGNORE_INDEX).all()
