@@ -103,3 +103,33 @@ def restore_matmul_precision():
     yield
     torch.set_float32_matmul_precision(before)
     torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+@pytest.fixture
+def optimizer_steps(monkeypatch):
+    """optimizer_steps(read=lr) -> a list that gets read(param_groups[0]) at every AdamW step, in order."""
+    def record(read=lambda group: group["lr"]):
+        seen, real = [], torch.optim.AdamW.step
+
+        def step(self, *args, **kwargs):
+            seen.append(read(self.param_groups[0]))
+            return real(self, *args, **kwargs)
+        monkeypatch.setattr(torch.optim.AdamW, "step", step)
+        return seen
+    return record
+
+
+@pytest.fixture
+def interrupt_at(monkeypatch):
+    """interrupt_at(epoch) -> Ctrl-C when `epoch` would start (last.pt then holds the epoch before it);
+    returns the real run_epoch, to put back."""
+    def interrupt(epoch):
+        real = train_unet.run_epoch
+
+        def stop(run, e, *args):
+            if e == epoch:
+                raise KeyboardInterrupt
+            return real(run, e, *args)
+        monkeypatch.setattr(train_unet, "run_epoch", stop)
+        return real
+    return interrupt

@@ -417,20 +417,9 @@ def test_extended_schedule_is_continuous():
         assert all(b <= a + 1e-12 for a, b in zip(factors[stop:], factors[stop + 1:]))
 
 
-def record_lrs(monkeypatch):
-    lrs = []
-    real = torch.optim.AdamW.step
-
-    def step(self, *args, **kwargs):
-        lrs.append(self.param_groups[0]["lr"])
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    return lrs
-
-
-def test_extending_a_finished_run_does_not_jump_the_lr(make_cfg, monkeypatch, capsys):
+def test_extending_a_finished_run_does_not_jump_the_lr(make_cfg, optimizer_steps, capsys):
     cfg = make_cfg(epochs=2, early_stopping_patience=None, warmup_fraction=0.0)
-    lrs = record_lrs(monkeypatch)
+    lrs = optimizer_steps()
     train_unet.train(cfg)
     before = list(lrs)
     lrs.clear()
@@ -443,25 +432,19 @@ def test_extending_a_finished_run_does_not_jump_the_lr(make_cfg, monkeypatch, ca
     assert all(r["lr"] == pytest.approx(ended, rel=1e-6) for r in result["history"][2:])
 
 
-def test_interrupted_extended_run_resumes_exactly(make_cfg, tmp_path, monkeypatch):
+def test_interrupted_extended_run_resumes_exactly(make_cfg, tmp_path, monkeypatch, interrupt_at):
     """2 epochs, then extended to 4: straight through, or interrupted after epoch 3 and resumed."""
-    def run(name, interrupt_at=None):
+    def run(name, stop_at=None):
         cfg = make_cfg(epochs=2, early_stopping_patience=None, checkpoint_dir=str(tmp_path / name))
         train_unet.train(cfg)
-        if interrupt_at:
-            real = train_unet.run_epoch
-
-            def stop(run, epoch, *args):
-                if epoch == interrupt_at:
-                    raise KeyboardInterrupt
-                return real(run, epoch, *args)
-            monkeypatch.setattr(train_unet, "run_epoch", stop)
+        if stop_at:
+            real = interrupt_at(stop_at)
             with pytest.raises(KeyboardInterrupt):
                 train_unet.train({**cfg, "resume": True, "epochs": 4})
             monkeypatch.setattr(train_unet, "run_epoch", real)
         train_unet.train({**cfg, "resume": True, "epochs": 4})
         return train_unet.load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt")
-    a, b = run("straight"), run("interrupted", interrupt_at=4)
+    a, b = run("straight"), run("interrupted", stop_at=4)
     assert [r["lr"] for r in a["history"]] == [r["lr"] for r in b["history"]]
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key

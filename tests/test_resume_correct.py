@@ -32,36 +32,15 @@ def fresh_run(cfg, channels_last):
     return train_unet.Run(model, model, optimizer, scheduler, None, prec, [], [])
 
 
-def record_lrs(monkeypatch):
-    """The learning rate of every optimizer step, in order."""
-    lrs = []
-    real = torch.optim.AdamW.step
-
-    def step(self, *args, **kwargs):
-        lrs.append(self.param_groups[0]["lr"])
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    return lrs
-
-
-def interrupt_at(monkeypatch, epoch):
-    """Ctrl-C when `epoch` would start: last.pt then holds the epoch before it."""
-    real = train_unet.run_epoch
-
-    def stop(run, e, *args):
-        if e == epoch:
-            raise KeyboardInterrupt
-        return real(run, e, *args)
-    monkeypatch.setattr(train_unet, "run_epoch", stop)
-    return real
-
-
-def train_until(cfg, monkeypatch, epoch):
-    """Train cfg and stop after `epoch` (as if interrupted there)."""
-    real = interrupt_at(monkeypatch, epoch + 1)
-    with pytest.raises(KeyboardInterrupt):
-        train_unet.train(cfg)
-    monkeypatch.setattr(train_unet, "run_epoch", real)
+@pytest.fixture
+def train_until(monkeypatch, interrupt_at):
+    """train_until(cfg, epoch): train cfg and stop after `epoch` (as if interrupted there)."""
+    def train(cfg, epoch):
+        real = interrupt_at(epoch + 1)
+        with pytest.raises(KeyboardInterrupt):
+            train_unet.train(cfg)
+        monkeypatch.setattr(train_unet, "run_epoch", real)
+    return train
 
 
 def lr_column(result):
@@ -116,22 +95,16 @@ def test_resumed_optimizer_is_fused_as_built_for_this_device(make_cfg, monkeypat
     resumed.optimizer.step()  # and it steps
 
 
-def test_resumed_training_runs_the_fused_optimizer(make_cfg, monkeypatch):
+def test_resumed_training_runs_the_fused_optimizer(make_cfg, monkeypatch, optimizer_steps, train_until):
     """End to end: a last.pt written unfused (an older checkpoint) resumes fused on a CPU."""
     cfg = make_cfg(epochs=2, early_stopping_patience=None, image_size=32)
-    train_until(cfg, monkeypatch, 1)
+    train_until(cfg, 1)
     path = Path(cfg["checkpoint_dir"]) / "last.pt"
     state = train_unet.load_checkpoint(path)
     for group in state["optimizer"]["param_groups"]:
         group["fused"] = None
     torch.save(state, path)
-    flags = []
-    real = torch.optim.AdamW.step
-
-    def step(self, *args, **kwargs):
-        flags.append(self.param_groups[0]["fused"])
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    flags = optimizer_steps(lambda group: group["fused"])
     train_unet.train({**cfg, "resume": True})
     assert flags and all(flags)
 
@@ -152,14 +125,15 @@ def test_extension_in_warmup_reaches_the_peak_then_decays_over_the_new_length():
     assert factors[-1] == pytest.approx(train_unet.LR_FLOOR)
 
 
-def test_extended_run_in_warmup_trains_up_to_the_peak(make_cfg, monkeypatch, capsys):
+def test_extended_run_in_warmup_trains_up_to_the_peak(make_cfg, monkeypatch, optimizer_steps, capsys, train_until,
+                                                     interrupt_at):
     # Warm-up over 2 of 20 epochs, 2 steps per epoch; stopped after epoch 1, extended to 40.
     cfg = make_cfg(epochs=20, warmup_fraction=0.1, early_stopping_patience=None, image_size=32)
-    lrs = record_lrs(monkeypatch)
-    train_until(cfg, monkeypatch, 1)
+    lrs = optimizer_steps()
+    train_until(cfg, 1)
     before = list(lrs)
     lrs.clear()
-    real = interrupt_at(monkeypatch, 4)
+    real = interrupt_at(4)
     with pytest.raises(KeyboardInterrupt):
         train_unet.train({**cfg, "resume": True, "epochs": 40})
     monkeypatch.setattr(train_unet, "run_epoch", real)
@@ -190,13 +164,13 @@ def as_rank_0_of(world, monkeypatch):
     return real
 
 
-def test_resume_on_four_times_the_gpus_keeps_the_lr_curve(make_data, make_cfg, tmp_path, monkeypatch, capsys):
+def test_resume_on_four_times_the_gpus_keeps_the_lr_curve(make_data, make_cfg, tmp_path, monkeypatch, capsys, train_until):
     data = make_data("data20", count=20, size=32)  # 16 train images: 4 steps per epoch, 1 on rank 0 of 4
     common = dict(data_dir=str(data), image_size=32, epochs=4, early_stopping_patience=None,
                   warmup_fraction=0.25)
     straight = train_unet.train(make_cfg(checkpoint_dir=str(tmp_path / "straight"), **common))
     cfg = make_cfg(checkpoint_dir=str(tmp_path / "resumed"), **common)
-    train_until(cfg, monkeypatch, 2)
+    train_until(cfg, 2)
     shutil.copytree(tmp_path / "resumed", tmp_path / "extended")
     as_rank_0_of(4, monkeypatch)
     capsys.readouterr()
@@ -231,11 +205,11 @@ def write_old_schedule(path, form):
     torch.save(state, path)
 
 
-def test_checkpoints_with_an_old_schedule_resume_on_the_same_curve(make_cfg, tmp_path, monkeypatch):
+def test_checkpoints_with_an_old_schedule_resume_on_the_same_curve(make_cfg, tmp_path, monkeypatch, train_until):
     common = dict(epochs=4, early_stopping_patience=None, warmup_fraction=0.25, image_size=32)
     straight = train_unet.train(make_cfg(checkpoint_dir=str(tmp_path / "straight"), **common))
     cfg = make_cfg(checkpoint_dir=str(tmp_path / "steps"), **common)
-    train_until(cfg, monkeypatch, 2)
+    train_until(cfg, 2)
     shutil.copytree(tmp_path / "steps", tmp_path / "none")
     for form in ("steps", "none"):
         write_old_schedule(tmp_path / form / "last.pt", form)
