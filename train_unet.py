@@ -67,7 +67,7 @@ CONFIG = {
     "cache_images": True,          # fit mode: decode and resize each image once per run (temporary .npy
                                    # files: image_size^2 x (channels + 1) bytes each); False = every epoch
     "intensity_range": None,       # integer images wider than 8 bits: [low, high] mapped to [0, 1]; None =
-                                   # learnt from the training images (12-bit data -> [0, 4095]); saved
+                                   # learnt from the training images (12-bit -> [0, 4095]); in checkpoints
     # large images (README "Large images"): "fit" resizes each image to image_size (and pads);
     # "patch" trains on image_size patches and validates/predicts whole images by a sliding window
     "data_mode": "fit",            # "fit" | "patch"
@@ -897,9 +897,8 @@ def dtype_range(dtype):
 
 def unit_scale(image, low, high):
     """(image - low) / (high - low), in place in a float32 copy that scale_image made: 4 bytes a pixel
-    in all (float64 arithmetic took 6 times the image's memory). Integers up to 2**24 and their
-    differences are exact in float32, so each result is the exact quotient rounded once, as float64
-    arithmetic would give it."""
+    in all (float64 arithmetic took three times that). Integers up to 2**24 and their differences are
+    exact in float32, so each result is the exact quotient rounded once: within half an ulp."""
     image -= np.float32(low)
     image /= np.float32(high - low)
     return image

@@ -3,7 +3,6 @@ check, saved in the checkpoint, used by training, validation and predict (issue 
 
 The guarantee: 12-bit and 16-bit copies of a data set give the network its 8-bit copy's inputs.
 """
-import math
 import sys
 import tracemalloc
 from pathlib import Path
@@ -100,7 +99,7 @@ def predict_masks(ckpt, folder, out):
 def test_the_range_is_saved_in_the_checkpoint_and_predict_uses_it(make_cfg, depths, tmp_path):
     ckpt = train_and_predict(make_cfg, depths[12], tmp_path, "run12")
     state = train_unet.load_checkpoint(ckpt)
-    assert state["config"]["intensity_range"] == [0, 4095]
+    assert state["config"].get("intensity_range") == [0, 4095]
     assert train_unet.load_model(ckpt, train_unet.detect_hardware("cpu"))[1]["intensity_range"] == [0, 4095]
     # predict reads 12-bit files on the checkpoint's scale: the masks of their 8-bit copies
     ref = predict_masks(ckpt, depths[8], tmp_path / "p8")
@@ -159,7 +158,7 @@ def test_scale_image_keeps_to_one_float32_copy():
     image = np.random.default_rng(0).integers(0, 4096, (600, 500, 3)).astype(np.uint16)
     tracemalloc.start()
     try:
-        out = train_unet.scale_image(image, intensity_range=[0, 4095])
+        out = train_unet.scale_image(image)  # the dtype's range, as an old checkpoint reads
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -181,7 +180,6 @@ def test_checking_a_large_16_bit_image_makes_no_scaled_copy(make_cfg, tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+    assert peak <= 2.5 * raw.nbytes, peak / raw.nbytes
     assert facts[str(image)]["hw"] == [1000, 900]
     assert facts[str(image)]["range"] == [int(raw.min()), int(raw.max())]
-    assert peak <= 2.5 * raw.nbytes, peak / raw.nbytes
-    assert math.isfinite(peak)
