@@ -827,8 +827,9 @@ def decode_image(path, channels=3):
         image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | colour)
         if image is None:
             raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
-        if image.ndim == 3 and image.shape[2] in (3, 4):
-            image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA)
+        if image.ndim == 3 and image.shape[2] in (3, 4):  # in place: no second copy of a large scene
+            code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
+            image = cv2.cvtColor(image, code, dst=image)
     return image
 
 
@@ -1030,8 +1031,8 @@ def checked_facts(paths, cfg, write):
 
 def image_facts(path, channels):
     """What the data check keeps of an image: its size and, for integers wider than 8 bits, their
-    [min, max] (learnt_intensity_range). Checked as read_image would check it, on the decoded pixels:
-    no scaled float copy (4 bytes a pixel, per thread) just to learn a size."""
+    [min, max] (learnt_intensity_range). Checked as read_image would check it, on the decoded pixels
+    only: no scaled float copy (4 bytes a value, in each of the check's threads) just to learn a size."""
     image = decode_image(path, channels)
     check_pixels(image, path)
     to_channels(np.zeros((1, 1) + image.shape[2:], np.float32), channels, path)  # the shape's check only

@@ -167,8 +167,8 @@ def test_scale_image_keeps_to_one_float32_copy():
 
 
 def test_checking_a_large_16_bit_image_makes_no_scaled_copy(make_cfg, tmp_path):
-    """The data check learns size and range from the decoded pixels: decode + RGB order, 2x the raw
-    bytes (reading it scaled, as the old check did, took 7x)."""
+    """The data check learns size and range from the decoded pixels alone: the image at 1x its raw
+    bytes, plus its mask's check in another thread, 1.6x in all (reading it scaled took 7x)."""
     raw = np.random.default_rng(0).integers(0, 4096, (1000, 900, 3)).astype(np.uint16)
     image, mask = tmp_path / "a.png", tmp_path / "m.png"
     cv2.imwrite(str(image), raw)
@@ -180,6 +180,6 @@ def test_checking_a_large_16_bit_image_makes_no_scaled_copy(make_cfg, tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak <= 2.5 * raw.nbytes, peak / raw.nbytes
+    assert peak <= 2 * raw.nbytes, peak / raw.nbytes
     assert facts[str(image)]["hw"] == [1000, 900]
     assert facts[str(image)]["range"] == [int(raw.min()), int(raw.max())]
