@@ -3,6 +3,7 @@ check, saved in the checkpoint, used by training, validation and predict (issue 
 
 The guarantee: 12-bit and 16-bit copies of a data set give the network its 8-bit copy's inputs.
 """
+import shutil
 import sys
 import tracemalloc
 from pathlib import Path
@@ -28,8 +29,15 @@ HALF_12_BIT = 0.5 / 4095 / 0.224  # convert_depth rounds v * 4095/255 to whole 1
 
 @pytest.fixture
 def depths(data_dir, tmp_path):
-    """{bits: data_dir} for the 8-bit shapes set and its 12- and 16-bit copies (tools/convert_depth.py)."""
-    return {8: data_dir, 12: convert(data_dir, tmp_path / "d12", 12), 16: convert(data_dir, tmp_path / "d16", 16)}
+    """{bits: data_dir} for the 8-bit shapes set and its 12- and 16-bit copies (tools/convert_depth.py), and
+    "offset": 12-bit with a camera's dark offset, 300 + 12 x value."""
+    offset = tmp_path / "offset"
+    (offset / "images").mkdir(parents=True)
+    for path in sorted((data_dir / "images").iterdir()):
+        cv2.imwrite(str(offset / "images" / path.name), cv2.imread(str(path)).astype(np.uint16) * 12 + 300)
+    shutil.copytree(data_dir / "masks", offset / "masks")
+    return {8: data_dir, 12: convert(data_dir, tmp_path / "d12", 12), 16: convert(data_dir, tmp_path / "d16", 16),
+            "offset": offset}
 
 
 def run_cfg(make_cfg, data, **overrides):
@@ -40,27 +48,27 @@ def run_cfg(make_cfg, data, **overrides):
     return cfg, train_pairs, val_pairs
 
 
-@pytest.mark.parametrize("channels", [1, 3])
-def test_12_and_16_bit_copies_give_the_8_bit_network_inputs(make_cfg, depths, channels):
-    ref_cfg, ref_train, ref_val = run_cfg(make_cfg, depths[8], in_channels=channels)
-    gray = LEVEL if channels == 1 else 0.0
+def test_12_16_bit_and_offset_copies_give_the_8_bit_network_inputs(make_cfg, depths):
+    """The shapes set's colour channels span 0..255, so its wider copies' [min, max] maps them onto its
+    8-bit values (read as gray they span less: their range maps them onto 8-bit values stretched)."""
+    ref_cfg, ref_train, ref_val = run_cfg(make_cfg, depths[8])
     assert ref_cfg["intensity_range"] is None  # 8-bit data: nothing to learn, uint8 as before
-    for bits, tol in ((12, HALF_12_BIT), (16, 1e-6)):
-        cfg, train_pairs, val_pairs = run_cfg(make_cfg, depths[bits], in_channels=channels)
-        assert cfg["intensity_range"] == [0, 2 ** bits - 1]
+    for bits, tol, learnt in ((12, HALF_12_BIT, [0, 4095]), (16, 1e-6, [0, 65535]),
+                              ("offset", 1e-6, [300, 300 + 12 * 255])):
+        cfg, train_pairs, val_pairs = run_cfg(make_cfg, depths[bits])
+        assert cfg["intensity_range"] == learnt
         assert [Path(i).name for i, _ in train_pairs] == [Path(i).name for i, _ in ref_train]
         for pairs, refs, train in ((train_pairs, ref_train, True), (val_pairs, ref_val, False)):
             ours, theirs = SegDataset(pairs, cfg, train=train), SegDataset(refs, ref_cfg, train=train)
             for index in range(len(pairs)):
                 (x, y), (ref_x, ref_y) = ours[index], theirs[index]
-                # augmenting uint8 rounds to whole levels, floats do not: within ~1 level when training;
-                # the decoder's RGB->gray rounds 8-bit pixels to whole levels too: one more for gray
-                assert (x - ref_x).abs().max() <= (1.5 * LEVEL if train else tol + 1e-6) + gray, (bits, train)
-                assert (x - ref_x).abs().mean() <= (0.5 * LEVEL if train else tol) + gray / 2, (bits, train)
+                # augmenting uint8 rounds to whole levels, floats do not: within ~1 level when training
+                assert (x - ref_x).abs().max() <= (1.5 * LEVEL if train else tol + 1e-6), (bits, train)
+                assert (x - ref_x).abs().mean() <= (0.5 * LEVEL if train else tol), (bits, train)
                 assert torch.equal(y, ref_y)
 
 
-def test_the_range_is_the_training_images_rounded_out_to_whole_bits(make_cfg, tmp_path):
+def test_the_range_is_the_training_images_min_and_max(make_cfg, tmp_path):
     def learnt(*images):
         folder = tmp_path / f"set{len(list(tmp_path.iterdir()))}"
         for sub in ("train/images", "train/masks", "val/images", "val/masks"):
@@ -75,12 +83,13 @@ def test_the_range_is_the_training_images_rounded_out_to_whole_bits(make_cfg, tm
     def ramp(low, high, dtype=np.uint16):
         return np.linspace(low, high, 64).astype(dtype).reshape(8, 8)
 
-    assert learnt(ramp(0, 3000), ramp(100, 4000)) == [0, 4095]  # 12-bit camera
-    assert learnt(ramp(0, 235)) == [0, 255]  # 8-bit values in 16-bit files
+    assert learnt(ramp(300, 3000), ramp(400, 4000)) == [300, 4000]  # 12-bit camera, dark offset 300
+    assert learnt(ramp(0, 235)) == [0, 235]  # 8-bit values in 16-bit files
     assert learnt(ramp(0, 1000), ramp(0, 65535)) == [0, 65535]
-    assert learnt(ramp(-1000, 3000, np.int16)) == [-1024, 4095]  # signed (e.g. CT)
+    assert learnt(ramp(-1000, 3000, np.int16)) == [-1000, 3000]  # signed (e.g. CT)
     assert learnt(ramp(0, 200, np.uint8)) is None  # 8-bit: their own rule
-    assert learnt(ramp(0, 200, np.uint8), ramp(0, 1000)) == [0, 1023]  # only the wider ones count
+    assert learnt(ramp(0, 200, np.uint8), ramp(5, 1000)) == [5, 1000]  # only the wider ones count
+    assert learnt(np.full((8, 8), 7, np.uint16)) is None  # one value: nothing to learn, the dtype's range
 
 
 def train_and_predict(make_cfg, data, tmp_path, name, **overrides):
