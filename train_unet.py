@@ -850,9 +850,15 @@ def decode_image(path, channels=3):
         if image is None:
             raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
         if image.ndim == 3 and image.shape[2] in (3, 4):  # in place: no second copy of a large scene
-            code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
-            image = cv2.cvtColor(image, code, dst=image)
+            if image.dtype in CVT_COLOR_DTYPES:
+                code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
+                image = cv2.cvtColor(image, code, dst=image)
+            else:  # signed 16/32-bit, float64: cvtColor refuses them
+                image[..., [0, 2]] = image[..., [2, 0]]
     return image
+
+
+CVT_COLOR_DTYPES = (np.uint8, np.uint16, np.float32)  # the depths cv2.cvtColor converts
 
 
 def is_tiff(path):
