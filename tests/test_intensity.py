@@ -21,6 +21,7 @@ for path in (ROOT, ROOT / "tools"):
 
 import train_unet  # noqa: E402
 from convert_depth import convert  # noqa: E402
+import depth_sets  # noqa: E402
 from train_unet import SegDataset, UserError  # noqa: E402
 
 LEVEL = 1 / 255 / 0.224  # one 8-bit grey level after the mean/std normalisation (smallest std)
@@ -192,3 +193,23 @@ def test_checking_a_large_16_bit_image_makes_no_scaled_copy(make_cfg, tmp_path):
     assert peak <= 2 * raw.nbytes, peak / raw.nbytes
     assert facts[str(image)]["hw"] == [1000, 900]
     assert facts[str(image)]["range"] == [int(raw.min()), int(raw.max())]
+
+
+def test_depth_sets_writes_every_variant_as_a_checked_split(tmp_path, make_cfg):
+    """tools/depth_sets.py on a stand-in for stardist's files: each variant is a train/val split that
+    passes the data check, and the wide copies learn the range their conversion implies."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 236, (512, 512)).astype(np.uint16)  # 8-bit values in a 16-bit TIFF
+    mask = (rng.random((512, 512)) > 0.7).astype(np.uint16) * 3  # instance labels
+    tifffile.imwrite(tmp_path / "img2d.tif", image)
+    tifffile.imwrite(tmp_path / "mask2d.tif", mask)
+    depth_sets.main(tmp_path, tmp_path / "sets")
+    low, high = int(image.min()), int(image.max())
+    expected = {"u8": None, "u16_as_shipped": [low, high], "b16": [low * 257, high * 257],
+                "b12_offset": [low * 12 + 300, high * 12 + 300]}
+    for name in depth_sets.VARIANTS:
+        cfg = make_cfg(data_dir=str(tmp_path / "sets" / name))
+        train, val = train_unet.prepare_data(cfg)
+        assert (len(train), len(val)) == (35, 4)
+        if name in expected:
+            assert train_unet.learnt_intensity_range(train, cfg) == expected[name], name
