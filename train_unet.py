@@ -406,7 +406,7 @@ TILE_RULES = {
 def valid_range(value):
     numbers = len(value) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) for v in value)
-    return numbers and value[0] < value[1]
+    return numbers and value[0] < value[1] and math.isfinite(np.float32(value[1]) - np.float32(value[0]))
 
 
 def valid_device(device):
@@ -953,16 +953,22 @@ def unit_scale(image, low, high):
 
 def to_channels(image, channels, path):
     """HxW gray or HxWx3 RGB as asked: gray is repeated, RGB averaged by luminance, alpha dropped."""
-    if image.ndim == 3 and image.shape[2] in (1, 2):
-        image = image[..., 0]  # gray, gray + alpha
-    elif image.ndim == 3 and image.shape[2] == 4:
-        image = image[..., :3]  # RGB + alpha
+    image = without_alpha(image)
     if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
         raise UserError(f"image {path} has shape {image.shape}: use grayscale, RGB or RGBA images "
                         f"(at most 4 channels)")
     if channels == 3:
         return np.ascontiguousarray(np.repeat(image[..., None], 3, axis=2)) if image.ndim == 2 else image
     return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if image.ndim == 3 else image
+
+
+def without_alpha(image):
+    """A view of the image's gray or RGB values: gray + alpha -> gray, RGBA -> RGB (alpha is dropped)."""
+    if image.ndim == 3 and image.shape[2] in (1, 2):
+        return image[..., 0]
+    if image.ndim == 3 and image.shape[2] == 4:
+        return image[..., :3]
+    return image
 
 
 def to_uint8_view(image):
@@ -1078,7 +1084,7 @@ def mask_hint(path, dtype, values):
 
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
-CHECK_CACHE_VERSION = 2  # 2: stamps with ctime (file_stamp), images' value ranges (learnt_intensity_range)
+CHECK_CACHE_VERSION = 3  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts)
 
 
 def check_pairs(pairs, cfg):
@@ -1089,6 +1095,7 @@ def check_pairs(pairs, cfg):
     pairs, all exchange their results, and rank 0 writes the cache.
     """
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
+    CHECKED_HERE.clear()  # a start-up's check trusts the caches and the files, not an earlier run's memory
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
     barrier()  # the cache is written: image_sizes reads it on every rank
     for image_path, mask_path in pairs:
@@ -1109,10 +1116,11 @@ def checked_facts(paths, cfg, write, share=False):
     and all receive every rank's facts, so a large first check takes 1/world of the time on each."""
     cache_paths = check_cache_paths(cfg)
     caches = [load_check_cache(path) for path in cache_paths]
+    known = [*caches, CHECKED_HERE]  # a file checked earlier in this process: not decoded again
     mine = [p for i, p in enumerate(paths) if i // 2 % DIST.world == DIST.rank] if share else paths
     masks = set(paths[1::2])
     stamps = {p: file_stamp(p) for p in mine}
-    facts = {p: known_facts(caches, p, stamps[p], p in masks) for p in mine}
+    facts = {p: known_facts(known, p, stamps[p], p in masks) for p in mine}
     todo = [p for p in mine if facts[p] is None]
 
     def check(path):
@@ -1125,9 +1133,16 @@ def checked_facts(paths, cfg, write, share=False):
             facts[path] = {"stamp": stamps[path], **found}
     if share:
         facts = {p: entry for part in gather_setup(facts) for p, entry in part.items()}
+    CHECKED_HERE.update(facts)
     if write:
         save_check_cache(cache_paths, caches, facts)
     return facts
+
+
+# Facts checked_facts found since this process's last check_pairs, by path, stamped like the caches'
+# entries: later questions (learnt_intensity_range, cache_bytes, image_sizes) need no decoding where no
+# cache could be written, and under torchrun they take the facts the ranks exchanged.
+CHECKED_HERE = {}
 
 
 def image_facts(path, channels):
@@ -1137,9 +1152,10 @@ def image_facts(path, channels):
     image = decode_image(path, channels)
     check_pixels(image, path)
     to_channels(np.zeros((1, 1) + image.shape[2:], np.float32), channels, path)  # the shape's check only
-    facts = {"hw": list(image.shape[:2])}
+    facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype)}  # dtype: cache_bytes' depth
     if np.issubdtype(image.dtype, np.integer) and image.dtype != np.uint8:
-        facts["range"] = [int(image.min()), int(image.max())]
+        values = without_alpha(image)  # what the network sees: an opaque 16-bit alpha is not data
+        facts["range"] = [int(values.min()), int(values.max())]
     return facts
 
 
@@ -1190,16 +1206,19 @@ def entry_valid(entry, mask):
             and all(isinstance(n, int) for n in entry["stamp"]) and isinstance(entry.get("hw"), list)
             and len(entry["hw"]) == 2 and all(isinstance(n, int) and n > 0 for n in entry["hw"])):
         return False
+    if not valid_dtype(entry.get("dtype")):
+        return False
     if not mask:  # an image: a value range (image_facts) is a pair of whole numbers, low <= high
         span = entry.get("range")
         return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
                                 and span[0] <= span[1])
-    values, dtype = entry.get("values"), entry.get("dtype")
-    if not (isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values)
-            and isinstance(dtype, str)):
-        return False
+    values = entry.get("values")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, (int, float)) for v in values)
+
+
+def valid_dtype(name):
     try:
-        return np.dtype(dtype).kind in "biuf"
+        return isinstance(name, str) and np.dtype(name).kind in "biuf"
     except TypeError:
         return False
 
@@ -1473,11 +1492,12 @@ def node_share():
 
 def cache_bytes(pairs, cfg, sizes=None):
     """One process's cache: image_size² pixels per pair (fit mode), or each image's `sizes` after
-    patch_scale (patch mode); channels at the first image's depth after scale_image (1 byte for 8-bit,
-    4 for 16-bit and float), and 1 byte per mask pixel."""
+    patch_scale (patch mode); channels at the set's widest depth after scale_image (1 byte where every
+    image is 8-bit, else 4: scale_image makes wider integers and floats float32), 1 byte per mask pixel."""
     if not pairs:
         return 0
-    depth = read_image(pairs[0][0], cfg["in_channels"]).itemsize
+    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    depth = 1 if all(facts[os.path.abspath(image)]["dtype"] == "uint8" for image, _ in pairs) else 4
     pixels = (len(pairs) * cfg["image_size"] ** 2 if sizes is None else
               sum(h * w for h, w in (scaled_size(size, cfg["patch_scale"]) for size in sizes)))
     return pixels * (cfg["in_channels"] * depth + 1)
@@ -2889,7 +2909,10 @@ PREDICT_CONFIG = {
 def load_model(checkpoint, hw):
     """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg)."""
     state = load_checkpoint(checkpoint)
-    cfg = validate_config({**CONFIG, **{k: v for k, v in state["config"].items() if k in CONFIG}})
+    # intensity_range: a checkpoint from before ranges were learnt trained on the dtype's range (None),
+    # whatever the edited CONFIG says now.
+    saved = {"intensity_range": None, **{k: v for k, v in state["config"].items() if k in CONFIG}}
+    cfg = validate_config({**CONFIG, **saved})
     model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
     try:
         model.load_state_dict(state["model"])

@@ -3,6 +3,7 @@ check, saved in the checkpoint, used by training, validation and predict (issue 
 
 The guarantee: 12-bit and 16-bit copies of a data set give the network its 8-bit copy's inputs.
 """
+import json
 import shutil
 import sys
 import tracemalloc
@@ -149,7 +150,7 @@ def test_a_given_range_wins_and_parses_from_the_command_line(make_cfg, depths):
     cfg = train_unet.parse_overrides(["intensity_range=0,65535"], base=make_cfg(data_dir=str(depths[12])))
     assert cfg["intensity_range"] == [0.0, 65535.0]
     assert run_cfg(make_cfg, depths[12], intensity_range=[0, 65535])[0]["intensity_range"] == [0, 65535]
-    for bad in ("4095,0", "1,2,3", "a,b"):
+    for bad in ("4095,0", "1,2,3", "a,b", "0,1e39", "-3e38,3e38"):
         with pytest.raises(UserError, match="intensity_range") as info:
             train_unet.parse_overrides([f"intensity_range={bad}"])
         assert "\n" not in str(info.value)
@@ -213,3 +214,72 @@ def test_depth_sets_writes_every_variant_as_a_checked_split(tmp_path, make_cfg):
         assert (len(train), len(val)) == (35, 4)
         if name in expected:
             assert train_unet.learnt_intensity_range(train, cfg) == expected[name], name
+
+
+# ----------------------------------------------------------------------------------------------------
+# Review of the range: caches from before ranges, alpha, old checkpoints, mixed depths, no re-decoding
+# ----------------------------------------------------------------------------------------------------
+def test_a_cache_written_before_ranges_is_checked_again(make_cfg, depths):
+    """A version-2 cache (stamps with ctime, no image ranges) must not read as '8-bit images'."""
+    cfg = make_cfg(data_dir=str(depths[12]))
+    train_unet.prepare_data(cfg)
+    path = Path(cfg["data_dir"]) / train_unet.CHECK_CACHE_NAME
+    cache = json.loads(path.read_text())
+    files = {p: {k: v for k, v in e.items() if k not in ("range", "dtype")} for p, e in cache["files"].items()}
+    path.write_text(json.dumps({"version": 2, "files": files}))
+    learnt, _, _ = run_cfg(make_cfg, depths[12])
+    assert learnt["intensity_range"] == [0, 4095]
+
+
+def test_an_opaque_alpha_channel_is_not_counted_in_the_range(make_cfg, depths, tmp_path):
+    """RGBA TIFFs with 12-bit colour and an opaque 16-bit alpha: the alpha is dropped, so it sets no range."""
+    rgba = tmp_path / "rgba"
+    (rgba / "images").mkdir(parents=True)
+    for path in sorted((depths[12] / "images").iterdir()):
+        rgb = cv2.cvtColor(cv2.imread(str(path), cv2.IMREAD_UNCHANGED), cv2.COLOR_BGR2RGB)
+        alpha = np.full(rgb.shape[:2] + (1,), 65535, np.uint16)
+        tifffile.imwrite(rgba / "images" / f"{path.stem}.tif", np.concatenate([rgb, alpha], axis=2))
+    shutil.copytree(depths[12] / "masks", rgba / "masks")
+    for channels in (3, 1):
+        cfg, train_pairs, _ = run_cfg(make_cfg, rgba, in_channels=channels)
+        assert cfg["intensity_range"] == [0, 4095]
+        image, _ = train_unet.read_pair(train_pairs[0], cfg)
+        assert image.max() <= 1.0 and image.max() > 0.5
+
+
+def test_a_checkpoint_from_before_ranges_predicts_on_the_dtype_range_whatever_config_says(
+        make_cfg, depths, tmp_path, monkeypatch):
+    ckpt = train_and_predict(make_cfg, depths[12], tmp_path, "old")
+    state = train_unet.load_checkpoint(ckpt)
+    del state["config"]["intensity_range"]  # as written before ranges were learnt
+    torch.save(state, ckpt)
+    monkeypatch.setitem(train_unet.CONFIG, "intensity_range", [0, 4095])  # the user's edited script
+    _, loaded = train_unet.load_model(ckpt, train_unet.detect_hardware("cpu"))
+    assert loaded["intensity_range"] is None
+
+
+def test_the_cache_estimate_takes_the_widest_depth_in_the_set(make_cfg, data_dir):
+    """8-bit first, 16-bit after: every cached image is float32 (4 bytes a value) but the first."""
+    cfg = make_cfg()
+    first = train_unet.prepare_data(cfg)[0][0][0]
+    for path in sorted((data_dir / "images").iterdir()):
+        if path != Path(first):
+            cv2.imwrite(str(path), cv2.imread(str(path)).astype(np.uint16) * 257)
+    train, _ = train_unet.prepare_data(cfg)
+    assert train[0][0] == first and cv2.imread(str(first), cv2.IMREAD_UNCHANGED).dtype == np.uint8
+    assert train_unet.cache_bytes(train, cfg) == len(train) * cfg["image_size"] ** 2 * (3 * 4 + 1)
+
+
+def test_questions_after_the_check_decode_nothing_where_no_cache_could_be_written(make_cfg, depths, monkeypatch):
+    """Read-only data_dir and checkpoint_dir: the range, sizes and cache estimate come from the check's
+    own facts (as the ranks exchanged them under torchrun), not from decoding every image again."""
+    monkeypatch.setattr(train_unet, "atomic_write", lambda *a: (_ for _ in ()).throw(PermissionError(13, "no")))
+    cfg = make_cfg(data_dir=str(depths[16]))
+    train, _ = train_unet.prepare_data(cfg)
+    decoded = []
+    real = train_unet.decode_image
+    monkeypatch.setattr(train_unet, "decode_image", lambda p, *a: decoded.append(p) or real(p, *a))
+    assert train_unet.learnt_intensity_range(train, cfg) == [0, 65535]
+    train_unet.image_sizes(train, cfg)
+    train_unet.cache_bytes(train, cfg)
+    assert decoded == []
