@@ -406,7 +406,10 @@ TILE_RULES = {
 def valid_range(value):
     numbers = len(value) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) for v in value)
-    return numbers and value[0] < value[1] and math.isfinite(np.float32(value[1]) - np.float32(value[0]))
+    if not (numbers and value[0] < value[1]):
+        return False
+    with np.errstate(over="ignore"):  # scale_image divides by high - low in float32: it must be finite
+        return bool(np.isfinite(np.float32(value[1]) - np.float32(value[0])))
 
 
 def valid_device(device):
