@@ -1432,26 +1432,25 @@ class SegDataset(Dataset):
 
 
 class ValidationImages(SegDataset):
-    """Fit-mode validation: (resized image, resized mask, original mask). The resized pair is the
+    """Fit-mode validation: (resized image, resized mask, original mask's path). The resized pair is the
     model's input (exactly what predict gives the model) and the val loss's target; IoU/Dice are
-    counted against the original mask (read_classes: at the image's own size), as predict's output
-    would be. With cache_images the image comes resized from the cache and the mask file is read again."""
+    counted against the original mask (read_classes, at the image's own size: fit_pieces), as predict's
+    output would be. Only its path leaves a loader worker: a worker hands items over in shared memory
+    (/dev/shm, 64 MB in a default Docker container), and a batch of 12 MP masks is 96 MB."""
 
     def __init__(self, pairs, cfg):
         super().__init__(pairs, cfg, train=False)
 
     def __getitem__(self, index):
         image, mask = self.read(index)
-        original = mask if self.resized is None else read_classes(self.pairs[index][1], self.cfg)
         out = self.transform(image=image, mask=mask)
-        return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long(), torch.from_numpy(original)
+        return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long(), str(self.pairs[index][1])
 
 
-def with_original_masks(items):
-    """Collates ValidationImages items: resized images and masks stacked, original masks (sizes
-    differ) as a list."""
-    images, masks, originals = zip(*items)
-    return torch.stack(images), torch.stack(masks), list(originals)
+def with_mask_paths(items):
+    """Collates ValidationImages items: resized images and masks stacked, the original masks' paths listed."""
+    images, masks, paths = zip(*items)
+    return torch.stack(images), torch.stack(masks), list(paths)
 
 
 def image_cache(pairs, cfg):
@@ -1463,8 +1462,8 @@ def image_cache(pairs, cfg):
     need, folder = cache_bytes(pairs, cfg) * processes_per_node(), tempfile.gettempdir()
     free = shutil.disk_usage(folder).free
     if need > free / 2:
-        print(f"cache_images: the resized images would take {need / 2**30:.1f} GB{node_share()} of the "
-              f"{free / 2**30:.1f} GB free in {folder}: decoding them every epoch instead (point TMPDIR at a "
+        print(f"cache_images: the resized images would take {size_text(need)}{node_share()} of the "
+              f"{size_text(free)} free in {folder}: decoding them every epoch instead (point TMPDIR at a "
               f"larger disk to cache them)")
         return None
     return ResizedImages(cfg)
@@ -1477,9 +1476,17 @@ def check_patch_cache_room(pairs, sizes, cfg):
     need, folder = cache_bytes(pairs, cfg, sizes) * processes_per_node(), tempfile.gettempdir()
     free = shutil.disk_usage(folder).free
     if pairs and need > free:
-        raise UserError(f"patch mode decodes the training images once, into {need / 2**30:.1f} GB{node_share()} "
-                        f"of temporary files, but {folder} has {free / 2**30:.1f} GB free: point TMPDIR at a "
+        raise UserError(f"patch mode decodes the training images once, into {size_text(need)}{node_share()} "
+                        f"of temporary files, but {folder} has {size_text(free)} free: point TMPDIR at a "
                         f"larger disk, lower patch_scale or max_train_images")
+
+
+def size_text(n):
+    """Bytes for people: 850 MB, 1.2 GB, 3.0 TB."""
+    for unit, scale in (("TB", 2**40), ("GB", 2**30)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**20:.0f} MB"
 
 
 def processes_per_node():
@@ -1551,7 +1558,10 @@ class DecodedImages:
         layout is read once per process: parsing a .npy header takes 4x as long as mapping the file."""
         paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
         if key in self.layouts:
-            return [np.memmap(path, mode="r", **layout) for path, layout in zip(paths, self.layouts[key])]
+            try:
+                return [np.memmap(path, mode="r", **layout) for path, layout in zip(paths, self.layouts[key])]
+            except FileNotFoundError:  # removed since (a temporary-file cleaner): decoded and written again
+                del self.layouts[key]
         if not all(path.exists() for path in paths):
             for path, array in zip(paths, decode()):
                 self.write(path, array)
@@ -1682,7 +1692,7 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
     # image is counted exactly once, so the IoU equals a single process's.
     if cfg["data_mode"] == "fit":
         val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg),
-                                collate_fn=with_original_masks, **common)
+                                collate_fn=with_mask_paths, **common)
     else:  # whole images, one at a time, read in this process (ReadAhead)
         val_loader = ReadAhead(val_set, validation_shard(val_pairs, cfg))
     return train_loader, val_loader
@@ -1702,6 +1712,9 @@ def validation_shard(val_pairs, cfg):
 def build_datasets(train_pairs, val_pairs, cfg):
     """fit: resized images (validation also with the original masks); patch: training patches, and whole
     validation images for the sliding window."""
+    # First: a killed run's decoded images count as used space in the estimates below (and in fit mode
+    # with caching off or skipped, no DecodedImages would ever remove them).
+    remove_stale_caches(tempfile.gettempdir())
     if cfg["data_mode"] == "patch":
         return PatchDataset(train_pairs, cfg, image_sizes(train_pairs, cfg)), WholeImages(val_pairs, cfg)
     return SegDataset(train_pairs, cfg, True), ValidationImages(val_pairs, cfg)
@@ -2640,11 +2653,12 @@ def fit_pieces(model, batch, cfg, prec, hw):
     """A batch from ValidationImages: one piece (logits, resized targets, number of images, scored).
     The val loss is taken on the resized images, as the model sees them; `scored` gives the metric each
     image's logits at its original size (original_size_logits: what predict makes its mask from)
-    against its original mask, in bands of rows. A batch (x, y) with no original masks is of images
-    already image_size square: y is then the original masks too."""
-    x, y, *originals = batch
+    against its original mask, in bands of rows: read here, in this process, while a GPU computes the
+    logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
+    original masks too."""
+    x, y, *paths = batch
     logits = eval_forward(model, x, cfg, prec, hw)
-    masks = originals[0] if originals else y
+    masks = [torch.from_numpy(read_classes(path, cfg)) for path in paths[0]] if paths else y
     yield logits, y.to(hw.device, non_blocking=True), x.shape[0], original_size_scores(logits, masks, cfg, hw)
 
 

@@ -2,6 +2,7 @@
 images kept out of shared memory, every foreground pixel reachable as a patch centre, and temporary
 disk estimated per node and removed even after a killed run."""
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -222,7 +223,7 @@ def test_patch_mode_estimates_its_cache_and_stops_where_it_would_not_fit(make_cf
     with pytest.raises(UserError) as info:
         PatchDataset(train, cfg, sizes)
     message = str(info.value)
-    assert "\n" not in message and f"{2 * need / 2**30:.1f} GB (2 processes on this machine" in message
+    assert "\n" not in message and f"{train_unet.size_text(2 * need)} (2 processes on this machine" in message
     assert message.endswith("point TMPDIR at a larger disk, lower patch_scale or max_train_images")
     monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=2 * need))
     PatchDataset(train, cfg, sizes)
@@ -263,3 +264,64 @@ def test_caches_left_by_killed_runs_are_removed_and_live_ones_kept(tmp_path, mon
     train_unet.DecodedImages()
     assert not live.exists()  # its owner is gone
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.folder.name, second.folder.name, older.name])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Review: a removed cache file, a killed run's cache before the estimates, fit validation's masks
+# ----------------------------------------------------------------------------------------------------
+def test_a_decoded_file_removed_during_the_run_is_decoded_again(tmp_path, monkeypatch):
+    """A temporary-file cleaner removes a cached image a worker has already mapped once: the next read
+    decodes it again, as the first did, instead of a FileNotFoundError from inside a loader worker."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cache, decodes = train_unet.DecodedImages(), []
+    pair = np.arange(12, dtype=np.uint8).reshape(3, 4), np.ones((3, 4), np.uint8)
+
+    def decode():
+        decodes.append(1)
+        return pair
+    first = cache.get(0, decode)
+    for path in cache.folder.iterdir():
+        path.unlink()
+    again = cache.get(0, decode)
+    assert len(decodes) == 2 and all(np.array_equal(a, b) for a, b in zip(again, first))
+
+
+@pytest.mark.parametrize("data_mode", ["fit", "patch"])
+def test_a_killed_runs_cache_is_removed_before_the_free_space_is_estimated(make_cfg, tmp_path, monkeypatch,
+                                                                           data_mode):
+    """The estimates (image_cache, check_patch_cache_room) must not count a dead run's decoded images as
+    used space; in fit mode with caching off, no DecodedImages would ever remove them otherwise."""
+    pytest.importorskip("fcntl")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    stale = plant(temp, "unet_amp_decoded_4242-deadbeef")
+    seen = []
+    real = shutil.disk_usage
+    monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: seen.append(stale.exists()) or real(path))
+    cfg = make_cfg(data_mode=data_mode, cache_images=data_mode == "patch")
+    train, val = train_unet.prepare_data(cfg)
+    train_unet.build_datasets(train, val, cfg)
+    assert not stale.exists() and seen == ([False] if data_mode == "patch" else [])
+
+
+def test_fit_validation_reads_original_masks_in_this_process(make_cfg, monkeypatch):
+    """Loader workers hand over resized images and the masks' paths only; the original masks (any size)
+    are read by the training process, never through shared memory."""
+    cfg = make_cfg(num_workers=1, cache_images=False)
+    train, val = train_unet.prepare_data(cfg)
+    reads, real = [], train_unet.read_classes
+    monkeypatch.setattr(train_unet, "read_classes", lambda path, c: reads.append(os.getpid()) or real(path, c))
+    _, loader = train_unet.build_loaders(train, val, cfg, train_unet.detect_hardware("cpu"))
+    batches = list(loader)
+    assert all(isinstance(p, str) for batch in batches for p in batch[2])
+    reads.clear()
+    model = train_unet.build_model(cfg).eval()
+    prec = train_unet.decide_precision(train_unet.detect_hardware("cpu"), use_amp=False)
+    for batch in batches:
+        list(train_unet.fit_pieces(model, batch, cfg, prec, train_unet.detect_hardware("cpu")))
+    assert reads == [os.getpid()] * len(val)
+
+
+def test_sizes_in_messages_are_readable():
+    assert [train_unet.size_text(n) for n in (5 * 2**20, 1536 * 2**20, 3 * 2**40)] == ["5 MB", "1.5 GB", "3.0 TB"]
