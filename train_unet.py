@@ -1017,9 +1017,17 @@ def palette_indices(path):
         return None
     try:
         with reader(path) as image:
-            return np.asarray(image) if image.mode == "P" else None
+            if image.mode != "P":
+                return None
+            indices, palette = np.asarray(image), np.asarray(image.getpalette() or [0, 0, 0], np.uint8)
     except (OSError, SyntaxError, ValueError):
         return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
+    palette = palette.reshape(-1, 3)
+    if (palette == palette[:, :1]).all():
+        # An all-gray palette is a gray mask stored compactly (PNG optimisers do this): its gray values
+        # are the mask, as an image viewer shows it, whatever order the optimiser gave the entries.
+        return np.take(palette[:, 0], indices, mode="clip")
+    return indices
 
 
 def mask_to_classes(mask, num_classes, path="mask"):

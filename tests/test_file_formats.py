@@ -482,3 +482,17 @@ def test_colour_tiffs_opencv_reads_in_any_depth_come_out_rgb(tmp_path, monkeypat
     monkeypatch.setattr(train_unet, "read_tiff", lambda *a, **k: None)  # as for an LZW file tifffile cannot decode
     image = train_unet.decode_image(path, 3)
     assert image.dtype == dtype and np.array_equal(image, rgb)
+
+
+def test_a_gray_palette_png_is_read_as_its_gray_values(tmp_path):
+    """A gray mask that a PNG optimiser stored with a palette, entries in its own order: the gray levels
+    it shows are the mask (as OpenCV read it), not the entries' order; a colour (VOC) palette gives indices."""
+    values = np.array([[0, 255, 255], [0, 0, 255]], np.uint8)
+    gray = Image.fromarray((values == 0).astype(np.uint8), mode="P")  # index 0 = white, 1 = black
+    gray.putpalette([255, 255, 255, 0, 0, 0])
+    gray.save(tmp_path / "gray.png")
+    assert np.array_equal(train_unet.decode_mask(tmp_path / "gray.png"), values)
+    colour = Image.fromarray((values == 0).astype(np.uint8), mode="P")
+    colour.putpalette([0, 0, 0, 128, 0, 0])
+    colour.save(tmp_path / "colour.png")
+    assert np.array_equal(train_unet.decode_mask(tmp_path / "colour.png"), (values == 0).astype(np.uint8))
