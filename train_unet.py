@@ -2722,7 +2722,12 @@ def atomic_write(path, write):
 
 
 def current_umask():
-    mask = os.umask(0o022)  # the only portable way to read it is to set it
+    """The process's umask. Linux shows it in /proc; elsewhere the only way to read it is to set it and
+    put it back, which races with other threads creating files meanwhile (TensorBoard's writer)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as status:
+            return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
@@ -3627,7 +3632,7 @@ def is_run_folder(path):
     if path.is_symlink() or not path.is_dir():
         return False
     entries = {p.name for p in path.iterdir()}
-    return not entries or bool(entries & {*RUN_FILES, "previous"})
+    return not entries or bool(entries & {*RUN_FILES, "previous", CHECK_CACHE_NAME})  # the check's: a run began
 
 
 def write_rows_csv(path, rows):

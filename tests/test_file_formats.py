@@ -496,3 +496,12 @@ def test_a_gray_palette_png_is_read_as_its_gray_values(tmp_path):
     colour.putpalette([0, 0, 0, 128, 0, 0])
     colour.save(tmp_path / "colour.png")
     assert np.array_equal(train_unet.decode_mask(tmp_path / "colour.png"), (values == 0).astype(np.uint8))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc (Linux)")
+def test_the_umask_is_read_without_setting_it(monkeypatch):
+    """Setting the umask to read it would race with other threads creating files (TensorBoard's writer)."""
+    expected = os.umask(0o027)
+    os.umask(expected)
+    monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("the umask was set to read it"))
+    assert train_unet.current_umask() == expected

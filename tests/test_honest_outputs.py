@@ -291,3 +291,12 @@ def test_predicted_count_is_the_files_written(checkpoint, data_dir, tmp_path):
     assert result["predicted"] == 12 and result["failed"] == []
     assert len([p for p in out.iterdir() if not p.name.endswith("_overlay.png")]) == 12
     assert len(list(out.glob("*_overlay.png"))) == 12 and not list(out.glob(".*"))
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_is_still_a_run(tmp_path):
+    """A configuration's folder holding only the data check's cache (read-only data_dir, the run stopped
+    before config.json): the benchmark's own, archived like the rest, not refused as the user's."""
+    run = tmp_path / "fp32"
+    run.mkdir()
+    (run / train_unet.CHECK_CACHE_NAME).write_text("{}")
+    assert train_unet.benchmark_outputs(tmp_path, ["fp32"]) == ["fp32"]
