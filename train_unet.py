@@ -98,6 +98,8 @@ CONFIG = {
     "force_amp_dtype": False,      # True = use amp_dtype even where it has no fast kernels (slow; tests)
     "eval_amp": False,             # False = validate in fp32, so fp32 and bf16 runs are judged alike
     "channels_last": "auto",       # NHWC memory layout: "auto" (on where it is faster), True, False
+    "cpu_probe": True,             # CPU: amp_dtype/channels_last "auto" confirmed by a short timed probe
+                                   # (cached per machine and setting); False = the feature-flag rule only
     "compile_model": False,        # torch.compile: pays off on GPUs; 30-70 s compile, slower on CPU
     "sync_batchnorm": False,       # under torchrun: BatchNorm statistics over all GPUs (CUDA only)
     "tf32_matmul_precision": None, # None | "highest" | "high" | "medium" (fp32 matmuls on Ampere+)
@@ -611,7 +613,8 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
     native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
     if native or force:
-        note = "" if native else " (force_amp_dtype=True: no native kernels, slow)"
+        slow = f"{amp_dtype} {missing_support(hw, amp_dtype)}" if hw.kind == "cpu" else "no native kernels, slow"
+        note = "" if native else f" (force_amp_dtype=True: {slow})"
         return Precision(dtype, dtype == torch.float16, f"{amp_dtype} as requested{note}")
     # Not native here: the automatic choice is the fallback (it can never be the requested dtype).
     auto = decide_precision(hw)
@@ -625,7 +628,8 @@ def missing_support(hw, amp_dtype):
         need = "8.0" if amp_dtype == "bfloat16" else "7.0"
         return f"needs compute capability >= {need}, {hw.device} has {hw.capability[0]}.{hw.capability[1]}"
     if hw.kind == "cpu" and amp_dtype == "float16":
-        return "has no fast CPU kernels (fp16 autocast runs 10-100x slower than fp32 there)"
+        # 188x slower measured on a Xeon that advertises AVX512-FP16 (issue 21); ~70x on another
+        return "has no fast CPU kernels (fp16 autocast runs 70-190x slower than fp32 there, even with AVX512-FP16)"
     return f"is not native on {hw.device} ({hw.bf16_feature})" if amp_dtype == "bfloat16" and hw.bf16_feature \
         else f"is not native on {hw.device}"
 
@@ -708,6 +712,162 @@ def banner(hw, prec, cfg, notes=(), layout=None):
     ] + [f"{n[0]:<12} {n[1]}" if isinstance(n, tuple) else f"note         {n}" for n in notes if n]
     rule = "=" * 78
     return "\n".join([rule, "unet-amp", *lines, rule])
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU probe: on a CPU, "native bf16" by feature flag does not mean faster (an AVX512-BF16 Xeon ran
+# bf16 0.7x fp32), so amp_dtype="auto" and channels_last="auto" confirm the flag rule with a few timed
+# steps of the run's own model, image size and batch, cached per machine and setting.
+# ----------------------------------------------------------------------------------------------------
+# bf16 is kept only if its fastest layout beats fp32's by this factor: fp32 is the safer mode (no
+# autocast rounding), so a gain within the probe's noise is not worth it. Noise measured on a shared
+# 2-core Xeon (README "CPU probe"): the same mode probed twice differed by up to ~8%; 1.15x is twice that.
+CPU_PROBE_BF16_MARGIN = 1.15
+# The other layout replaces the flag rule's only when faster by more than the probe's noise (a layout
+# carries no numerical risk, so the bar is the noise alone).
+CPU_PROBE_LAYOUT_MARGIN = 1.08
+# Timed steps per mode, after one untimed warm-up step each, in alternating rounds (alternate_timings):
+# ~6% of a default run on 2 cores (README "CPU probe").
+CPU_PROBE_ROUNDS = 2
+CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label: (precision, NHWC),
+                   "bf16": ("bf16", False), "bf16_cl": ("bf16", True)}   # the benchmark's labels
+CPU_PROBE_VERSION = 1  # of the cache file's layout; another version's file is ignored
+CPU_PROBE_SETTING = ("arch", "encoder_name", "image_size", "batch_size", "in_channels", "num_classes")
+
+
+def mode_label(label):
+    name, nhwc = CPU_PROBE_MODES[label]
+    return name + (" + NHWC" if nhwc else "")
+
+
+def cpu_probe_cache_path():
+    """$XDG_CACHE_HOME/unet-amp/cpu_probe.json (~/.cache/... without it): per user, shared by runs."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "unet-amp" / "cpu_probe.json"
+
+
+def cpu_probe_key(cfg, hw, kind):
+    """What a probe's answer depends on. hw.bf16 is in it (UNET_HIDE_NATIVE_BF16=1 hides the bf16
+    modes), and the torch version: after an upgrade the old entry is not used (and dropped on save)."""
+    flags = " ".join(sorted(cpu_flags()))
+    setting = {"kind": kind, "cpu": cpu_name(), "flags": flags, "machine": platform.machine(),
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "bf16": hw.bf16,
+               **{k: cfg[k] for k in CPU_PROBE_SETTING}}
+    return json.dumps(setting, sort_keys=True)
+
+
+def load_cpu_probe_cache(path):
+    """{key: entry}; an unreadable, corrupt or other-version file reads as empty (the probe reruns)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(data, dict) and data.get("version") == CPU_PROBE_VERSION and isinstance(data.get("entries"), dict)
+    return data["entries"] if ok else {}
+
+
+def save_cpu_probe_entry(path, key, entry):
+    """Add an entry, dropping those of other torch versions (stale); returns None or why it was not
+    saved: an unwritable cache costs a probe next time, never the run."""
+    entries = {k: e for k, e in load_cpu_probe_cache(path).items() if e.get("torch") == torch.__version__}
+    entries[key] = entry
+    text = json.dumps({"version": CPU_PROBE_VERSION, "entries": entries}, indent=1)
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    except OSError as exc:
+        return f"not cached: {path}: {exc.strerror or exc}"
+    return None
+
+
+def measure_cpu_modes(cfg, hw, labels, kind):
+    """Seconds per step of each mode in `labels` ("train": bare training steps; "predict": inference
+    forwards), fresh models on random data, timed side by side in alternating rounds after one warm-up
+    step each. The global RNG is left as it was: a probed run trains like one answered from the cache."""
+    make = bare_step_runner if kind == "train" else bare_inference_runner
+    with torch.random.fork_rng(devices=[]):
+        runs = {label: make(cfg, hw, DTYPES[CPU_PROBE_MODES[label][0]], CPU_PROBE_MODES[label][1])
+                for label in labels}
+        times = alternate_timings(runs, CPU_PROBE_ROUNDS, hw)
+    return {label: float(np.median(t)) for label, t in times.items()}
+
+
+def cpu_probe_times(cfg, hw, kind):
+    """(seconds per step by mode label, what the banner says about it): from the cache, else measured
+    (and cached). Under torchrun rank 0 answers and the other ranks use its answer."""
+    answer = None
+    if DIST.is_main:
+        path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
+        entry = load_cpu_probe_cache(path).get(key)
+        if entry is not None and entry.get("torch") == torch.__version__:
+            answer = (entry["times"], f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; "
+                                      f"delete it to measure again)")
+        else:
+            labels = [label for label, (name, _) in CPU_PROBE_MODES.items() if name == "fp32" or hw.bf16]
+            start = time.perf_counter()
+            times = measure_cpu_modes(cfg, hw, labels, kind)
+            seconds = time.perf_counter() - start
+            unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times,
+                                                       "seconds": seconds, "rounds": CPU_PROBE_ROUNDS,
+                                                       "date": datetime.date.today().isoformat()})
+            answer = (times, f"measured in {seconds:.1f}s ({len(labels)} modes x {CPU_PROBE_ROUNDS} "
+                             f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
+                             + (unsaved or f"cached in {path}"))
+    return gather_setup(answer)[0]
+
+
+def cpu_probe_dimensions(cfg, hw, prec):
+    """(probe the precision, probe the layout): only on a CPU with cpu_probe on, for what is "auto".
+    The precision only where the flag rule chose bf16 (a CPU without native bf16 never probes it;
+    a resumed run that fell back keeps its safer precision)."""
+    if hw.kind != "cpu" or not cfg["cpu_probe"]:
+        return False, False
+    auto_bf16 = cfg["use_amp"] and cfg["amp_dtype"] == "auto" and prec == decide_precision(hw) and hw.bf16
+    measured = prec.name == "fp32" or (prec.name == "bf16" and hw.bf16)  # forced fp16/emulated bf16: not probed
+    return bool(auto_bf16), cfg["channels_last"] == "auto" and measured
+
+
+def faster_layout(times, name, rule_nhwc):
+    """(NHWC?, ratio of the chosen layout's speed over the other's) in precision `name`: the flag rule's
+    layout unless the other was faster by CPU_PROBE_LAYOUT_MARGIN."""
+    rule, other = (f"{name}_cl", name) if rule_nhwc else (name, f"{name}_cl")
+    flip = times[rule] / times[other] >= CPU_PROBE_LAYOUT_MARGIN
+    chosen, rejected = (other, rule) if flip else (rule, other)
+    return chosen.endswith("_cl"), times[rejected] / times[chosen]
+
+
+def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
+    """(Precision, (channels_last, why)) from the probe's seconds per step: bf16 only if its fastest
+    probed layout beats fp32's by CPU_PROBE_BF16_MARGIN; the layout as faster_layout says."""
+    nhwc = {}
+    for name in ("fp32", "bf16") if probe_prec else (prec.name,):
+        nhwc[name], _ = faster_layout(times, name, rule_layout[0]) if probe_layout else (rule_layout[0], 1.0)
+    if probe_prec:
+        t = {name: times[f"{name}_cl" if on else name] for name, on in nhwc.items()}
+        ratio = t["fp32"] / t["bf16"]
+        keep = ratio >= CPU_PROBE_BF16_MARGIN
+        prec = Precision(torch.bfloat16 if keep else torch.float32, False,
+                         f"auto: bf16 measured {ratio:.2f}x fp32 here; "
+                         f"{'kept' if keep else 'not kept'}: needs {CPU_PROBE_BF16_MARGIN:.2f}x")
+    if not probe_layout:
+        return prec, rule_layout
+    on, ratio = faster_layout(times, prec.name, rule_layout[0])
+    why = f"auto: {'NHWC' if on else 'NCHW'} measured {ratio:.2f}x {'NCHW' if on else 'NHWC'} in {prec.name} here"
+    return prec, (on, why + ("" if on == rule_layout[0] else " (the rule of thumb said otherwise)"))
+
+
+def cpu_probe_decision(cfg, hw, prec, notes, kind="train"):
+    """(precision, (channels_last, why)) for a resolved cfg (a number for batch_size): the flag rule's
+    (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on."""
+    rule_layout = decide_channels_last(cfg, hw, prec)
+    probe_prec, probe_layout = cpu_probe_dimensions(cfg, hw, prec)
+    if not (probe_prec or probe_layout):
+        return prec, rule_layout
+    times, how = cpu_probe_times(cfg, hw, kind)
+    prec, layout = choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout)
+    per_step = ", ".join(f"{mode_label(label)} {s:.3f}" for label, s in times.items())
+    notes.append(("probe", f"s/{'step' if kind == 'train' else 'forward'} at batch {cfg['batch_size']} x "
+                           f"{cfg['image_size']}px: {per_step}; {how}"))
+    return prec, layout
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2805,6 +2965,7 @@ PREDICT_CONFIG = {
     "use_amp": True,                # same capability check as training; False = fp32
     "amp_dtype": "auto",
     "force_amp_dtype": False,
+    "cpu_probe": True,              # CPU: precision and layout confirmed by a timed probe (cached)
     "progress": True,
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
@@ -2982,12 +3143,25 @@ def save_prediction(path, image, done):
                         f"before it are kept") from None
 
 
-def predict_layout(model, cfg, opts, hw, prec):
-    """Layout decided for this machine and predict's batch of images, or of tiles in patch mode
-    ("auto": the checkpoint's layout was a speed choice of the machine that trained it); the model
-    is converted with its inputs."""
+def predict_setting(cfg, opts):
+    """The checkpoint's cfg as predict runs it: its batch of images, or of tiles in patch mode, layout
+    "auto" (the checkpoint's layout was a speed choice of the machine that trained it), predict's
+    precision options."""
     batch = cfg["tile_batch_size"] if cfg["data_mode"] == "patch" else opts["batch_size"]
-    channels_last, _ = decide_channels_last({**cfg, "channels_last": "auto", "batch_size": batch}, hw, prec)
+    return {**cfg, "channels_last": "auto", "batch_size": batch,
+            **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe") if k in opts}}
+
+
+def predict_modes(cfg, opts, hw, prec, notes):
+    """Predict's precision and layout: the flag rule, confirmed on a CPU by the probe's inference
+    forwards at predict's batch (cpu_probe_decision, kind "predict", cached like training's)."""
+    return cpu_probe_decision(predict_setting(cfg, opts), hw, prec, notes, kind="predict")
+
+
+def predict_layout(model, cfg, opts, hw, prec, layout=None):
+    """Layout for this machine and predict's batch (`layout`: predict_modes' answer; None = the flag
+    rule's, decide_channels_last); the model is converted with its inputs."""
+    channels_last, _ = layout or decide_channels_last(predict_setting(cfg, opts), hw, prec)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, {**cfg, "channels_last": channels_last}
@@ -3003,8 +3177,9 @@ def predict(opts):
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
-    cfg = {**cfg, **tiling}
-    model, cfg = predict_layout(model, cfg, opts, hw, prec)
+    cfg, notes = {**cfg, **tiling}, []
+    prec, layout = predict_modes(cfg, opts, hw, prec, notes)
+    model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     paths = list_images(opts["input"])
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir)))
@@ -3013,6 +3188,9 @@ def predict(opts):
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
     print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
           + (f" ({prec.warning})" if prec.warning else "") + tiled)
+    for _, note in notes:  # the probe's measurement
+        print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
+              f"probe {note}")
     failed, done, start = [], 0, time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
@@ -3211,24 +3389,52 @@ def bare_loop_speedups(base, hw, steps, probe_steps=2):
 def time_train_steps(base, hw, dtype, channels_last, steps):
     """Median seconds per bare training step (bare_training_step, after one warm-up step) at base's
     batch and image size."""
-    torch.manual_seed(0)
-    model = build_model({**base, "encoder_weights": None}).to(hw.device)
+    step, times = bare_step_runner(base, hw, dtype, channels_last), []
+    for _ in range(steps + 1):
+        synchronize(hw)
+        t0 = time.perf_counter()
+        step()
+        synchronize(hw)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def random_batch(base, hw):
+    """A random (images, class indices) batch at base's batch size, image size and channels."""
     x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
                     device=hw.device)
     y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
          * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
+    return x, y
+
+
+def bare_step_runner(base, hw, dtype, channels_last):
+    """A function that runs one bare training step (bare_training_step) of a fresh model on a random
+    batch at base's batch and image size, in `dtype` autocast and the given layout."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device)
+    x, y = random_batch(base, hw)
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
-    opt, loss_fn, times = build_optimizer(model, base), SegLoss(base["num_classes"]), []
+    opt, loss_fn = build_optimizer(model, base), SegLoss(base["num_classes"])
     prec = Precision(dtype, False, "bare loop")
-    for _ in range(steps + 1):
-        synchronize(hw)
-        t0 = time.perf_counter()
-        bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
-        synchronize(hw)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
+    return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
+
+
+def bare_inference_runner(base, hw, dtype, channels_last):
+    """A function that runs one inference forward (eval_forward, as predict) of a fresh model in eval
+    mode on a random batch at base's batch and image size, in `dtype` autocast and the given layout."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device).eval()
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
+    x, _ = random_batch(base, hw)
+    prec, layout = Precision(dtype, False, "bare loop"), {"channels_last": channels_last}
+
+    def forward():
+        with torch.inference_mode():
+            eval_forward(model, x, layout, prec, hw)
+    return forward
 
 
 # Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
@@ -3611,11 +3817,12 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
 def effective_config(cfg, hw, prec, state, n_train, notes):
     """What this run uses, settled in dependency order before anything (loaders, caches, the model) is
     built from it. `prec` is already the resumed run's (setup_precision); then the batch size (auto:
-    searched in that precision), then the layout (on a CPU it depends on the batch size). Returns (cfg
-    with both resolved, as config.json saves it; the layout and why; what batch_size=auto did)."""
+    searched in that precision), then the layout (on a CPU it depends on the batch size) and, on a CPU,
+    both confirmed by the probe at that batch (cpu_probe_decision). Returns (cfg with both resolved, as
+    config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
-    layout = decide_channels_last(cfg, hw, prec)
-    return {**cfg, "channels_last": layout[0]}, layout, auto_batch
+    prec, layout = cpu_probe_decision(cfg, hw, prec, notes)
+    return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
 
 
 def setup_precision(cfg, state=None):
@@ -3860,7 +4067,8 @@ def train(cfg, explicit=()):
     seed_everything(cfg["seed"])
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
+    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
+                                                     notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
