@@ -667,6 +667,8 @@ def decide_channels_last(cfg, hw, prec):
     if hw.kind == "cuda":
         if prec.amp or (hw.capability and hw.capability >= (8, 0)):
             return True, f"auto: {'AMP' if prec.amp else 'TF32'} convolutions on tensor cores want NHWC"
+        # A judgement call, not a measurement: cuDNN's fp32 kernels before Ampere are NCHW-first.
+        # `make gpu-check` times fp32 NCHW vs NHWC (bare loop) on a GPU for the README.
         return False, "auto: fp32 without tensor cores gains nothing from NHWC"
     if hw.kind == "mps":
         return False, "auto: NHWC is not faster on MPS"
@@ -721,14 +723,15 @@ def banner(hw, prec, cfg, notes=(), layout=None):
 # ----------------------------------------------------------------------------------------------------
 # bf16 is kept only if its fastest layout beats fp32's by this factor: fp32 is the safer mode (no
 # autocast rounding), so a gain within the probe's noise is not worth it. Noise measured on a shared
-# 2-core Xeon (README "CPU probe"): the same mode probed twice differed by up to ~8%; 1.15x is twice that.
+# 2-core Xeon (README "CPU probe"): the same mode probed 4 times differed by up to 7% (fp32 0.332-0.355
+# s/step at the default run), the bf16/fp32 ratio by 4%; 1.15x is twice the worst spread.
 CPU_PROBE_BF16_MARGIN = 1.15
-# The other layout replaces the flag rule's only when faster by more than the probe's noise (a layout
-# carries no numerical risk, so the bar is the noise alone).
+# The other layout replaces the flag rule's only when faster by more than that noise (a layout carries
+# no numerical risk, so the bar is the noise alone).
 CPU_PROBE_LAYOUT_MARGIN = 1.08
-# Timed steps per mode, after one untimed warm-up step each, in alternating rounds (alternate_timings):
-# ~6% of a default run on 2 cores (README "CPU probe").
-CPU_PROBE_ROUNDS = 2
+# Timed steps per mode, after one untimed warm-up step each, in alternating rounds (alternate_timings;
+# the median of 3 shrugs off one disturbed step): 7 s, ~5% of the default run on 2 cores (README).
+CPU_PROBE_ROUNDS = 3
 CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label: (precision, NHWC),
                    "bf16": ("bf16", False), "bf16_cl": ("bf16", True)}   # the benchmark's labels
 CPU_PROBE_VERSION = 1  # of the cache file's layout; another version's file is ignored
