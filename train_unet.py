@@ -800,12 +800,12 @@ def cpu_probe_times(cfg, hw, kind):
     answer = None
     if DIST.is_main:
         path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
+        labels = [label for label, (name, _) in CPU_PROBE_MODES.items() if name == "fp32" or hw.bf16]
         entry = load_cpu_probe_cache(path).get(key)
-        if entry is not None and entry.get("torch") == torch.__version__:
+        if usable_probe_entry(entry, labels):
             answer = (entry["times"], f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; "
                                       f"delete it to measure again)")
         else:
-            labels = [label for label, (name, _) in CPU_PROBE_MODES.items() if name == "fp32" or hw.bf16]
             start = time.perf_counter()
             times = measure_cpu_modes(cfg, hw, labels, kind)
             seconds = time.perf_counter() - start
@@ -816,6 +816,15 @@ def cpu_probe_times(cfg, hw, kind):
                              f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
                              + (unsaved or f"cached in {path}"))
     return gather_setup(answer)[0]
+
+
+def usable_probe_entry(entry, labels):
+    """A cached entry of this torch version with a positive time for every mode (else: measure again)."""
+    try:
+        return (entry["torch"] == torch.__version__ and all(entry["times"][label] > 0 for label in labels)
+                and isinstance(entry["date"], str) and entry["seconds"] >= 0)
+    except (KeyError, TypeError):
+        return False
 
 
 def cpu_probe_dimensions(cfg, hw, prec):

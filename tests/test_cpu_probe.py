@@ -219,6 +219,17 @@ def test_a_stale_entry_under_the_same_key_is_not_used(probe_cfg, monkeypatch):
     assert len(calls) == 1 and prec.name == "fp32"
 
 
+def test_a_damaged_entry_is_measured_anew(probe_cfg, monkeypatch):
+    decide(probe_cfg, BF16_CPU, EPYC, monkeypatch)
+    path = train_unet.cpu_probe_cache_path()
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        del entry["times"]["bf16_cl"]
+    path.write_text(json.dumps(data))
+    prec, _, _, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert len(calls) == 1 and prec.name == "fp32"
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}), "[]"])
 def test_a_corrupt_or_foreign_cache_is_measured_anew_and_rewritten(probe_cfg, monkeypatch, content):
     path = train_unet.cpu_probe_cache_path()
