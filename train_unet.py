@@ -68,6 +68,8 @@ CONFIG = {
     "num_workers": None,           # None = auto: 1 on a CPU with 2+ cores, else a share of the cores
     "cache_images": True,          # fit mode: decode and resize each image once per run (temporary .npy
                                    # files: image_size^2 x (channels + 1) bytes each); False = every epoch
+    "intensity_range": None,       # integer images wider than 8 bits: [low, high] mapped to [0, 1]; None =
+                                   # the training images' [min, max], learnt by the data check; in checkpoints
     # large images (README "Large images"): "fit" resizes each image to image_size (and pads);
     # "patch" trains on image_size patches and validates/predicts whole images by a sliding window
     "data_mode": "fit",            # "fit" | "patch"
@@ -137,6 +139,7 @@ NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
     "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
     "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
+    "intensity_range": list,
 }
 # Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
 BOOL_OR_TEXT = ("channels_last",)
@@ -277,6 +280,8 @@ def parse_value(key, text, default):
             return int(text)
         if kind is float:
             return float(text)
+        if kind is list:  # "0,4095" or "[0, 4095]"
+            return [float(v) for v in text.strip().strip("[]()").split(",")]
         return text
     except ValueError:
         raise UserError(f"{key}={text!r} is not a {kind.__name__} (default {default!r})") from None
@@ -379,6 +384,8 @@ def validate_config(cfg):
         ("patch_foreground", 0 <= cfg["patch_foreground"] <= 1, "must be a share in [0, 1], e.g. 0.33"),
         ("patches_per_image", cfg["patches_per_image"] is None or cfg["patches_per_image"] >= 1,
          "must be >= 1, or None for as many as tile each image once"),
+        ("intensity_range", cfg["intensity_range"] is None or valid_range(cfg["intensity_range"]),
+         "must be [low, high] with low < high (the values mapped to 0 and 1), or None to learn it"),
         *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
         ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // 32) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
@@ -396,6 +403,15 @@ TILE_RULES = {
     "tile_overlap": (lambda v: 0 <= v <= 0.9, "must be in [0, 0.9]: 0.25, or 0.5 for smoother seams (~1.8x the tiles)"),
     "tile_batch_size": (lambda v: v >= 1, "must be a whole number >= 1"),
 }
+
+
+def valid_range(value):
+    numbers = len(value) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) for v in value)
+    if not (numbers and value[0] < value[1]):
+        return False
+    with np.errstate(over="ignore"):  # scale_image divides by high - low in float32: it must be finite
+        return bool(np.isfinite(np.float32(value[1]) - np.float32(value[0])))
 
 
 def valid_device(device):
@@ -986,14 +1002,15 @@ def index_by_stem(folder):
     return found
 
 
-def read_image(path, channels):
+def read_image(path, channels, intensity_range=None):
     """An image file as the network's input: HxW (channels=1) or HxWx3 RGB, scaled by scale_image.
 
-    Training, validation, predict and the notebook all read images here, so they all see the same
-    values: 8-bit files stay uint8 (as before), everything else becomes float32 in [0, 1].
+    Training, validation, predict and the notebook all read images here, each passing its config's
+    intensity_range, so they all see the same values: 8-bit files stay uint8, everything else becomes
+    float32 ([0, 1] for the training images).
     """
     image = decode_image(path, channels)
-    return to_channels(scale_image(image, path), channels, path)
+    return to_channels(scale_image(image, path, intensity_range), channels, path)
 
 
 def decode_image(path, channels=3):
@@ -1007,9 +1024,16 @@ def decode_image(path, channels=3):
         image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | colour)
         if image is None:
             raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
-        if image.ndim == 3 and image.shape[2] in (3, 4):
-            image = cv2.cvtColor(image, cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA)
+        if image.ndim == 3 and image.shape[2] in (3, 4):  # in place: no second copy of a large scene
+            if image.dtype in CVT_COLOR_DTYPES:
+                code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
+                image = cv2.cvtColor(image, code, dst=image)
+            else:  # signed 16/32-bit, float64: cvtColor refuses them
+                image[..., [0, 2]] = image[..., [2, 0]]
     return image
+
+
+CVT_COLOR_DTYPES = (np.uint8, np.uint16, np.float32)  # the depths cv2.cvtColor converts
 
 
 def is_tiff(path):
@@ -1055,43 +1079,71 @@ def plane_size(series):
     return tuple(series.shape[-3:-1] if series.axes.endswith("S") else series.shape[-2:])
 
 
-def scale_image(image, path="image"):
+def scale_image(image, path="image", intensity_range=None):
     """THE scaling rule, one function for training, validation, predict and the notebook.
 
-    Integers are divided by their dtype's range: uint8 by 255 (kept as uint8 here: Normalize divides
-    it, on albumentations' exact fast path), uint16 by 65535 and so on (-> float32 in [0, 1]). The
-    file does not say whether 16-bit pixels hold 12 bits, and guessing per image would give every
-    image its own brightness scale; 12-bit data simply use 1/16 of the range, the same way in every
-    image and every run. Floats have no natural range: each image is mapped by its own min/max to
-    [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the objects).
+    8-bit images stay uint8 (Normalize divides them by 255 on albumentations' exact fast path).
+    Wider integers are mapped from `intensity_range` [low, high] to [0, 1] (float32): the training
+    images' [min, max] (learnt_intensity_range: 12-bit data in 16-bit files -> about [0, 4095]), stored
+    in the checkpoint's config so validation, predict and the notebook use the same one. None (checkpoints from before the range was learnt) = the dtype's range, uint16 / 65535.
+    Values outside the range are not clipped. Floats have no bit depth: each image is mapped by its
+    own min/max to [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the
+    objects).
     """
     if image.dtype == np.uint8:
         return image
+    check_pixels(image, path)
     if np.issubdtype(image.dtype, np.integer):
-        info = np.iinfo(image.dtype)
-        return ((image.astype(np.float64) - info.min) / (float(info.max) - info.min)).astype(np.float32)
+        low, high = intensity_range or dtype_range(image.dtype)
+        return unit_scale(image.astype(np.float32), low, high)
+    image = image.astype(np.float32)
+    low, high = float(image.min()), float(image.max())
+    return unit_scale(image, low, high) if high > low else np.zeros_like(image)
+
+
+def check_pixels(image, path):
+    """Pixels scale_image can scale: integers, or floats without NaN or inf."""
+    if np.issubdtype(image.dtype, np.integer):
+        return
     if not np.issubdtype(image.dtype, np.floating):
         raise UserError(f"image {path} has pixels of type {image.dtype}: use 8- or 16-bit integers or "
                         f"float32")
     if not np.isfinite(image).all():
         raise UserError(f"image {path} holds NaN or inf pixels: replace them (e.g. by 0) before training")
-    image = image.astype(np.float32)
-    low, high = float(image.min()), float(image.max())
-    return (image - low) / (high - low) if high > low else np.zeros_like(image)
+
+
+def dtype_range(dtype):
+    info = np.iinfo(dtype)
+    return info.min, info.max
+
+
+def unit_scale(image, low, high):
+    """(image - low) / (high - low), in place in a float32 copy that scale_image made: 4 bytes a pixel
+    in all (float64 arithmetic took three times that). Integers up to 2**24 and their differences are
+    exact in float32, so each result is the exact quotient rounded once: within half an ulp."""
+    image -= np.float32(low)
+    image /= np.float32(high - low)
+    return image
 
 
 def to_channels(image, channels, path):
     """HxW gray or HxWx3 RGB as asked: gray is repeated, RGB averaged by luminance, alpha dropped."""
-    if image.ndim == 3 and image.shape[2] in (1, 2):
-        image = image[..., 0]  # gray, gray + alpha
-    elif image.ndim == 3 and image.shape[2] == 4:
-        image = image[..., :3]  # RGB + alpha
+    image = without_alpha(image)
     if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
         raise UserError(f"image {path} has shape {image.shape}: use grayscale, RGB or RGBA images "
                         f"(at most 4 channels)")
     if channels == 3:
         return np.ascontiguousarray(np.repeat(image[..., None], 3, axis=2)) if image.ndim == 2 else image
     return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if image.ndim == 3 else image
+
+
+def without_alpha(image):
+    """A view of the image's gray or RGB values: gray + alpha -> gray, RGBA -> RGB (alpha is dropped)."""
+    if image.ndim == 3 and image.shape[2] in (1, 2):
+        return image[..., 0]
+    if image.ndim == 3 and image.shape[2] == 4:
+        return image[..., :3]
+    return image
 
 
 def to_uint8_view(image):
@@ -1207,7 +1259,7 @@ def mask_hint(path, dtype, values):
 
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
-CHECK_CACHE_VERSION = 2  # 2: stamps with ctime (file_stamp)
+CHECK_CACHE_VERSION = 3  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts)
 
 
 def check_pairs(pairs, cfg):
@@ -1218,6 +1270,7 @@ def check_pairs(pairs, cfg):
     pairs, all exchange their results, and rank 0 writes the cache.
     """
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
+    CHECKED_HERE.clear()  # a start-up's check trusts the caches and the files, not an earlier run's memory
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
     barrier()  # the cache is written: image_sizes reads it on every rank
     for image_path, mask_path in pairs:
@@ -1238,25 +1291,64 @@ def checked_facts(paths, cfg, write, share=False):
     and all receive every rank's facts, so a large first check takes 1/world of the time on each."""
     cache_paths = check_cache_paths(cfg)
     caches = [load_check_cache(path) for path in cache_paths]
+    known = [*caches, CHECKED_HERE]  # a file checked earlier in this process: not decoded again
     mine = [p for i, p in enumerate(paths) if i // 2 % DIST.world == DIST.rank] if share else paths
     masks = set(paths[1::2])
     stamps = {p: file_stamp(p) for p in mine}
-    facts = {p: known_facts(caches, p, stamps[p], p in masks) for p in mine}
+    facts = {p: known_facts(known, p, stamps[p], p in masks) for p in mine}
     todo = [p for p in mine if facts[p] is None]
 
     def check(path):
         if path in masks:
             mask = decode_mask(path)
             return {"hw": list(mask.shape[:2]), "values": np.unique(mask).tolist(), "dtype": str(mask.dtype)}
-        return {"hw": list(read_image(path, cfg["in_channels"]).shape[:2])}
+        return image_facts(path, cfg["in_channels"])
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
         for path, found in zip(todo, pool.map(check, todo)):
             facts[path] = {"stamp": stamps[path], **found}
     if share:
         facts = {p: entry for part in gather_setup(facts) for p, entry in part.items()}
+    CHECKED_HERE.update(facts)
     if write:
         save_check_cache(cache_paths, caches, facts)
     return facts
+
+
+# Facts checked_facts found since this process's last check_pairs, by path, stamped like the caches'
+# entries: later questions (learnt_intensity_range, cache_bytes, image_sizes) need no decoding where no
+# cache could be written, and under torchrun they take the facts the ranks exchanged.
+CHECKED_HERE = {}
+
+
+def image_facts(path, channels):
+    """What the data check keeps of an image: its size and, for integers wider than 8 bits, their
+    [min, max] (learnt_intensity_range). Checked as read_image would check it, on the decoded pixels
+    only: no scaled float copy (4 bytes a value, in each of the check's threads) just to learn a size."""
+    image = decode_image(path, channels)
+    check_pixels(image, path)
+    to_channels(np.zeros((1, 1) + image.shape[2:], np.float32), channels, path)  # the shape's check only
+    facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype)}  # dtype: cache_bytes' depth
+    if np.issubdtype(image.dtype, np.integer) and image.dtype != np.uint8:
+        values = without_alpha(image)  # what the network sees: an opaque 16-bit alpha is not data
+        facts["range"] = [int(values.min()), int(values.max())]
+    return facts
+
+
+def learnt_intensity_range(pairs, cfg):
+    """scale_image's range for integer images wider than 8 bits: [min, max] over the training images
+    (12-bit data in 16-bit files -> about [0, 4095]). Any gain and offset of the encoding drop out:
+    12-bit, 16-bit and offset copies of one data set give the network the same values, those of an
+    8-bit copy that spans 0..255. Chosen by measurement (README "Bit depths"): on a camera-like copy
+    with a dark offset, [min, max] trained to a 0.02 higher IoU than the range rounded out to whole bits
+    (0..4095), and percentiles, which clip, did not beat it. None: no such images (8-bit and float
+    files have their own rules) or all of one value. From the data check's cache: no decoding."""
+    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    ranges = [facts[os.path.abspath(image)].get("range") for image, _ in pairs]
+    ranges = [r for r in ranges if r is not None]
+    if not ranges:
+        return None
+    low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    return [low, high] if high > low else None
 
 
 def file_stamp(path):
@@ -1289,14 +1381,19 @@ def entry_valid(entry, mask):
             and all(isinstance(n, int) for n in entry["stamp"]) and isinstance(entry.get("hw"), list)
             and len(entry["hw"]) == 2 and all(isinstance(n, int) and n > 0 for n in entry["hw"])):
         return False
-    if not mask:
-        return True
-    values, dtype = entry.get("values"), entry.get("dtype")
-    if not (isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values)
-            and isinstance(dtype, str)):
+    if not valid_dtype(entry.get("dtype")):
         return False
+    if not mask:  # an image: a value range (image_facts) is a pair of whole numbers, low <= high
+        span = entry.get("range")
+        return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
+                                and span[0] <= span[1])
+    values = entry.get("values")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, (int, float)) for v in values)
+
+
+def valid_dtype(name):
     try:
-        return np.dtype(dtype).kind in "biuf"
+        return isinstance(name, str) and np.dtype(name).kind in "biuf"
     except TypeError:
         return False
 
@@ -1459,7 +1556,7 @@ def read_pair(pair, cfg):
     """(image from read_image, mask of class indices): how every data set reads a pair. The mask's
     values were validated once by the data check, so this only converts (no np.unique per sample)."""
     image_path, mask_path = pair
-    return read_image(image_path, cfg["in_channels"]), read_classes(mask_path, cfg)
+    return read_image(image_path, cfg["in_channels"], cfg["intensity_range"]), read_classes(mask_path, cfg)
 
 
 def read_classes(mask_path, cfg):
@@ -1570,11 +1667,12 @@ def node_share():
 
 def cache_bytes(pairs, cfg, sizes=None):
     """One process's cache: image_size² pixels per pair (fit mode), or each image's `sizes` after
-    patch_scale (patch mode); channels at the first image's depth after scale_image (1 byte for 8-bit,
-    4 for 16-bit and float), and 1 byte per mask pixel."""
+    patch_scale (patch mode); channels at the set's widest depth after scale_image (1 byte where every
+    image is 8-bit, else 4: scale_image makes wider integers and floats float32), 1 byte per mask pixel."""
     if not pairs:
         return 0
-    depth = read_image(pairs[0][0], cfg["in_channels"]).itemsize
+    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    depth = 1 if all(facts[os.path.abspath(image)]["dtype"] == "uint8" for image, _ in pairs) else 4
     pixels = (len(pairs) * cfg["image_size"] ** 2 if sizes is None else
               sum(h * w for h, w in (scaled_size(size, cfg["patch_scale"]) for size in sizes)))
     return pixels * (cfg["in_channels"] * depth + 1)
@@ -2987,7 +3085,10 @@ PREDICT_CONFIG = {
 def load_model(checkpoint, hw):
     """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg)."""
     state = load_checkpoint(checkpoint)
-    cfg = validate_config({**CONFIG, **{k: v for k, v in state["config"].items() if k in CONFIG}})
+    # intensity_range: a checkpoint from before ranges were learnt trained on the dtype's range (None),
+    # whatever the edited CONFIG says now.
+    saved = {"intensity_range": None, **{k: v for k, v in state["config"].items() if k in CONFIG}}
+    cfg = validate_config({**CONFIG, **saved})
     model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
     try:
         model.load_state_dict(state["model"])
@@ -3210,7 +3311,7 @@ def predict(opts):
         batch = []
         for path in paths[i:i + per_batch]:
             try:
-                batch.append((path, read_image(path, cfg["in_channels"])))
+                batch.append((path, read_image(path, cfg["in_channels"], cfg["intensity_range"])))
             except UserError as exc:
                 failed.append((str(path), str(exc)))
         masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
@@ -4078,6 +4179,7 @@ def train(cfg, explicit=()):
                         "set sync_batchnorm=False")
     seed_everything(cfg["seed"])
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}  # saved with the model
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
     cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
                                                      notes)
@@ -4114,6 +4216,19 @@ def train(cfg, explicit=()):
         print(table)
     return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
             "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
+
+
+def run_intensity_range(cfg, state, train_pairs):
+    """scale_image's range for this run: a resumed run's (its model learnt on that scale; None for a run
+    from before ranges were learnt), else intensity_range as given, else learnt from the training images."""
+    if state is None:
+        return cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
+    saved = state["config"].get("intensity_range")
+    if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
+        raise UserError(f"cannot resume exactly: the run was trained with intensity_range={saved!r}, this run "
+                        f"has {cfg['intensity_range']!r}: resume with intensity_range=None (the run's), or "
+                        f"start a new run in another checkpoint_dir")
+    return saved
 
 
 def announce_run(cfg, hw, run, sizes, extra):

@@ -246,7 +246,7 @@ def start_up_in_rank(rank, world, port, root, out):
             time.sleep(SLOW_FILE_S)
             return decode(path, *args)
         return run
-    train_unet.read_image, train_unet.decode_mask = slow(train_unet.read_image), slow(train_unet.decode_mask)
+    train_unet.decode_image, train_unet.decode_mask = slow(train_unet.decode_image), slow(train_unet.decode_mask)
     train_unet.EMBEDDED_DATA_DIR = str(root / "shapes")
 
     def write_embedded(folder):

@@ -248,9 +248,10 @@ def test_requirements_list_pillow():
 @pytest.fixture
 def count_decodes(monkeypatch):
     calls = []
-    real_mask, real_image = train_unet.decode_mask, train_unet.read_image
+    real_mask, real_image = train_unet.decode_mask, train_unet.decode_image
     monkeypatch.setattr(train_unet, "decode_mask", lambda p: calls.append(Path(p).name) or real_mask(p))
-    monkeypatch.setattr(train_unet, "read_image", lambda p, c: calls.append(Path(p).name) or real_image(p, c))
+    monkeypatch.setattr(train_unet, "decode_image",
+                        lambda p, *c: calls.append(Path(p).name) or real_image(p, *c))
     return calls
 
 
@@ -341,6 +342,24 @@ def test_a_damaged_entry_is_checked_again_not_a_traceback(make_cfg, data_dir, co
     prepare_data(cfg)
     assert count_decodes == [Path(mask).name]
     assert cached_files(data_dir)[mask]["values"] == [0, 255]  # repaired
+
+
+@pytest.mark.parametrize("damage", [["a", 3], [9], [5, 2], "0-4095"])
+def test_a_damaged_image_range_is_checked_again_not_a_traceback(make_cfg, data_dir, count_decodes, damage):
+    """16-bit images: the cached [min, max] (learnt_intensity_range) is validated like the rest."""
+    for path in sorted((data_dir / "images").glob("*.png")):
+        cv2.imwrite(str(path), cv2.imread(str(path), cv2.IMREAD_UNCHANGED).astype(np.uint16) * 16)
+    cfg = make_cfg()
+    train, _ = prepare_data(cfg)
+    learnt = train_unet.learnt_intensity_range(train, cfg)
+    cache = json.loads((data_dir / CHECK_CACHE_NAME).read_text())
+    image = os.path.abspath(train[0][0])
+    cache["files"][image]["range"] = damage
+    (data_dir / CHECK_CACHE_NAME).write_text(json.dumps(cache))
+    count_decodes.clear()
+    train, _ = prepare_data(cfg)
+    assert count_decodes == [Path(image).name]
+    assert train_unet.learnt_intensity_range(train, cfg) == learnt
 
 
 def test_a_stale_cache_in_a_read_only_data_dir_is_not_read_in_place_of_the_fresh_one(
@@ -450,3 +469,16 @@ def test_atomic_writes_get_the_usual_permissions_and_leave_nothing_behind(tmp_pa
     with pytest.raises(OSError):
         train_unet.atomic_write(tmp_path / "b.json", fail)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.float64])
+def test_colour_tiffs_opencv_reads_in_any_depth_come_out_rgb(tmp_path, monkeypatch, dtype):
+    """OpenCV reads some TIFFs tifffile cannot (LZW without imagecodecs); cvtColor has no signed
+    16/32-bit or float64 kernels, so their BGR -> RGB swap must not depend on it."""
+    rgb = np.zeros((6, 5, 3), dtype)
+    rgb[..., 0], rgb[..., 1], rgb[..., 2] = 300, 20, 1
+    path = tmp_path / "scene.tif"
+    assert cv2.imwrite(str(path), rgb[..., ::-1].copy())
+    monkeypatch.setattr(train_unet, "read_tiff", lambda *a, **k: None)  # as for an LZW file tifffile cannot decode
+    image = train_unet.decode_image(path, 3)
+    assert image.dtype == dtype and np.array_equal(image, rgb)

@@ -325,9 +325,9 @@ def test_a_set_of_only_0_255_masks_with_many_classes_is_refused(make_cfg, data_d
 @pytest.fixture
 def count_decodes(monkeypatch):
     calls = []
-    real_mask, real_image = train_unet.decode_mask, train_unet.read_image
+    real_mask, real_image = train_unet.decode_mask, train_unet.decode_image
     monkeypatch.setattr(train_unet, "decode_mask", lambda p: calls.append(p) or real_mask(p))
-    monkeypatch.setattr(train_unet, "read_image", lambda p, c: calls.append(p) or real_image(p, c))
+    monkeypatch.setattr(train_unet, "decode_image", lambda p, c=3: calls.append(p) or real_image(p, c))
     return calls
 
 

@@ -1,0 +1,285 @@
+"""Integer images wider than 8 bits: one intensity range, learnt from the training images by the data
+check, saved in the checkpoint, used by training, validation and predict (issue 20, items 9 and 20).
+
+The guarantee: 12-bit and 16-bit copies of a data set give the network its 8-bit copy's inputs.
+"""
+import json
+import shutil
+import sys
+import tracemalloc
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "tools"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import train_unet  # noqa: E402
+from convert_depth import convert  # noqa: E402
+import depth_sets  # noqa: E402
+from train_unet import SegDataset, UserError  # noqa: E402
+
+LEVEL = 1 / 255 / 0.224  # one 8-bit grey level after the mean/std normalisation (smallest std)
+HALF_12_BIT = 0.5 / 4095 / 0.224  # convert_depth rounds v * 4095/255 to whole 12-bit levels
+
+
+@pytest.fixture
+def depths(data_dir, tmp_path):
+    """{bits: data_dir} for the 8-bit shapes set and its 12- and 16-bit copies (tools/convert_depth.py), and
+    "offset": 12-bit with a camera's dark offset, 300 + 12 x value."""
+    offset = tmp_path / "offset"
+    (offset / "images").mkdir(parents=True)
+    for path in sorted((data_dir / "images").iterdir()):
+        cv2.imwrite(str(offset / "images" / path.name), cv2.imread(str(path)).astype(np.uint16) * 12 + 300)
+    shutil.copytree(data_dir / "masks", offset / "masks")
+    return {8: data_dir, 12: convert(data_dir, tmp_path / "d12", 12), 16: convert(data_dir, tmp_path / "d16", 16),
+            "offset": offset}
+
+
+def run_cfg(make_cfg, data, **overrides):
+    """The config a training run on `data` uses: its intensity_range as train() sets it."""
+    cfg = make_cfg(data_dir=str(data), **overrides)
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    cfg = {**cfg, "intensity_range": train_unet.run_intensity_range(cfg, None, train_pairs)}
+    return cfg, train_pairs, val_pairs
+
+
+def test_12_16_bit_and_offset_copies_give_the_8_bit_network_inputs(make_cfg, depths):
+    """The shapes set's colour channels span 0..255, so its wider copies' [min, max] maps them onto its
+    8-bit values (read as gray they span less: their range maps them onto 8-bit values stretched)."""
+    ref_cfg, ref_train, ref_val = run_cfg(make_cfg, depths[8])
+    assert ref_cfg["intensity_range"] is None  # 8-bit data: nothing to learn, uint8 as before
+    for bits, tol, learnt in ((12, HALF_12_BIT, [0, 4095]), (16, 1e-6, [0, 65535]),
+                              ("offset", 1e-6, [300, 300 + 12 * 255])):
+        cfg, train_pairs, val_pairs = run_cfg(make_cfg, depths[bits])
+        assert cfg["intensity_range"] == learnt
+        assert [Path(i).name for i, _ in train_pairs] == [Path(i).name for i, _ in ref_train]
+        for pairs, refs, train in ((train_pairs, ref_train, True), (val_pairs, ref_val, False)):
+            ours, theirs = SegDataset(pairs, cfg, train=train), SegDataset(refs, ref_cfg, train=train)
+            for index in range(len(pairs)):
+                (x, y), (ref_x, ref_y) = ours[index], theirs[index]
+                # augmenting uint8 rounds to whole levels, floats do not: within ~1 level when training
+                assert (x - ref_x).abs().max() <= (1.5 * LEVEL if train else tol + 1e-6), (bits, train)
+                assert (x - ref_x).abs().mean() <= (0.5 * LEVEL if train else tol), (bits, train)
+                assert torch.equal(y, ref_y)
+
+
+def test_the_range_is_the_training_images_min_and_max(make_cfg, tmp_path):
+    def learnt(*images):
+        folder = tmp_path / f"set{len(list(tmp_path.iterdir()))}"
+        for sub in ("train/images", "train/masks", "val/images", "val/masks"):
+            (folder / sub).mkdir(parents=True)
+        for i, image in enumerate(images):
+            tifffile.imwrite(folder / "train/images" / f"{i}.tif", image)
+            cv2.imwrite(str(folder / "train/masks" / f"{i}.png"), np.zeros(image.shape[:2], np.uint8))
+        tifffile.imwrite(folder / "val/images/v.tif", np.full((8, 8), 60000, np.uint16))  # not learnt from
+        cv2.imwrite(str(folder / "val/masks/v.png"), np.zeros((8, 8), np.uint8))
+        return run_cfg(make_cfg, folder, batch_size=1, image_size=64)[0]["intensity_range"]
+
+    def ramp(low, high, dtype=np.uint16):
+        return np.linspace(low, high, 64).astype(dtype).reshape(8, 8)
+
+    assert learnt(ramp(300, 3000), ramp(400, 4000)) == [300, 4000]  # 12-bit camera, dark offset 300
+    assert learnt(ramp(0, 235)) == [0, 235]  # 8-bit values in 16-bit files
+    assert learnt(ramp(0, 1000), ramp(0, 65535)) == [0, 65535]
+    assert learnt(ramp(-1000, 3000, np.int16)) == [-1000, 3000]  # signed (e.g. CT)
+    assert learnt(ramp(0, 200, np.uint8)) is None  # 8-bit: their own rule
+    assert learnt(ramp(0, 200, np.uint8), ramp(5, 1000)) == [5, 1000]  # only the wider ones count
+    assert learnt(np.full((8, 8), 7, np.uint16)) is None  # one value: nothing to learn, the dtype's range
+
+
+def train_and_predict(make_cfg, data, tmp_path, name, **overrides):
+    cfg = make_cfg(data_dir=str(data), checkpoint_dir=str(tmp_path / name), **overrides)
+    train_unet.train(cfg)
+    return tmp_path / name / "last.pt"
+
+
+def predict_masks(ckpt, folder, out):
+    result = train_unet.predict({"checkpoint": str(ckpt), "input": str(folder / "images"), "output": str(out),
+                                 "device": "cpu", "use_amp": False, "progress": False})
+    assert result["predicted"] == len(list((folder / "images").iterdir())) and not result["failed"]
+    return [cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in sorted(Path(out).glob("*.png"))]
+
+
+def test_the_range_is_saved_in_the_checkpoint_and_predict_uses_it(make_cfg, depths, tmp_path):
+    ckpt = train_and_predict(make_cfg, depths[12], tmp_path, "run12")
+    state = train_unet.load_checkpoint(ckpt)
+    assert state["config"].get("intensity_range") == [0, 4095]
+    assert train_unet.load_model(ckpt, train_unet.detect_hardware("cpu"))[1]["intensity_range"] == [0, 4095]
+    # predict reads 12-bit files on the checkpoint's scale: the masks of their 8-bit copies
+    ref = predict_masks(ckpt, depths[8], tmp_path / "p8")
+    masks = predict_masks(ckpt, depths[12], tmp_path / "p12")
+    assert np.mean([(m == r).mean() for m, r in zip(masks, ref)]) > 0.999
+    # ... and an old checkpoint (no intensity_range) still predicts as it did: 16-bit / 65535
+    del state["config"]["intensity_range"]
+    old = tmp_path / "old.pt"
+    train_unet.save_checkpoint(old, state)
+    model, cfg = train_unet.load_model(old, train_unet.detect_hardware("cpu"))
+    assert cfg["intensity_range"] is None
+    images = [train_unet.read_image(p, 3) for p in sorted((depths[12] / "images").iterdir())]
+    np.testing.assert_allclose(images[0], cv2.cvtColor(cv2.imread(
+        str(sorted((depths[12] / "images").iterdir())[0]), cv2.IMREAD_UNCHANGED), cv2.COLOR_BGR2RGB) / 65535,
+        atol=1e-7)
+    hw = train_unet.detect_hardware("cpu")
+    expected = train_unet.predict_batch(model, images, cfg, train_unet.decide_precision(hw, use_amp=False), hw)
+    masks = predict_masks(old, depths[12], tmp_path / "p_old")
+    assert np.mean([(m == e * 255).mean() for m, e in zip(masks, expected)]) > 0.999
+
+
+def test_resume_keeps_the_runs_range(make_cfg, depths, tmp_path):
+    cfg = make_cfg(data_dir=str(depths[12]))
+    train_unet.train(cfg)
+    # new images outside the learnt range do not move a resumed run's scale
+    bright = next((depths[12] / "images").iterdir())
+    cv2.imwrite(str(bright), np.full((64, 64, 3), 65535, np.uint16))
+    result = train_unet.train({**cfg, "epochs": 2, "resume": True})
+    assert [r["epoch"] for r in result["history"]] == [1, 2]
+    assert train_unet.load_checkpoint(tmp_path / "ckpt" / "last.pt")["config"]["intensity_range"] == [0, 4095]
+    with pytest.raises(UserError, match="intensity_range") as info:
+        train_unet.train({**cfg, "epochs": 3, "resume": True, "intensity_range": [0, 65535]})
+    assert "\n" not in str(info.value)
+
+
+def test_a_given_range_wins_and_parses_from_the_command_line(make_cfg, depths):
+    cfg = train_unet.parse_overrides(["intensity_range=0,65535"], base=make_cfg(data_dir=str(depths[12])))
+    assert cfg["intensity_range"] == [0.0, 65535.0]
+    assert run_cfg(make_cfg, depths[12], intensity_range=[0, 65535])[0]["intensity_range"] == [0, 65535]
+    for bad in ("4095,0", "1,2,3", "a,b", "0,1e39", "-3e38,3e38"):
+        with pytest.raises(UserError, match="intensity_range") as info:
+            train_unet.parse_overrides([f"intensity_range={bad}"])
+        assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("top", [255, 4095, 65535])
+def test_float32_scaling_is_within_one_ulp_of_exact(top):
+    values = np.arange(top + 1, dtype=np.uint16)
+    scaled = train_unet.scale_image(values, intensity_range=[0, top])
+    assert scaled.dtype == np.float32
+    exact = values.astype(np.float64) / top
+    assert np.all(np.abs(scaled - exact) <= np.spacing(scaled.astype(np.float32)))
+
+
+def test_scale_image_keeps_to_one_float32_copy():
+    image = np.random.default_rng(0).integers(0, 4096, (600, 500, 3)).astype(np.uint16)
+    tracemalloc.start()
+    try:
+        out = train_unet.scale_image(image)  # the dtype's range, as an old checkpoint reads
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 1.1 * out.nbytes, peak / out.nbytes  # float64 arithmetic took 3x
+    assert image.dtype == np.uint16 and image.max() > 1  # the caller's array is left alone
+
+
+def test_checking_a_large_16_bit_image_makes_no_scaled_copy(make_cfg, tmp_path):
+    """The data check learns size and range from the decoded pixels alone: the image at 1x its raw
+    bytes, plus its mask's check in another thread, 1.6x in all (reading it scaled took 7x)."""
+    raw = np.random.default_rng(0).integers(0, 4096, (1000, 900, 3)).astype(np.uint16)
+    image, mask = tmp_path / "a.png", tmp_path / "m.png"
+    cv2.imwrite(str(image), raw)
+    cv2.imwrite(str(mask), np.zeros((1000, 900), np.uint8))
+    cfg = make_cfg(data_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "ck"))
+    tracemalloc.start()
+    try:
+        facts = train_unet.checked_facts([str(image), str(mask)], cfg, write=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak <= 2 * raw.nbytes, peak / raw.nbytes
+    assert facts[str(image)]["hw"] == [1000, 900]
+    assert facts[str(image)]["range"] == [int(raw.min()), int(raw.max())]
+
+
+def test_depth_sets_writes_every_variant_as_a_checked_split(tmp_path, make_cfg):
+    """tools/depth_sets.py on a stand-in for stardist's files: each variant is a train/val split that
+    passes the data check, and the wide copies learn the range their conversion implies."""
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 236, (512, 512)).astype(np.uint16)  # 8-bit values in a 16-bit TIFF
+    mask = (rng.random((512, 512)) > 0.7).astype(np.uint16) * 3  # instance labels
+    tifffile.imwrite(tmp_path / "img2d.tif", image)
+    tifffile.imwrite(tmp_path / "mask2d.tif", mask)
+    depth_sets.main(tmp_path, tmp_path / "sets")
+    low, high = int(image.min()), int(image.max())
+    expected = {"u8": None, "u16_as_shipped": [low, high], "b16": [low * 257, high * 257],
+                "b12_offset": [low * 12 + 300, high * 12 + 300]}
+    for name in depth_sets.VARIANTS:
+        cfg = make_cfg(data_dir=str(tmp_path / "sets" / name))
+        train, val = train_unet.prepare_data(cfg)
+        assert (len(train), len(val)) == (35, 4)
+        if name in expected:
+            assert train_unet.learnt_intensity_range(train, cfg) == expected[name], name
+
+
+# ----------------------------------------------------------------------------------------------------
+# Review of the range: caches from before ranges, alpha, old checkpoints, mixed depths, no re-decoding
+# ----------------------------------------------------------------------------------------------------
+def test_a_cache_written_before_ranges_is_checked_again(make_cfg, depths):
+    """A version-2 cache (stamps with ctime, no image ranges) must not read as '8-bit images'."""
+    cfg = make_cfg(data_dir=str(depths[12]))
+    train_unet.prepare_data(cfg)
+    path = Path(cfg["data_dir"]) / train_unet.CHECK_CACHE_NAME
+    cache = json.loads(path.read_text())
+    files = {p: {k: v for k, v in e.items() if k not in ("range", "dtype")} for p, e in cache["files"].items()}
+    path.write_text(json.dumps({"version": 2, "files": files}))
+    learnt, _, _ = run_cfg(make_cfg, depths[12])
+    assert learnt["intensity_range"] == [0, 4095]
+
+
+def test_an_opaque_alpha_channel_is_not_counted_in_the_range(make_cfg, depths, tmp_path):
+    """RGBA TIFFs with 12-bit colour and an opaque 16-bit alpha: the alpha is dropped, so it sets no range."""
+    rgba = tmp_path / "rgba"
+    (rgba / "images").mkdir(parents=True)
+    for path in sorted((depths[12] / "images").iterdir()):
+        rgb = cv2.cvtColor(cv2.imread(str(path), cv2.IMREAD_UNCHANGED), cv2.COLOR_BGR2RGB)
+        alpha = np.full(rgb.shape[:2] + (1,), 65535, np.uint16)
+        tifffile.imwrite(rgba / "images" / f"{path.stem}.tif", np.concatenate([rgb, alpha], axis=2))
+    shutil.copytree(depths[12] / "masks", rgba / "masks")
+    for channels in (3, 1):
+        cfg, train_pairs, _ = run_cfg(make_cfg, rgba, in_channels=channels)
+        assert cfg["intensity_range"] == [0, 4095]
+        image, _ = train_unet.read_pair(train_pairs[0], cfg)
+        assert image.max() <= 1.0 and image.max() > 0.5
+
+
+def test_a_checkpoint_from_before_ranges_predicts_on_the_dtype_range_whatever_config_says(
+        make_cfg, depths, tmp_path, monkeypatch):
+    ckpt = train_and_predict(make_cfg, depths[12], tmp_path, "old")
+    state = train_unet.load_checkpoint(ckpt)
+    del state["config"]["intensity_range"]  # as written before ranges were learnt
+    torch.save(state, ckpt)
+    monkeypatch.setitem(train_unet.CONFIG, "intensity_range", [0, 4095])  # the user's edited script
+    _, loaded = train_unet.load_model(ckpt, train_unet.detect_hardware("cpu"))
+    assert loaded["intensity_range"] is None
+
+
+def test_the_cache_estimate_takes_the_widest_depth_in_the_set(make_cfg, data_dir):
+    """8-bit first, 16-bit after: every cached image is float32 (4 bytes a value) but the first."""
+    cfg = make_cfg()
+    first = train_unet.prepare_data(cfg)[0][0][0]
+    for path in sorted((data_dir / "images").iterdir()):
+        if path != Path(first):
+            cv2.imwrite(str(path), cv2.imread(str(path)).astype(np.uint16) * 257)
+    train, _ = train_unet.prepare_data(cfg)
+    assert train[0][0] == first and cv2.imread(str(first), cv2.IMREAD_UNCHANGED).dtype == np.uint8
+    assert train_unet.cache_bytes(train, cfg) == len(train) * cfg["image_size"] ** 2 * (3 * 4 + 1)
+
+
+def test_questions_after_the_check_decode_nothing_where_no_cache_could_be_written(make_cfg, depths, monkeypatch):
+    """Read-only data_dir and checkpoint_dir: the range, sizes and cache estimate come from the check's
+    own facts (as the ranks exchanged them under torchrun), not from decoding every image again."""
+    monkeypatch.setattr(train_unet, "atomic_write", lambda *a: (_ for _ in ()).throw(PermissionError(13, "no")))
+    cfg = make_cfg(data_dir=str(depths[16]))
+    train, _ = train_unet.prepare_data(cfg)
+    decoded = []
+    real = train_unet.decode_image
+    monkeypatch.setattr(train_unet, "decode_image", lambda p, *a: decoded.append(p) or real(p, *a))
+    assert train_unet.learnt_intensity_range(train, cfg) == [0, 65535]
+    train_unet.image_sizes(train, cfg)
+    train_unet.cache_bytes(train, cfg)
+    assert decoded == []
