@@ -634,9 +634,12 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
         return Precision(dtype, dtype == torch.float16, f"{amp_dtype} as requested{note}")
     # Not native here: the automatic choice is the fallback (it can never be the requested dtype).
     auto = decide_precision(hw)
-    return Precision(auto.dtype, auto.use_scaler, f"fallback from {amp_dtype}",
-                     f"amp_dtype={amp_dtype} {missing_support(hw, amp_dtype)}: using {_dtype_label(auto)} "
-                     f"instead (force_amp_dtype=True insists)")
+    return Precision(auto.dtype, auto.use_scaler, f"fallback from {amp_dtype}", fallback_warning(hw, amp_dtype, auto))
+
+
+def fallback_warning(hw, amp_dtype, used):
+    return (f"amp_dtype={amp_dtype} {missing_support(hw, amp_dtype)}: using {_dtype_label(used)} instead "
+            f"(force_amp_dtype=True insists)")
 
 
 def missing_support(hw, amp_dtype):
@@ -655,12 +658,17 @@ def _dtype_label(p):
 
 
 def apply_tf32(setting, prec):
-    """Apply tf32_matmul_precision; return a warning when it cannot matter for autocast ops."""
+    """Apply tf32_matmul_precision; return a warning when it cannot matter for autocast ops (tf32_note)."""
     if setting is None:
         return None
     torch.set_float32_matmul_precision(setting)
     torch.backends.cudnn.allow_tf32 = setting != "highest"
-    if prec.amp:
+    return tf32_note(setting, prec)
+
+
+def tf32_note(setting, prec):
+    """A warning when tf32_matmul_precision is set and cannot matter for autocast ops in `prec`."""
+    if setting is not None and prec.amp:
         return (f"tf32_matmul_precision={setting} has no effect on autocast ops (they run in "
                 f"{prec.name}); it only changes fp32 matmuls/convolutions, e.g. fp32 validation")
     return None
@@ -760,8 +768,18 @@ def mode_label(label):
 
 
 def cpu_probe_cache_path():
-    """$XDG_CACHE_HOME/unet-amp/cpu_probe.json (~/.cache/... without it): per user, shared by runs."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    """$XDG_CACHE_HOME/unet-amp/cpu_probe.json (~/.cache/... without it, or where it is relative, which
+    the XDG spec says to ignore): per user, shared by runs. None where there is no home folder either (a
+    container user without $HOME or a passwd entry): the probe then runs without a cache."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(root):
+        try:
+            home = Path.home()
+        except (RuntimeError, KeyError):
+            return None
+        if not home.is_absolute():
+            return None
+        root = home / ".cache"
     return Path(root) / "unet-amp" / "cpu_probe.json"
 
 
@@ -775,21 +793,39 @@ def cpu_probe_key(cfg, hw, kind):
     return json.dumps(setting, sort_keys=True)
 
 
+def usable_seconds(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def usable_probe_entry(entry):
+    """The entry with only its usable times (a positive number for a known mode), or None where it is not
+    one this torch wrote in save_cpu_probe_entry's shape (another torch version: stale; a hand edit,
+    another tool): what is not usable is measured anew, never a crash."""
+    shaped = (isinstance(entry, dict) and entry.get("torch") == torch.__version__
+              and isinstance(entry.get("times"), dict) and isinstance(entry.get("date"), str)
+              and usable_seconds(entry.get("seconds")))
+    if not shaped:
+        return None
+    return {**entry, "times": {k: t for k, t in entry["times"].items() if k in CPU_PROBE_MODES and usable_seconds(t)}}
+
+
 def load_cpu_probe_cache(path):
-    """{key: entry}; an unreadable, corrupt or other-version file reads as empty (the probe reruns)."""
+    """{key: usable entry}; an unreadable, corrupt or other-version file reads as empty (the probe reruns)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return {}
     ok = isinstance(data, dict) and data.get("version") == CPU_PROBE_VERSION and isinstance(data.get("entries"), dict)
-    return data["entries"] if ok else {}
+    entries = {key: usable_probe_entry(entry) for key, entry in data["entries"].items()} if ok else {}
+    return {key: entry for key, entry in entries.items() if entry is not None}
 
 
 def save_cpu_probe_entry(path, key, entry):
-    """Add an entry, dropping those of other torch versions (stale); returns None or why it was not
-    saved: an unwritable cache costs a probe next time, never the run."""
-    entries = {k: e for k, e in load_cpu_probe_cache(path).items() if e.get("torch") == torch.__version__}
-    entries[key] = entry
+    """Add an entry, dropping those load_cpu_probe_cache does not use (stale); returns None or why it was
+    not saved: an unwritable cache costs a probe next time, never the run."""
+    if path is None:
+        return "not cached: no home folder for ~/.cache ($HOME unset, no passwd entry) and no absolute XDG_CACHE_HOME"
+    entries = {**load_cpu_probe_cache(path), key: entry}
     text = json.dumps({"version": CPU_PROBE_VERSION, "entries": entries}, indent=1)
     try:
         atomic_write(path, lambda tmp: Path(tmp).write_text(text))
@@ -800,58 +836,80 @@ def save_cpu_probe_entry(path, key, entry):
 
 def measure_cpu_modes(cfg, hw, labels, kind):
     """Seconds per step of each mode in `labels` ("train": bare training steps; "predict": inference
-    forwards), fresh models on random data, timed side by side in alternating rounds after one warm-up
-    step each. The global RNG is left as it was: a probed run trains like one answered from the cache."""
-    make = bare_step_runner if kind == "train" else bare_inference_runner
+    forwards), on random data, timed side by side in alternating rounds after one warm-up step each;
+    one fresh model per layout (autocast does not change it). The global RNG is left as it was: a probed
+    run trains like one answered from the cache."""
+    make = bare_step_runners if kind == "train" else bare_inference_runners
     with torch.random.fork_rng(devices=[]):
-        runs = {label: make(cfg, hw, DTYPES[CPU_PROBE_MODES[label][0]], CPU_PROBE_MODES[label][1])
-                for label in labels}
-        times = alternate_timings(runs, CPU_PROBE_ROUNDS, hw)
+        runs = {}
+        for nhwc in dict.fromkeys(CPU_PROBE_MODES[label][1] for label in labels):
+            mine = [label for label in labels if CPU_PROBE_MODES[label][1] == nhwc]
+            steps = make(cfg, hw, [DTYPES[CPU_PROBE_MODES[label][0]] for label in mine], nhwc)
+            runs.update({label: steps[DTYPES[CPU_PROBE_MODES[label][0]]] for label in mine})
+        times = alternate_timings({label: runs[label] for label in labels}, CPU_PROBE_ROUNDS, hw)
     return {label: float(np.median(t)) for label, t in times.items()}
 
 
-def cpu_probe_times(cfg, hw, kind):
-    """(seconds per step by mode label, what the banner says about it): from the cache, else measured
-    (and cached). Under torchrun rank 0 answers and the other ranks use its answer."""
-    answer = None
-    if DIST.is_main:
-        path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
-        labels = [label for label, (name, _) in CPU_PROBE_MODES.items() if name == "fp32" or hw.bf16]
-        entry = load_cpu_probe_cache(path).get(key)
-        if usable_probe_entry(entry, labels):
-            answer = (entry["times"], f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; "
-                                      f"delete it to measure again)")
-        else:
-            start = time.perf_counter()
-            times = measure_cpu_modes(cfg, hw, labels, kind)
-            seconds = time.perf_counter() - start
-            unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times,
-                                                       "seconds": seconds, "rounds": CPU_PROBE_ROUNDS,
-                                                       "date": datetime.date.today().isoformat()})
-            answer = (times, f"measured in {seconds:.1f}s ({len(labels)} modes x {CPU_PROBE_ROUNDS} "
-                             f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
-                             + (unsaved or f"cached in {path}"))
-    return gather_setup(answer)[0]
+def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None):
+    """(seconds per step of each mode in `labels` or None, what the banner says about it). Under torchrun
+    rank 0 answers (probe_times_here) and the other ranks use its answer."""
+    return gather_setup(probe_times_here(cfg, hw, kind, labels, job_forwards) if DIST.is_main else None)[0]
 
 
-def usable_probe_entry(entry, labels):
-    """A cached entry of this torch version with a positive time for every mode (else: measure again)."""
-    try:
-        return (entry["torch"] == torch.__version__ and all(entry["times"][label] > 0 for label in labels)
-                and isinstance(entry["date"], str) and entry["seconds"] >= 0)
-    except (KeyError, TypeError):
-        return False
+def probe_times_here(cfg, hw, kind, labels, job_forwards):
+    """The cached times of `labels`, the missing ones measured and added to the entry. A job of fewer
+    forwards than the probe (job_forwards: predict) is not worth probing: None, the flag rule."""
+    path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
+    entry = load_cpu_probe_cache(path).get(key) if path else None
+    cached = entry["times"] if entry else {}
+    missing = [label for label in labels if label not in cached]
+    if not missing:
+        return ({label: cached[label] for label in labels},
+                f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; delete it to measure again)")
+    cost = len(missing) * (1 + CPU_PROBE_ROUNDS)
+    if job_forwards is not None and job_forwards < cost:
+        return None, (f"skipped: this job is {job_forwards} forward(s), the probe {cost}; the flag rule "
+                      f"(a job of at least {cost} forwards at this batch measures it, cached for later ones)")
+    start = time.perf_counter()
+    measured = measure_cpu_modes(cfg, hw, missing, kind)
+    seconds = time.perf_counter() - start
+    times = {**cached, **{label: measured[label] for label in missing}}
+    unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
+                                               "seconds": (entry["seconds"] if entry else 0) + seconds,
+                                               "date": datetime.date.today().isoformat()})
+    reused = f"; {len(labels) - len(missing)} from {path}" if len(missing) < len(labels) else ""
+    how = (f"measured in {seconds:.1f}s ({len(missing)} modes x {CPU_PROBE_ROUNDS} "
+           f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up{reused}), "
+           + (unsaved or f"cached in {path}"))
+    return {label: times[label] for label in labels}, how
+
+
+def autos_precision(cfg, hw, prec):
+    """Whether `prec` is amp_dtype="auto"'s choice: auto itself, or decide_precision's fallback from a
+    dtype not native here (float16 on a CPU falls back to auto's); not a dtype as set, nor a resumed
+    run's safer precision (keep_safer_precision)."""
+    decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    requested = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg["amp_dtype"])
+    return cfg["use_amp"] and prec == decided and prec.dtype == decide_precision(hw).dtype and prec.dtype != requested
 
 
 def cpu_probe_dimensions(cfg, hw, prec):
     """(probe the precision, probe the layout): only on a CPU with cpu_probe on, for what is "auto".
-    The precision only where the flag rule chose bf16 (a CPU without native bf16 never probes it;
-    a resumed run that fell back keeps its safer precision)."""
+    The precision only where auto's choice is bf16 (a CPU without native bf16 never probes it; a
+    resumed run that fell back keeps its safer precision)."""
     if hw.kind != "cpu" or not cfg["cpu_probe"]:
         return False, False
-    auto_bf16 = cfg["use_amp"] and cfg["amp_dtype"] == "auto" and prec == decide_precision(hw) and hw.bf16
+    auto_bf16 = autos_precision(cfg, hw, prec) and prec.name == "bf16" and hw.bf16
     measured = prec.name == "fp32" or (prec.name == "bf16" and hw.bf16)  # forced fp16/emulated bf16: not probed
     return bool(auto_bf16), cfg["channels_last"] == "auto" and measured
+
+
+def probe_labels(prec, rule_nhwc, probe_prec, probe_layout):
+    """The modes the decision compares, no more: both precisions where the precision is probed (else the
+    one in use), each in both layouts where the layout is probed (else the flag rule's)."""
+    names = ("fp32", "bf16") if probe_prec else (prec.name,)
+    layouts = (False, True) if probe_layout else (rule_nhwc,)
+    return [label for label, (name, nhwc) in CPU_PROBE_MODES.items() if name in names and nhwc in layouts]
 
 
 def faster_layout(times, name, rule_nhwc):
@@ -883,19 +941,26 @@ def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
     return prec, (on, why + ("" if on == rule_layout[0] else " (the rule of thumb said otherwise)"))
 
 
-def cpu_probe_decision(cfg, hw, prec, notes, kind="train"):
+def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
     """(precision, (channels_last, why)) for a resolved cfg (a number for batch_size): the flag rule's
-    (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on."""
+    (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on.
+    job_forwards: the job's forwards where a probe longer than the job is skipped (predict)."""
     rule_layout = decide_channels_last(cfg, hw, prec)
     probe_prec, probe_layout = cpu_probe_dimensions(cfg, hw, prec)
     if not (probe_prec or probe_layout):
         return prec, rule_layout
-    times, how = cpu_probe_times(cfg, hw, kind)
-    prec, layout = choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout)
-    per_step = ", ".join(f"{mode_label(label)} {s:.3f}" for label, s in times.items())
+    labels = probe_labels(prec, rule_layout[0], probe_prec, probe_layout)
+    times, how = cpu_probe_times(cfg, hw, kind, labels, job_forwards)
+    if times is None:
+        notes.append(("probe", how))
+        return prec, rule_layout
+    chosen, layout = choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout)
+    per_step = ", ".join(f"{mode_label(label)} {times[label]:.3f}" for label in labels)
     notes.append(("probe", f"s/{'step' if kind == 'train' else 'forward'} at batch {cfg['batch_size']} x "
                            f"{cfg['image_size']}px: {per_step}; {how}"))
-    return prec, layout
+    if prec.warning and chosen is not prec:  # a fallback from a dtype not native here: say what is used
+        chosen = Precision(chosen.dtype, chosen.use_scaler, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
+    return chosen, layout
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3265,10 +3330,14 @@ def predict_setting(cfg, opts):
             **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe") if k in opts}}
 
 
-def predict_modes(cfg, opts, hw, prec, notes):
+def predict_modes(cfg, opts, hw, prec, notes, images=None):
     """Predict's precision and layout: the flag rule, confirmed on a CPU by the probe's inference
-    forwards at predict's batch (cpu_probe_decision, kind "predict", cached like training's)."""
-    return cpu_probe_decision(predict_setting(cfg, opts), hw, prec, notes, kind="predict")
+    forwards at predict's batch (cpu_probe_decision, kind "predict", cached like training's). A job of
+    `images` that is fewer forwards than the probe is not probed (at least one forward per image in
+    patch mode, where the tiles are counted only once read)."""
+    setting = predict_setting(cfg, opts)
+    forwards = None if images is None else images if cfg["data_mode"] == "patch" else -(-images // setting["batch_size"])
+    return cpu_probe_decision(setting, hw, prec, notes, kind="predict", job_forwards=forwards)
 
 
 def predict_layout(model, cfg, opts, hw, prec, layout=None):
@@ -3291,9 +3360,9 @@ def predict(opts):
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
     cfg, notes = {**cfg, **tiling}, []
-    prec, layout = predict_modes(cfg, opts, hw, prec, notes)
-    model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     paths = list_images(opts["input"])
+    prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
+    model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir)))
     check_writable(out_dir)
@@ -3524,6 +3593,12 @@ def random_batch(base, hw):
 def bare_step_runner(base, hw, dtype, channels_last):
     """A function that runs one bare training step (bare_training_step) of a fresh model on a random
     batch at base's batch and image size, in `dtype` autocast and the given layout."""
+    return bare_step_runners(base, hw, [dtype], channels_last)[dtype]
+
+
+def bare_step_runners(base, hw, dtypes, channels_last):
+    """{dtype: bare_step_runner's function} for each of `dtypes`, all on one fresh model, optimizer and
+    batch: autocast does not change the model, so one per layout is enough (half the probe's memory)."""
     torch.manual_seed(0)
     model = build_model({**base, "encoder_weights": None}).to(hw.device)
     x, y = random_batch(base, hw)
@@ -3531,23 +3606,28 @@ def bare_step_runner(base, hw, dtype, channels_last):
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
     opt, loss_fn = build_optimizer(model, base), SegLoss(base["num_classes"])
-    prec = Precision(dtype, False, "bare loop")
-    return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
+
+    def runner(prec):
+        return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
+    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
 
 
-def bare_inference_runner(base, hw, dtype, channels_last):
-    """A function that runs one inference forward (eval_forward, as predict) of a fresh model in eval
-    mode on a random batch at base's batch and image size, in `dtype` autocast and the given layout."""
+def bare_inference_runners(base, hw, dtypes, channels_last):
+    """{dtype: a function that runs one inference forward (eval_forward, as predict)} of one fresh model
+    in eval mode on a random batch at base's batch and image size, in that dtype's autocast and the
+    given layout (one model for all dtypes, as bare_step_runners)."""
     torch.manual_seed(0)
     model = build_model({**base, "encoder_weights": None}).to(hw.device).eval()
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     x, _ = random_batch(base, hw)
-    prec, layout = Precision(dtype, False, "bare loop"), {"channels_last": channels_last}
+    layout = {"channels_last": channels_last}
 
-    def forward():
-        with torch.inference_mode():
-            eval_forward(model, x, layout, prec, hw)
-    return forward
+    def runner(prec):
+        def forward():
+            with torch.inference_mode():
+                eval_forward(model, x, layout, prec, hw)
+        return forward
+    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
 
 
 # Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
@@ -3935,6 +4015,7 @@ def effective_config(cfg, hw, prec, state, n_train, notes):
     config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
     prec, layout = cpu_probe_decision(cfg, hw, prec, notes)
+    notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
     return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
 
 
@@ -3944,9 +4025,11 @@ def setup_precision(cfg, state=None):
     hw = detect_hardware(cfg["device"])
     decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     prec = decided if state is None else keep_safer_precision(decided, state, hw)
-    tf32_note = apply_tf32(cfg["tf32_matmul_precision"], prec)
+    # tf32's note and prec.warning are noted once the probe has settled the precision (effective_config)
+    apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
-    notes = [decided.warning, prec.reason if prec is not decided else None, tf32_note]
+    kept = prec is not decided
+    notes = [decided.warning if kept else None, prec.reason if kept else None]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
     return hw, prec, notes

@@ -51,13 +51,27 @@ def rule_confirming_timings(cfg, hw, labels, kind):
             for label in labels}
 
 
+REAL_MEASURE_CPU_MODES = train_unet.measure_cpu_modes
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_cpu_probe(tmp_path_factory):
+    """For the whole session, set up before any module- or class-scoped fixture trains: the CPU probe's
+    timings are faked (rule_confirming_timings) and its cache is a temporary folder, in os.environ, so
+    subprocesses (torchrun, notebook kernels, the CLI) inherit it; nothing reads or writes the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache_session")))
+        patch.setattr(train_unet, "measure_cpu_modes", rule_confirming_timings)
+        yield
+
+
 @pytest.fixture(autouse=True)
-def fake_cpu_probe(request, monkeypatch, tmp_path_factory):
-    """No test times the CPU probe for real (seconds each) unless marked real_cpu_probe, and none
-    reads or writes the user's cache: XDG_CACHE_HOME is a fresh folder (subprocesses inherit it)."""
+def fake_cpu_probe(request, monkeypatch, tmp_path_factory, hermetic_cpu_probe):
+    """Each test starts with an empty CPU-probe cache (a fresh XDG_CACHE_HOME); a test marked
+    real_cpu_probe times the probe for real."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
-    if "real_cpu_probe" not in request.keywords:
-        monkeypatch.setattr(train_unet, "measure_cpu_modes", rule_confirming_timings)
+    if "real_cpu_probe" in request.keywords:
+        monkeypatch.setattr(train_unet, "measure_cpu_modes", REAL_MEASURE_CPU_MODES)
 
 
 @pytest.fixture

@@ -3,6 +3,9 @@
 its rules. Timings and hardware are faked (conftest's fake_cpu_probe, or a test's own), except in the
 one test marked real_cpu_probe."""
 import dataclasses
+import os
+import pwd
+import weakref
 import json
 from pathlib import Path
 
@@ -226,8 +229,10 @@ def test_a_damaged_entry_is_measured_anew(probe_cfg, monkeypatch):
     for entry in data["entries"].values():
         del entry["times"]["bf16_cl"]
     path.write_text(json.dumps(data))
-    prec, _, _, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
-    assert len(calls) == 1 and prec.name == "fp32"
+    _, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert calls == [(["bf16_cl"], "train", 8)] and "3 from " in dict(notes)["probe"]  # only what is missing
+    entry, = json.loads(path.read_text())["entries"].values()
+    assert entry["times"] == {**EPYC, "bf16_cl": XEON["bf16_cl"]}
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}), "[]"])
@@ -327,12 +332,13 @@ def test_predict_uses_the_inference_probe(make_cfg, monkeypatch, tmp_path, data_
     train_unet.train(cfg)
     monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": BF16_CPU)
     calls = fake_timings(monkeypatch, {"fp32": 0.2, "fp32_cl": 0.3, "bf16": 0.4, "bf16_cl": 0.5})
+    monkeypatch.setattr(train_unet, "CPU_PROBE_ROUNDS", 2)  # a probe of 4 x 3 forwards: the 12 images' job
     opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(data_dir / "images"),
-            "output": str(tmp_path / "pred"), "progress": False, "batch_size": 8}
+            "output": str(tmp_path / "pred"), "progress": False, "batch_size": 1}
     capsys.readouterr()
     result = train_unet.predict(opts)
     out = capsys.readouterr().out
-    assert calls == [(["fp32", "fp32_cl", "bf16", "bf16_cl"], "predict", 8)]
+    assert calls == [(["fp32", "fp32_cl", "bf16", "bf16_cl"], "predict", 1)]
     assert result["precision"] == "fp32" and result["predicted"] == 12
     assert "contiguous layout, fp32 (auto: bf16 measured 0.50x fp32 here" in out
     train_unet.predict(opts)
@@ -372,3 +378,220 @@ def test_the_real_probe_end_to_end(make_cfg, cpu_hw):
     again = []
     assert train_unet.cpu_probe_decision(cfg, cpu_hw, prec, again) == (chosen, (nhwc, why))
     assert "from " in dict(again)["probe"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Review of the probe (the suite's hermeticity, damaged caches, the banner's notes, wasted modes, no
+# home folder, memory, small predict jobs)
+# ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def seen_by_a_module_fixture():
+    """What a module-scoped fixture that trains (test_predict's models, test_notebooks' run) sees."""
+    return train_unet.measure_cpu_modes, os.environ.get("XDG_CACHE_HOME")
+
+
+def test_module_fixtures_train_with_the_fake_probe_and_a_temporary_cache(seen_by_a_module_fixture,
+                                                                          tmp_path_factory):
+    measure, xdg = seen_by_a_module_fixture
+    assert measure.__name__ == "rule_confirming_timings"
+    assert xdg and Path(xdg).is_relative_to(tmp_path_factory.getbasetemp())
+
+
+def write_cache(entries):
+    path = train_unet.cpu_probe_cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": train_unet.CPU_PROBE_VERSION, "entries": entries}))
+    return path
+
+
+def edit_entries(edit):
+    path = train_unet.cpu_probe_cache_path()
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        edit(entry)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("entry", ["garbage", None, 3, {"torch": torch.__version__, "times": "garbage"},
+                                   {"torch": torch.__version__, "times": {"fp32": 1.0}, "date": 5, "seconds": 1}])
+def test_a_malformed_entry_of_another_setting_is_skipped(probe_cfg, monkeypatch, entry):
+    path = write_cache({"someone else's key": entry})
+    prec, _, _, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert len(calls) == 1 and prec.name == "fp32"
+    assert list(json.loads(path.read_text())["entries"]) == [train_unet.cpu_probe_key(probe_cfg, BF16_CPU, "train")]
+
+
+@pytest.mark.parametrize("extra", [0.5, "fast", None])
+def test_an_unknown_mode_in_a_cached_entry_is_ignored(probe_cfg, monkeypatch, extra):
+    """A future version's mode or a hand edit: the entry's own modes are still used, the banner lists
+    only the modes compared."""
+    decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
+    edit_entries(lambda entry: entry["times"].update(fp16=extra))
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)
+    assert calls == [] and prec.name == "fp32" and "fp16" not in dict(notes)["probe"]
+
+
+@pytest.mark.parametrize("field, value", [("seconds", "7"), ("date", None), ("seconds", None)])
+def test_a_cached_entry_with_a_bad_field_is_measured_anew(probe_cfg, monkeypatch, field, value):
+    decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
+    edit_entries(lambda entry: entry.update({field: value}))
+    _, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert len(calls) == 1 and "measured in" in dict(notes)["probe"]
+
+
+def test_a_bad_time_of_one_mode_measures_that_mode_only(probe_cfg, monkeypatch):
+    decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
+    edit_entries(lambda entry: entry["times"].update(bf16="0.5", fp32=-1))
+    _, _, _, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert calls == [(["fp32", "bf16"], "train", 8)]
+
+
+@pytest.mark.parametrize("times, note", [(XEON, False), (EPYC, True)])
+def test_the_tf32_note_follows_the_measured_precision(make_cfg, monkeypatch, capsys, restore_matmul_precision,
+                                                      times, note):
+    """tf32_matmul_precision "has no effect on autocast ops" only where the probe kept bf16."""
+    monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": BF16_CPU)
+    fake_timings(monkeypatch, times)
+    cfg = make_cfg(use_amp=True, channels_last="auto", cpu_probe=True, image_size=128, batch_size=8,
+                   tf32_matmul_precision="high")
+    out, seen = banner_of_train(cfg, monkeypatch, capsys)
+    assert seen["prec"] == ("bf16" if note else "fp32")
+    assert ("has no effect on autocast ops" in out) is note
+
+
+@pytest.mark.parametrize("times, used", [(XEON, "float32"), (EPYC, "bfloat16")])
+def test_a_float16_fallback_on_a_cpu_is_probed_as_auto(probe_cfg, monkeypatch, times, used):
+    """amp_dtype=float16 falls back to auto's bf16 on a CPU: the probe decides it as for auto, and the
+    warning names what is used."""
+    cfg = {**probe_cfg, "amp_dtype": "float16"}
+    prec, _, _, calls = decide(cfg, BF16_CPU, times, monkeypatch)
+    assert calls[0][0] == ["fp32", "fp32_cl", "bf16", "bf16_cl"]
+    assert prec.name == {"float32": "fp32", "bfloat16": "bf16"}[used]
+    assert f"using {used} instead" in prec.warning and "amp_dtype=float16" in prec.warning
+
+
+def test_the_banner_warns_about_the_precision_used(make_cfg, monkeypatch, capsys):
+    monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": BF16_CPU)
+    fake_timings(monkeypatch, XEON)
+    cfg = make_cfg(use_amp=True, amp_dtype="float16", channels_last="auto", cpu_probe=True, image_size=128,
+                   batch_size=8)
+    out, seen = banner_of_train(cfg, monkeypatch, capsys)
+    assert seen["prec"] == "fp32" and "using float32 instead" in out and "using bfloat16" not in out
+
+
+@pytest.mark.parametrize("settings, modes", [
+    ({"use_amp": False}, ["fp32", "fp32_cl"]),
+    ({"amp_dtype": "bfloat16"}, ["bf16", "bf16_cl"]),
+    ({"channels_last": True}, ["fp32_cl", "bf16_cl"]),
+    ({"channels_last": False}, ["fp32", "bf16"]),
+    ({}, ["fp32", "fp32_cl", "bf16", "bf16_cl"]),
+])
+def test_the_probe_times_only_the_modes_it_compares(probe_cfg, monkeypatch, settings, modes):
+    _, _, notes, calls = decide({**probe_cfg, **settings}, BF16_CPU, XEON, monkeypatch)
+    assert calls == [(modes, "train", 8)]
+    per_step = dict(notes)["probe"].split(": ", 1)[1].split(";")[0]
+    assert per_step.count(",") + 1 == len(modes)  # one time per mode compared
+
+
+def test_a_later_run_measures_only_the_modes_not_cached(probe_cfg, monkeypatch):
+    decide({**probe_cfg, "use_amp": False}, BF16_CPU, XEON, monkeypatch)
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert calls == [(["bf16", "bf16_cl"], "train", 8)] and prec.name == "fp32"
+    assert "2 from " in dict(notes)["probe"]
+    assert decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)[3] == []  # all four cached now
+
+
+@pytest.fixture
+def no_home(monkeypatch):
+    """A container user with no $HOME and no passwd entry."""
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.delenv("HOME", raising=False)
+
+    def missing(uid):
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+    monkeypatch.setattr(pwd, "getpwuid", missing)
+
+
+def test_without_a_home_folder_the_probe_runs_uncached(probe_cfg, monkeypatch, no_home):
+    assert train_unet.cpu_probe_cache_path() is None
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert len(calls) == 1 and prec.name == "fp32" and "not cached: no home folder" in dict(notes)["probe"]
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert train_unet.cpu_probe_cache_path() == tmp_path / ".cache" / "unet-amp" / "cpu_probe.json"
+
+
+def test_other_cpu_flags_probe_again(probe_cfg, monkeypatch):
+    decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    flags = train_unet.cpu_flags()
+    monkeypatch.setattr(train_unet, "cpu_flags", lambda: set(flags) | {"amx_tile"})
+    assert len(decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)[3]) == 1
+
+
+def test_patch_mode_predict_probes_at_the_tile_batch(make_cfg, monkeypatch):
+    model_cfg = {**make_cfg(), "data_mode": "patch", "tile_batch_size": 5}
+    calls = fake_timings(monkeypatch, XEON)
+    opts = {"batch_size": 1, "use_amp": False, "amp_dtype": "auto", "cpu_probe": True}
+    fp32 = train_unet.decide_precision(PLAIN_CPU, use_amp=False)
+    train_unet.predict_modes(model_cfg, opts, PLAIN_CPU, fp32, [])
+    assert calls == [(["fp32", "fp32_cl"], "predict", 5)]
+
+
+@pytest.mark.parametrize("kind", ["train", "predict"])
+def test_the_probe_builds_one_model_per_layout_and_frees_them(make_cfg, monkeypatch, kind):
+    """Autocast does not change the model: fp32 and bf16 of one layout share it (2 models, not 4)."""
+    import conftest
+    built = []
+    real_build = train_unet.build_model
+
+    def build(cfg):
+        model = real_build(cfg)
+        built.append(weakref.ref(model))
+        return model
+    monkeypatch.setattr(train_unet, "build_model", build)
+    monkeypatch.setattr(train_unet, "alternate_timings", lambda runs, rounds, hw: {name: [1.0] for name in runs})
+    cfg = make_cfg(image_size=32, batch_size=2)
+    times = conftest.REAL_MEASURE_CPU_MODES(cfg, PLAIN_CPU, list(train_unet.CPU_PROBE_MODES), kind)
+    assert sorted(times) == sorted(train_unet.CPU_PROBE_MODES) and len(built) == 2
+    assert all(ref() is None for ref in built)  # freed on return
+
+
+def test_a_predict_job_shorter_than_the_probe_is_not_probed(make_cfg, monkeypatch):
+    model_cfg = make_cfg(image_size=64)
+    calls = fake_timings(monkeypatch, XEON)
+    opts = {"batch_size": 8, "use_amp": True, "amp_dtype": "auto", "cpu_probe": True}
+    bf16, notes = train_unet.decide_precision(BF16_CPU), []
+    prec, (nhwc, why) = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, images=20)
+    assert calls == [] and prec is bf16 and "measured" not in why  # 3 forwards: the flag rule
+    assert "skipped: this job is 3 forward(s), the probe 16" in dict(notes)["probe"]
+    train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, [], images=16 * 8)
+    assert len(calls) == 1  # a job as long as the probe is probed, and cached ...
+    notes = []
+    prec, _ = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, images=3)
+    assert len(calls) == 1 and prec.name == "fp32" and "from " in dict(notes)["probe"]  # ... for small jobs too
+
+
+@pytest.mark.real_cpu_probe
+def test_the_real_inference_probe(make_cfg, cpu_hw, monkeypatch):
+    cfg = make_cfg(use_amp=True, channels_last="auto", cpu_probe=True, image_size=32, batch_size=2)
+    forwards, real_forward = [], train_unet.eval_forward
+
+    def forward(model, x, layout, prec, hw):
+        forwards.append((x.shape[0], layout["channels_last"], prec.name, model.training))
+        return real_forward(model, x, layout, prec, hw)
+    monkeypatch.setattr(train_unet, "eval_forward", forward)
+    rng, notes = torch.random.get_rng_state(), []
+    chosen, (nhwc, why) = train_unet.cpu_probe_decision(cfg, cpu_hw, train_unet.decide_precision(cpu_hw), notes,
+                                                       kind="predict")
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    entry, = json.loads(train_unet.cpu_probe_cache_path().read_text())["entries"].values()
+    expected = ["fp32", "fp32_cl"] + (["bf16", "bf16_cl"] if cpu_hw.bf16 else [])
+    assert sorted(entry["times"]) == sorted(expected) and all(t > 0 for t in entry["times"].values())
+    modes = {(2, train_unet.CPU_PROBE_MODES[label][1], train_unet.CPU_PROBE_MODES[label][0], False)
+             for label in expected}
+    assert len(forwards) == len(expected) * (1 + train_unet.CPU_PROBE_ROUNDS) and set(forwards) == modes
+    assert dict(notes)["probe"].startswith("s/forward at batch 2 x 32px") and "measured" in why
+    assert chosen.name in (("fp32", "bf16") if cpu_hw.bf16 else ("fp32",))
