@@ -100,6 +100,8 @@ CONFIG = {
     "force_amp_dtype": False,      # True = use amp_dtype even where it has no fast kernels (slow; tests)
     "eval_amp": False,             # False = validate in fp32, so fp32 and bf16 runs are judged alike
     "channels_last": "auto",       # NHWC memory layout: "auto" (on where it is faster), True, False
+    "cpu_probe": True,             # CPU: amp_dtype/channels_last "auto" confirmed by a short timed probe
+                                   # (cached per machine and setting); False = the feature-flag rule only
     "compile_model": False,        # torch.compile: pays off on GPUs; 30-70 s compile, slower on CPU
     "sync_batchnorm": False,       # under torchrun: BatchNorm statistics over all GPUs (CUDA only)
     "tf32_matmul_precision": None, # None | "highest" | "high" | "medium" (fp32 matmuls on Ampere+)
@@ -627,13 +629,17 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
     native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
     if native or force:
-        note = "" if native else " (force_amp_dtype=True: no native kernels, slow)"
+        slow = f"{amp_dtype} {missing_support(hw, amp_dtype)}" if hw.kind == "cpu" else "no native kernels, slow"
+        note = "" if native else f" (force_amp_dtype=True: {slow})"
         return Precision(dtype, dtype == torch.float16, f"{amp_dtype} as requested{note}")
     # Not native here: the automatic choice is the fallback (it can never be the requested dtype).
     auto = decide_precision(hw)
-    return Precision(auto.dtype, auto.use_scaler, f"fallback from {amp_dtype}",
-                     f"amp_dtype={amp_dtype} {missing_support(hw, amp_dtype)}: using {_dtype_label(auto)} "
-                     f"instead (force_amp_dtype=True insists)")
+    return Precision(auto.dtype, auto.use_scaler, f"fallback from {amp_dtype}", fallback_warning(hw, amp_dtype, auto))
+
+
+def fallback_warning(hw, amp_dtype, used):
+    return (f"amp_dtype={amp_dtype} {missing_support(hw, amp_dtype)}: using {_dtype_label(used)} instead "
+            f"(force_amp_dtype=True insists)")
 
 
 def missing_support(hw, amp_dtype):
@@ -641,7 +647,8 @@ def missing_support(hw, amp_dtype):
         need = "8.0" if amp_dtype == "bfloat16" else "7.0"
         return f"needs compute capability >= {need}, {hw.device} has {hw.capability[0]}.{hw.capability[1]}"
     if hw.kind == "cpu" and amp_dtype == "float16":
-        return "has no fast CPU kernels (fp16 autocast runs 10-100x slower than fp32 there)"
+        # 188x slower measured on a Xeon that advertises AVX512-FP16 (issue 21); ~70x on another
+        return "has no fast CPU kernels (fp16 autocast runs 70-190x slower than fp32 there, even with AVX512-FP16)"
     return f"is not native on {hw.device} ({hw.bf16_feature})" if amp_dtype == "bfloat16" and hw.bf16_feature \
         else f"is not native on {hw.device}"
 
@@ -651,12 +658,17 @@ def _dtype_label(p):
 
 
 def apply_tf32(setting, prec):
-    """Apply tf32_matmul_precision; return a warning when it cannot matter for autocast ops."""
+    """Apply tf32_matmul_precision; return a warning when it cannot matter for autocast ops (tf32_note)."""
     if setting is None:
         return None
     torch.set_float32_matmul_precision(setting)
     torch.backends.cudnn.allow_tf32 = setting != "highest"
-    if prec.amp:
+    return tf32_note(setting, prec)
+
+
+def tf32_note(setting, prec):
+    """A warning when tf32_matmul_precision is set and cannot matter for autocast ops in `prec`."""
+    if setting is not None and prec.amp:
         return (f"tf32_matmul_precision={setting} has no effect on autocast ops (they run in "
                 f"{prec.name}); it only changes fp32 matmuls/convolutions, e.g. fp32 validation")
     return None
@@ -679,6 +691,8 @@ def decide_channels_last(cfg, hw, prec):
     if hw.kind == "cuda":
         if prec.amp or (hw.capability and hw.capability >= (8, 0)):
             return True, f"auto: {'AMP' if prec.amp else 'TF32'} convolutions on tensor cores want NHWC"
+        # A judgement call, not a measurement: cuDNN's fp32 kernels before Ampere are NCHW-first.
+        # `make gpu-check` times fp32 NCHW vs NHWC (bare loop) on a GPU for the README.
         return False, "auto: fp32 without tensor cores gains nothing from NHWC"
     if hw.kind == "mps":
         return False, "auto: NHWC is not faster on MPS"
@@ -724,6 +738,229 @@ def banner(hw, prec, cfg, notes=(), layout=None):
     ] + [f"{n[0]:<12} {n[1]}" if isinstance(n, tuple) else f"note         {n}" for n in notes if n]
     rule = "=" * 78
     return "\n".join([rule, "unet-amp", *lines, rule])
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU probe: on a CPU, "native bf16" by feature flag does not mean faster (an AVX512-BF16 Xeon ran
+# bf16 0.7x fp32), so amp_dtype="auto" and channels_last="auto" confirm the flag rule with a few timed
+# steps of the run's own model, image size and batch, cached per machine and setting.
+# ----------------------------------------------------------------------------------------------------
+# bf16 is kept only if its fastest layout beats fp32's by this factor: fp32 is the safer mode (no
+# autocast rounding), so a gain within the probe's noise is not worth it. Noise measured on a shared
+# 2-core Xeon (README "CPU probe"): the same mode probed 4 times differed by up to 7% (fp32 0.332-0.355
+# s/step at the default run), the bf16/fp32 ratio by 4%; 1.15x is twice the worst spread.
+CPU_PROBE_BF16_MARGIN = 1.15
+# The other layout replaces the flag rule's only when faster by more than that noise (a layout carries
+# no numerical risk, so the bar is the noise alone).
+CPU_PROBE_LAYOUT_MARGIN = 1.08
+# Timed steps per mode, after one untimed warm-up step each, in alternating rounds (alternate_timings;
+# the median of 3 shrugs off one disturbed step): 7 s, ~5% of the default run on 2 cores (README).
+CPU_PROBE_ROUNDS = 3
+CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label: (precision, NHWC),
+                   "bf16": ("bf16", False), "bf16_cl": ("bf16", True)}   # the benchmark's labels
+CPU_PROBE_VERSION = 1  # of the cache file's layout; another version's file is ignored
+CPU_PROBE_SETTING = ("arch", "encoder_name", "image_size", "batch_size", "in_channels", "num_classes")
+
+
+def mode_label(label):
+    name, nhwc = CPU_PROBE_MODES[label]
+    return name + (" + NHWC" if nhwc else "")
+
+
+def cpu_probe_cache_path():
+    """$XDG_CACHE_HOME/unet-amp/cpu_probe.json (~/.cache/... without it, or where it is relative, which
+    the XDG spec says to ignore): per user, shared by runs. None where there is no home folder either (a
+    container user without $HOME or a passwd entry): the probe then runs without a cache."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(root):
+        try:
+            home = Path.home()
+        except (RuntimeError, KeyError):
+            return None
+        if not home.is_absolute():
+            return None
+        root = home / ".cache"
+    return Path(root) / "unet-amp" / "cpu_probe.json"
+
+
+def cpu_probe_key(cfg, hw, kind):
+    """What a probe's answer depends on. hw.bf16 is in it (UNET_HIDE_NATIVE_BF16=1 hides the bf16
+    modes), and the torch version: after an upgrade the old entry is not used (and dropped on save)."""
+    flags = " ".join(sorted(cpu_flags()))
+    setting = {"kind": kind, "cpu": cpu_name(), "flags": flags, "machine": platform.machine(),
+               "torch": torch.__version__, "threads": torch.get_num_threads(), "bf16": hw.bf16,
+               **{k: cfg[k] for k in CPU_PROBE_SETTING}}
+    return json.dumps(setting, sort_keys=True)
+
+
+def usable_seconds(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def usable_probe_entry(entry):
+    """The entry with only its usable times (a positive number for a known mode), or None where it is not
+    one this torch wrote in save_cpu_probe_entry's shape (another torch version: stale; a hand edit,
+    another tool): what is not usable is measured anew, never a crash."""
+    shaped = (isinstance(entry, dict) and entry.get("torch") == torch.__version__
+              and isinstance(entry.get("times"), dict) and isinstance(entry.get("date"), str)
+              and usable_seconds(entry.get("seconds")))
+    if not shaped:
+        return None
+    return {**entry, "times": {k: t for k, t in entry["times"].items() if k in CPU_PROBE_MODES and usable_seconds(t)}}
+
+
+def load_cpu_probe_cache(path):
+    """{key: usable entry}; an unreadable, corrupt or other-version file reads as empty (the probe reruns)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    ok = isinstance(data, dict) and data.get("version") == CPU_PROBE_VERSION and isinstance(data.get("entries"), dict)
+    entries = {key: usable_probe_entry(entry) for key, entry in data["entries"].items()} if ok else {}
+    return {key: entry for key, entry in entries.items() if entry is not None}
+
+
+def save_cpu_probe_entry(path, key, entry):
+    """Add an entry, dropping those load_cpu_probe_cache does not use (stale); returns None or why it was
+    not saved: an unwritable cache costs a probe next time, never the run."""
+    if path is None:
+        return "not cached: no home folder for ~/.cache ($HOME unset, no passwd entry) and no absolute XDG_CACHE_HOME"
+    entries = {**load_cpu_probe_cache(path), key: entry}
+    text = json.dumps({"version": CPU_PROBE_VERSION, "entries": entries}, indent=1)
+    try:
+        atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+    except OSError as exc:
+        return f"not cached: {path}: {exc.strerror or exc}"
+    return None
+
+
+def measure_cpu_modes(cfg, hw, labels, kind):
+    """Seconds per step of each mode in `labels` ("train": bare training steps; "predict": inference
+    forwards), on random data, timed side by side in alternating rounds after one warm-up step each;
+    one fresh model per layout (autocast does not change it). The global RNG is left as it was: a probed
+    run trains like one answered from the cache."""
+    make = bare_step_runners if kind == "train" else bare_inference_runners
+    with torch.random.fork_rng(devices=[]):
+        runs = {}
+        for nhwc in dict.fromkeys(CPU_PROBE_MODES[label][1] for label in labels):
+            mine = [label for label in labels if CPU_PROBE_MODES[label][1] == nhwc]
+            steps = make(cfg, hw, [DTYPES[CPU_PROBE_MODES[label][0]] for label in mine], nhwc)
+            runs.update({label: steps[DTYPES[CPU_PROBE_MODES[label][0]]] for label in mine})
+        times = alternate_timings({label: runs[label] for label in labels}, CPU_PROBE_ROUNDS, hw)
+    return {label: float(np.median(t)) for label, t in times.items()}
+
+
+def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None):
+    """(seconds per step of each mode in `labels` or None, what the banner says about it). Under torchrun
+    rank 0 answers (probe_times_here) and the other ranks use its answer."""
+    return gather_setup(probe_times_here(cfg, hw, kind, labels, job_forwards) if DIST.is_main else None)[0]
+
+
+def probe_times_here(cfg, hw, kind, labels, job_forwards):
+    """The cached times of `labels`, the missing ones measured and added to the entry. A job of fewer
+    forwards than the probe (job_forwards: predict) is not worth probing: None, the flag rule."""
+    path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
+    entry = load_cpu_probe_cache(path).get(key) if path else None
+    cached = entry["times"] if entry else {}
+    missing = [label for label in labels if label not in cached]
+    if not missing:
+        return ({label: cached[label] for label in labels},
+                f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; delete it to measure again)")
+    cost = len(missing) * (1 + CPU_PROBE_ROUNDS)
+    if job_forwards is not None and job_forwards < cost:
+        return None, (f"skipped: this job is {job_forwards} forward(s), the probe {cost}; the flag rule "
+                      f"(a job of at least {cost} forwards at this batch measures it, cached for later ones)")
+    start = time.perf_counter()
+    measured = measure_cpu_modes(cfg, hw, missing, kind)
+    seconds = time.perf_counter() - start
+    times = {**cached, **{label: measured[label] for label in missing}}
+    unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
+                                               "seconds": (entry["seconds"] if entry else 0) + seconds,
+                                               "date": datetime.date.today().isoformat()})
+    reused = f"; {len(labels) - len(missing)} from {path}" if len(missing) < len(labels) else ""
+    how = (f"measured in {seconds:.1f}s ({len(missing)} modes x {CPU_PROBE_ROUNDS} "
+           f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up{reused}), "
+           + (unsaved or f"cached in {path}"))
+    return {label: times[label] for label in labels}, how
+
+
+def autos_precision(cfg, hw, prec):
+    """Whether `prec` is amp_dtype="auto"'s choice: auto itself, or decide_precision's fallback from a
+    dtype not native here (float16 on a CPU falls back to auto's); not a dtype as set, nor a resumed
+    run's safer precision (keep_safer_precision)."""
+    decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    requested = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg["amp_dtype"])
+    return cfg["use_amp"] and prec == decided and prec.dtype == decide_precision(hw).dtype and prec.dtype != requested
+
+
+def cpu_probe_dimensions(cfg, hw, prec):
+    """(probe the precision, probe the layout): only on a CPU with cpu_probe on, for what is "auto".
+    The precision only where auto's choice is bf16 (a CPU without native bf16 never probes it; a
+    resumed run that fell back keeps its safer precision)."""
+    if hw.kind != "cpu" or not cfg["cpu_probe"]:
+        return False, False
+    auto_bf16 = autos_precision(cfg, hw, prec) and prec.name == "bf16" and hw.bf16
+    measured = prec.name == "fp32" or (prec.name == "bf16" and hw.bf16)  # forced fp16/emulated bf16: not probed
+    return bool(auto_bf16), cfg["channels_last"] == "auto" and measured
+
+
+def probe_labels(prec, rule_nhwc, probe_prec, probe_layout):
+    """The modes the decision compares, no more: both precisions where the precision is probed (else the
+    one in use), each in both layouts where the layout is probed (else the flag rule's)."""
+    names = ("fp32", "bf16") if probe_prec else (prec.name,)
+    layouts = (False, True) if probe_layout else (rule_nhwc,)
+    return [label for label, (name, nhwc) in CPU_PROBE_MODES.items() if name in names and nhwc in layouts]
+
+
+def faster_layout(times, name, rule_nhwc):
+    """(NHWC?, ratio of the chosen layout's speed over the other's) in precision `name`: the flag rule's
+    layout unless the other was faster by CPU_PROBE_LAYOUT_MARGIN."""
+    rule, other = (f"{name}_cl", name) if rule_nhwc else (name, f"{name}_cl")
+    flip = times[rule] / times[other] >= CPU_PROBE_LAYOUT_MARGIN
+    chosen, rejected = (other, rule) if flip else (rule, other)
+    return chosen.endswith("_cl"), times[rejected] / times[chosen]
+
+
+def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
+    """(Precision, (channels_last, why)) from the probe's seconds per step: bf16 only if its fastest
+    probed layout beats fp32's by CPU_PROBE_BF16_MARGIN; the layout as faster_layout says."""
+    nhwc = {}
+    for name in ("fp32", "bf16") if probe_prec else (prec.name,):
+        nhwc[name], _ = faster_layout(times, name, rule_layout[0]) if probe_layout else (rule_layout[0], 1.0)
+    if probe_prec:
+        t = {name: times[f"{name}_cl" if on else name] for name, on in nhwc.items()}
+        ratio = t["fp32"] / t["bf16"]
+        keep = ratio >= CPU_PROBE_BF16_MARGIN
+        prec = Precision(torch.bfloat16 if keep else torch.float32, False,
+                         f"auto: bf16 measured {ratio:.2f}x fp32 here; "
+                         f"{'kept' if keep else 'not kept'}: needs {CPU_PROBE_BF16_MARGIN:.2f}x")
+    if not probe_layout:
+        return prec, rule_layout
+    on, ratio = faster_layout(times, prec.name, rule_layout[0])
+    why = f"auto: {'NHWC' if on else 'NCHW'} measured {ratio:.2f}x {'NCHW' if on else 'NHWC'} in {prec.name} here"
+    return prec, (on, why + ("" if on == rule_layout[0] else " (the rule of thumb said otherwise)"))
+
+
+def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
+    """(precision, (channels_last, why)) for a resolved cfg (a number for batch_size): the flag rule's
+    (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on.
+    job_forwards: the job's forwards where a probe longer than the job is skipped (predict)."""
+    rule_layout = decide_channels_last(cfg, hw, prec)
+    probe_prec, probe_layout = cpu_probe_dimensions(cfg, hw, prec)
+    if not (probe_prec or probe_layout):
+        return prec, rule_layout
+    labels = probe_labels(prec, rule_layout[0], probe_prec, probe_layout)
+    times, how = cpu_probe_times(cfg, hw, kind, labels, job_forwards)
+    if times is None:
+        notes.append(("probe", how))
+        return prec, rule_layout
+    chosen, layout = choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout)
+    per_step = ", ".join(f"{mode_label(label)} {times[label]:.3f}" for label in labels)
+    notes.append(("probe", f"s/{'step' if kind == 'train' else 'forward'} at batch {cfg['batch_size']} x "
+                           f"{cfg['image_size']}px: {per_step}; {how}"))
+    if prec.warning and chosen is not prec:  # a fallback from a dtype not native here: say what is used
+        chosen = Precision(chosen.dtype, chosen.use_scaler, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
+    return chosen, layout
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -2930,6 +3167,7 @@ PREDICT_CONFIG = {
     "use_amp": True,                # same capability check as training; False = fp32
     "amp_dtype": "auto",
     "force_amp_dtype": False,
+    "cpu_probe": True,              # CPU: precision and layout confirmed by a timed probe (cached)
     "progress": True,
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
@@ -3110,12 +3348,29 @@ def save_prediction(path, image, done):
                         f"before it are kept") from None
 
 
-def predict_layout(model, cfg, opts, hw, prec):
-    """Layout decided for this machine and predict's batch of images, or of tiles in patch mode
-    ("auto": the checkpoint's layout was a speed choice of the machine that trained it); the model
-    is converted with its inputs."""
+def predict_setting(cfg, opts):
+    """The checkpoint's cfg as predict runs it: its batch of images, or of tiles in patch mode, layout
+    "auto" (the checkpoint's layout was a speed choice of the machine that trained it), predict's
+    precision options."""
     batch = cfg["tile_batch_size"] if cfg["data_mode"] == "patch" else opts["batch_size"]
-    channels_last, _ = decide_channels_last({**cfg, "channels_last": "auto", "batch_size": batch}, hw, prec)
+    return {**cfg, "channels_last": "auto", "batch_size": batch,
+            **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe") if k in opts}}
+
+
+def predict_modes(cfg, opts, hw, prec, notes, images=None):
+    """Predict's precision and layout: the flag rule, confirmed on a CPU by the probe's inference
+    forwards at predict's batch (cpu_probe_decision, kind "predict", cached like training's). A job of
+    `images` that is fewer forwards than the probe is not probed (at least one forward per image in
+    patch mode, where the tiles are counted only once read)."""
+    setting = predict_setting(cfg, opts)
+    forwards = None if images is None else images if cfg["data_mode"] == "patch" else -(-images // setting["batch_size"])
+    return cpu_probe_decision(setting, hw, prec, notes, kind="predict", job_forwards=forwards)
+
+
+def predict_layout(model, cfg, opts, hw, prec, layout=None):
+    """Layout for this machine and predict's batch (`layout`: predict_modes' answer; None = the flag
+    rule's, decide_channels_last); the model is converted with its inputs."""
+    channels_last, _ = layout or decide_channels_last(predict_setting(cfg, opts), hw, prec)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model, {**cfg, "channels_last": channels_last}
@@ -3131,9 +3386,10 @@ def predict(opts):
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
-    cfg = {**cfg, **tiling}
-    model, cfg = predict_layout(model, cfg, opts, hw, prec)
+    cfg, notes = {**cfg, **tiling}, []
     paths = list_images(opts["input"])
+    prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
+    model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir)))
     check_writable(out_dir)
@@ -3141,6 +3397,9 @@ def predict(opts):
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
     print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
           + (f" ({prec.warning})" if prec.warning else "") + tiled)
+    for _, note in notes:  # the probe's measurement
+        print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
+              f"probe {note}")
     failed, done, start = [], 0, time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
@@ -3339,24 +3598,63 @@ def bare_loop_speedups(base, hw, steps, probe_steps=2):
 def time_train_steps(base, hw, dtype, channels_last, steps):
     """Median seconds per bare training step (bare_training_step, after one warm-up step) at base's
     batch and image size."""
-    torch.manual_seed(0)
-    model = build_model({**base, "encoder_weights": None}).to(hw.device)
+    step, times = bare_step_runner(base, hw, dtype, channels_last), []
+    for _ in range(steps + 1):
+        synchronize(hw)
+        t0 = time.perf_counter()
+        step()
+        synchronize(hw)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def random_batch(base, hw):
+    """A random (images, class indices) batch at base's batch size, image size and channels."""
     x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
                     device=hw.device)
     y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
          * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
+    return x, y
+
+
+def bare_step_runner(base, hw, dtype, channels_last):
+    """A function that runs one bare training step (bare_training_step) of a fresh model on a random
+    batch at base's batch and image size, in `dtype` autocast and the given layout."""
+    return bare_step_runners(base, hw, [dtype], channels_last)[dtype]
+
+
+def bare_step_runners(base, hw, dtypes, channels_last):
+    """{dtype: bare_step_runner's function} for each of `dtypes`, all on one fresh model, optimizer and
+    batch: autocast does not change the model, so one per layout is enough (half the probe's memory)."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device)
+    x, y = random_batch(base, hw)
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
     # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
-    opt, loss_fn, times = build_optimizer(model, base), SegLoss(base["num_classes"]), []
-    prec = Precision(dtype, False, "bare loop")
-    for _ in range(steps + 1):
-        synchronize(hw)
-        t0 = time.perf_counter()
-        bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
-        synchronize(hw)
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
+    opt, loss_fn = build_optimizer(model, base), SegLoss(base["num_classes"])
+
+    def runner(prec):
+        return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
+    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+
+
+def bare_inference_runners(base, hw, dtypes, channels_last):
+    """{dtype: a function that runs one inference forward (eval_forward, as predict)} of one fresh model
+    in eval mode on a random batch at base's batch and image size, in that dtype's autocast and the
+    given layout (one model for all dtypes, as bare_step_runners)."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device).eval()
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
+    x, _ = random_batch(base, hw)
+    layout = {"channels_last": channels_last}
+
+    def runner(prec):
+        def forward():
+            with torch.inference_mode():
+                eval_forward(model, x, layout, prec, hw)
+        return forward
+    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
 
 
 # Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
@@ -3739,11 +4037,13 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
 def effective_config(cfg, hw, prec, state, n_train, notes):
     """What this run uses, settled in dependency order before anything (loaders, caches, the model) is
     built from it. `prec` is already the resumed run's (setup_precision); then the batch size (auto:
-    searched in that precision), then the layout (on a CPU it depends on the batch size). Returns (cfg
-    with both resolved, as config.json saves it; the layout and why; what batch_size=auto did)."""
+    searched in that precision), then the layout (on a CPU it depends on the batch size) and, on a CPU,
+    both confirmed by the probe at that batch (cpu_probe_decision). Returns (cfg with both resolved, as
+    config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
-    layout = decide_channels_last(cfg, hw, prec)
-    return {**cfg, "channels_last": layout[0]}, layout, auto_batch
+    prec, layout = cpu_probe_decision(cfg, hw, prec, notes)
+    notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
+    return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
 
 
 def setup_precision(cfg, state=None):
@@ -3752,9 +4052,11 @@ def setup_precision(cfg, state=None):
     hw = detect_hardware(cfg["device"])
     decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     prec = decided if state is None else keep_safer_precision(decided, state, hw)
-    tf32_note = apply_tf32(cfg["tf32_matmul_precision"], prec)
+    # tf32's note and prec.warning are noted once the probe has settled the precision (effective_config)
+    apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
-    notes = [decided.warning, prec.reason if prec is not decided else None, tf32_note]
+    kept = prec is not decided
+    notes = [decided.warning if kept else None, prec.reason if kept else None]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
     return hw, prec, notes
@@ -3989,7 +4291,8 @@ def train(cfg, explicit=()):
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}  # saved with the model
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg), notes)
+    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
+                                                     notes)
     train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
     steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)

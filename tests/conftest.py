@@ -28,6 +28,8 @@ def pytest_configure(config):
                                        "inductor cache); deselect with -m 'not slow'")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped where torch.cuda.is_available() "
                                        "is False, run wherever one is present")
+    config.addinivalue_line("markers", "real_cpu_probe: times the CPU probe for real (else its timings "
+                                       "are faked by rule_confirming_timings)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +40,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def rule_confirming_timings(cfg, hw, labels, kind):
+    """Fake CPU-probe seconds per step that agree with the flag rule (bf16 2x fp32; NHWC 1.25x faster
+    where decide_channels_last says NHWC, else 1.25x slower): a probe then changes nothing."""
+    nhwc = cfg["batch_size"] * cfg["image_size"] ** 2 >= train_unet.CPU_CHANNELS_LAST_MIN_PIXELS
+    base = {"fp32": 1.0, "bf16": 0.5}
+    return {label: base[label[:4]] * ((0.8 if nhwc else 1.25) if label.endswith("_cl") else 1.0)
+            for label in labels}
+
+
+REAL_MEASURE_CPU_MODES = train_unet.measure_cpu_modes
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hermetic_cpu_probe(tmp_path_factory):
+    """For the whole session, set up before any module- or class-scoped fixture trains: the CPU probe's
+    timings are faked (rule_confirming_timings) and its cache is a temporary folder, in os.environ, so
+    subprocesses (torchrun, notebook kernels, the CLI) inherit it; nothing reads or writes the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache_session")))
+        patch.setattr(train_unet, "measure_cpu_modes", rule_confirming_timings)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fake_cpu_probe(request, monkeypatch, tmp_path_factory, hermetic_cpu_probe):
+    """Each test starts with an empty CPU-probe cache (a fresh XDG_CACHE_HOME); a test marked
+    real_cpu_probe times the probe for real."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+    if "real_cpu_probe" in request.keywords:
+        monkeypatch.setattr(train_unet, "measure_cpu_modes", REAL_MEASURE_CPU_MODES)
 
 
 @pytest.fixture
@@ -77,6 +111,7 @@ def make_cfg(tmp_path, data_dir):
             use_amp=False,
             compile_model=False,
             channels_last=False,
+            cpu_probe=False,  # the feature-flag rule; tests/test_cpu_probe.py covers the probe
             tf32_matmul_precision=None,
         )
         cfg.update(overrides)

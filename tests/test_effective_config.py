@@ -59,7 +59,8 @@ def test_effective_config_resolves_batch_then_layout(make_cfg, cpu_hw):
     cfg = make_cfg(batch_size="auto", channels_last="auto", image_size=32)
     prec = train_unet.decide_precision(cpu_hw, use_amp=False)
     notes = []
-    out, (layout, why), auto = train_unet.effective_config(cfg, cpu_hw, prec, None, 100, notes)
+    out, used, (layout, why), auto = train_unet.effective_config(cfg, cpu_hw, prec, None, 100, notes)
+    assert used is prec
     assert out["batch_size"] == train_unet.AUTO_BATCH_FALLBACK and auto["requested"] == "auto"
     assert out["channels_last"] is layout is False  # 8 x 32 x 32 is below the CPU's NHWC line
     assert "batch 8 x 32px is too small" in why

@@ -163,7 +163,8 @@ def test_a_terminated_run_removes_its_caches(data_dir, tmp_path):
     temp.mkdir()
     run = subprocess.Popen([sys.executable, str(train_unet.Path(train_unet.__file__)), f"data_dir={data_dir}",
                             f"checkpoint_dir={tmp_path / 'ck'}", "image_size=32", "epochs=500", "batch_size=2",
-                            "num_workers=1", "progress=False", "device=cpu", "use_amp=False", "logger=csv"],
+                            "num_workers=1", "progress=False", "device=cpu", "use_amp=False", "logger=csv",
+                            "cpu_probe=False"],  # a subprocess: conftest's fake probe does not reach it
                            env={**os.environ, "TMPDIR": str(temp)}, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(temp.glob("unet_amp_decoded_*/*.npy")) and time.monotonic() < deadline and run.poll() is None:

@@ -100,6 +100,8 @@ def check_bare_loop(hw, tmp):
     try:
         for label, setting, dtype, nhwc in (("fp32 strict", strict, torch.float32, False),
                                             ("tf32", tf32, torch.float32, False),
+                                            # channels_last=auto's judgement call for fp32 before Ampere
+                                            ("fp32 strict NHWC", strict, torch.float32, True),
                                             ("bf16", strict, torch.bfloat16, False),
                                             ("bf16 NHWC", strict, torch.bfloat16, True)):
             if dtype == torch.bfloat16 and not hw.bf16:
