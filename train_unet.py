@@ -857,29 +857,29 @@ def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None):
 
 
 def probe_times_here(cfg, hw, kind, labels, job_forwards):
-    """The cached times of `labels`, the missing ones measured and added to the entry. A job of fewer
-    forwards than the probe (job_forwards: predict) is not worth probing: None, the flag rule."""
+    """The times of `labels`: from the cache where it holds all of them, else all measured again, side by
+    side (a ratio of times taken in different runs would carry those runs' different loads), and merged
+    into the entry. A job of fewer forwards than the probe (job_forwards: predict) is not worth probing:
+    None, the flag rule."""
     path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
     entry = load_cpu_probe_cache(path).get(key) if path else None
     cached = entry["times"] if entry else {}
-    missing = [label for label in labels if label not in cached]
-    if not missing:
+    if all(label in cached for label in labels):
         return ({label: cached[label] for label in labels},
                 f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; delete it to measure again)")
-    cost = len(missing) * (1 + CPU_PROBE_ROUNDS)
+    cost = len(labels) * (1 + CPU_PROBE_ROUNDS)
     if job_forwards is not None and job_forwards < cost:
         return None, (f"skipped: this job is {job_forwards} forward(s), the probe {cost}; the flag rule "
                       f"(a job of at least {cost} forwards at this batch measures it, cached for later ones)")
     start = time.perf_counter()
-    measured = measure_cpu_modes(cfg, hw, missing, kind)
+    measured = measure_cpu_modes(cfg, hw, labels, kind)
     seconds = time.perf_counter() - start
-    times = {**cached, **{label: measured[label] for label in missing}}
+    times = {**cached, **{label: measured[label] for label in labels}}
     unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
                                                "seconds": (entry["seconds"] if entry else 0) + seconds,
                                                "date": datetime.date.today().isoformat()})
-    reused = f"; {len(labels) - len(missing)} from {path}" if len(missing) < len(labels) else ""
-    how = (f"measured in {seconds:.1f}s ({len(missing)} modes x {CPU_PROBE_ROUNDS} "
-           f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up{reused}), "
+    how = (f"measured in {seconds:.1f}s ({len(labels)} modes x {CPU_PROBE_ROUNDS} "
+           f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
            + (unsaved or f"cached in {path}"))
     return {label: times[label] for label in labels}, how
 
