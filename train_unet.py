@@ -858,8 +858,8 @@ def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None):
 
 def probe_times_here(cfg, hw, kind, labels, job_forwards):
     """The times of `labels`: from the cache where it holds all of them, else all measured again, side by
-    side (a ratio of times taken in different runs would carry those runs' different loads), and merged
-    into the entry. A job of fewer forwards than the probe (job_forwards: predict) is not worth probing:
+    side, and the entry replaced by them (never merged: a ratio of times taken in different runs would
+    carry those runs' different loads). A job of fewer forwards than the probe (job_forwards: predict) is not worth probing:
     None, the flag rule."""
     path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
     entry = load_cpu_probe_cache(path).get(key) if path else None
@@ -874,14 +874,13 @@ def probe_times_here(cfg, hw, kind, labels, job_forwards):
     start = time.perf_counter()
     measured = measure_cpu_modes(cfg, hw, labels, kind)
     seconds = time.perf_counter() - start
-    times = {**cached, **{label: measured[label] for label in labels}}
+    times = {label: measured[label] for label in labels}
     unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
-                                               "seconds": (entry["seconds"] if entry else 0) + seconds,
-                                               "date": datetime.date.today().isoformat()})
+                                               "seconds": seconds, "date": datetime.date.today().isoformat()})
     how = (f"measured in {seconds:.1f}s ({len(labels)} modes x {CPU_PROBE_ROUNDS} "
            f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
            + (unsaved or f"cached in {path}"))
-    return {label: times[label] for label in labels}, how
+    return times, how
 
 
 def autos_precision(cfg, hw, prec):
@@ -1260,10 +1259,12 @@ def palette_indices(path):
     except (OSError, SyntaxError, ValueError):
         return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
     palette = palette.reshape(-1, 3)
-    if (palette == palette[:, :1]).all():
-        # An all-gray palette is a gray mask stored compactly (PNG optimisers do this): its gray values
-        # are the mask, as an image viewer shows it, whatever order the optimiser gave the entries.
-        return np.take(palette[:, 0], indices, mode="clip")
+    if indices.size and indices.max() < len(palette) and (palette == palette[:, :1]).all():
+        # An all-gray palette covering every index is a gray mask stored compactly (PNG optimisers do
+        # this): its gray values are the mask, as an image viewer shows it, whatever order the entries
+        # have. Indices past the palette's end (Pillow writes a one-entry palette for mode "P" unless
+        # given one) are class indices saved without a palette: kept as they are.
+        return palette[indices, 0]
     return indices
 
 
@@ -1388,8 +1389,9 @@ def checked_facts(paths, cfg, write, share=False):
 
 
 # Facts checked_facts found since this process's last check_pairs, by path, stamped like the caches'
-# entries: later questions (learnt_intensity_range, cache_bytes, image_sizes) need no decoding where no
-# cache could be written, and under torchrun they take the facts the ranks exchanged.
+# entries: the start-up's later questions (learnt_intensity_range, cache_bytes, image_sizes) need no
+# decoding where no cache could be written, and under torchrun they take the facts the ranks exchanged.
+# Cleared once build_loaders has asked them.
 CHECKED_HERE = {}
 
 
@@ -1940,6 +1942,7 @@ def build_loaders(train_pairs, val_pairs, cfg, hw):
                                 collate_fn=with_mask_paths, **common)
     else:  # whole images, one at a time, read in this process (ReadAhead)
         val_loader = ReadAhead(val_set, validation_shard(val_pairs, cfg))
+    CHECKED_HERE.clear()  # the start-up's questions are answered: a million files' facts need not stay
     return train_loader, val_loader
 
 
@@ -2902,9 +2905,17 @@ def fit_pieces(model, batch, cfg, prec, hw):
     logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
     original masks too."""
     x, y, *paths = batch
+    reads = [mask_readers().submit(read_classes, path, cfg) for path in paths[0]] if paths else None
     logits = eval_forward(model, x, cfg, prec, hw)
-    masks = [torch.from_numpy(read_classes(path, cfg)) for path in paths[0]] if paths else y
+    masks = [torch.from_numpy(read.result()) for read in reads] if paths else y
     yield logits, y.to(hw.device, non_blocking=True), x.shape[0], original_size_scores(logits, masks, cfg, hw)
+
+
+@functools.lru_cache(maxsize=None)
+def mask_readers():
+    """Threads that decode fit validation's original masks while the model runs (OpenCV and Pillow
+    release the GIL): a 12 MP mask takes ~50 ms to decode, a batch of them would otherwise wait in turn."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="unet-amp-masks")
 
 
 def original_size_scores(logits, masks, cfg, hw):
@@ -3930,7 +3941,9 @@ def is_run_folder(path):
     if path.is_symlink() or not path.is_dir():
         return False
     entries = {p.name for p in path.iterdir()}
-    return not entries or bool(entries & {*RUN_FILES, "previous", CHECK_CACHE_NAME})  # the check's: a run began
+    # A run that stopped before its first checkpoint has the data check's cache alone (read-only data_dir);
+    # a user's data folder has it among its images.
+    return not entries or bool(entries & {*RUN_FILES, "previous"}) or entries == {CHECK_CACHE_NAME}
 
 
 def write_rows_csv(path, rows):

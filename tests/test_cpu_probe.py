@@ -597,3 +597,18 @@ def test_the_real_inference_probe(make_cfg, cpu_hw, monkeypatch):
     assert len(forwards) == len(expected) * (1 + train_unet.CPU_PROBE_ROUNDS) and set(forwards) == modes
     assert dict(notes)["probe"].startswith("s/forward at batch 2 x 32px") and "measured" in why
     assert chosen.name in (("fp32", "bf16") if cpu_hw.bf16 else ("fp32",))
+
+
+def test_a_cached_answer_never_mixes_times_of_different_runs(probe_cfg, monkeypatch):
+    """A (use_amp=False: fp32's two layouts, a quiet machine), then B (channels_last=True: both precisions
+    in NHWC, a loaded machine: bf16 NHWC is not cached), then A again: B's times replaced the entry, so A
+    measures its two modes side by side again rather than set its quiet fp32 NCHW beside B's loaded fp32
+    NHWC (which would make NCHW look 3x faster)."""
+    fp32_only = {**probe_cfg, "use_amp": False}
+    decide(fp32_only, BF16_CPU, XEON, monkeypatch)
+    loaded = {"fp32_cl": 1.2, "bf16_cl": 1.5}
+    decide({**probe_cfg, "channels_last": True}, BF16_CPU, loaded, monkeypatch, cached=True)
+    entry, = json.loads(train_unet.cpu_probe_cache_path().read_text())["entries"].values()
+    assert entry["times"] == loaded
+    _, (nhwc, _), _, calls = decide(fp32_only, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert calls == [(["fp32", "fp32_cl"], "train", 8)] and nhwc is True

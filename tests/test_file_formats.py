@@ -505,3 +505,11 @@ def test_the_umask_is_read_without_setting_it(monkeypatch):
     os.umask(expected)
     monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("the umask was set to read it"))
     assert train_unet.current_umask() == expected
+
+
+def test_class_indices_saved_with_pillows_default_palette_stay_indices(tmp_path):
+    """Image.fromarray(mask, mode="P") without putpalette gets a one-entry black palette: the indices
+    past its end are the classes, not gray levels (they must not all read as 0)."""
+    values = np.array([[0, 1, 1], [1, 1, 0]], np.uint8)
+    Image.fromarray(values, mode="P").save(tmp_path / "mask.png")
+    assert np.array_equal(train_unet.read_mask(tmp_path / "mask.png", 1), values)

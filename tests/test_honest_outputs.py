@@ -300,3 +300,14 @@ def test_a_run_that_stopped_before_its_first_checkpoint_is_still_a_run(tmp_path)
     run.mkdir()
     (run / train_unet.CHECK_CACHE_NAME).write_text("{}")
     assert train_unet.benchmark_outputs(tmp_path, ["fp32"]) == ["fp32"]
+
+
+def test_a_users_data_folder_named_like_a_configuration_is_not_a_run(tmp_path):
+    """Training writes the data check's cache into a writable data_dir: among images and masks it does
+    not make the folder a benchmark run."""
+    data = tmp_path / "default"
+    (data / "images").mkdir(parents=True)
+    (data / train_unet.CHECK_CACHE_NAME).write_text("{}")
+    assert train_unet.benchmark_outputs(tmp_path, ["fp32"]) == []
+    with pytest.raises(UserError, match="default is not a benchmark run"):
+        train_unet.benchmark_outputs(tmp_path, ["default"])

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import types
 
 import cv2
@@ -325,3 +326,31 @@ def test_fit_validation_reads_original_masks_in_this_process(make_cfg, monkeypat
 
 def test_sizes_in_messages_are_readable():
     assert [train_unet.size_text(n) for n in (5 * 2**20, 1536 * 2**20, 3 * 2**40)] == ["5 MB", "1.5 GB", "3.0 TB"]
+
+
+def test_fit_validation_decodes_original_masks_while_the_model_runs(make_cfg, monkeypatch):
+    """The original masks of a batch are decoded on threads started before the forward pass (a 12 MP
+    mask takes ~50 ms): the forward below waits until a read has begun, as it would overlap on a GPU."""
+    cfg = make_cfg(num_workers=0)
+    train, val = train_unet.prepare_data(cfg)
+    _, loader = train_unet.build_loaders(train, val, cfg, train_unet.detect_hardware("cpu"))
+    batch = next(iter(loader))  # the loader reads its masks too (resized): watched from here on
+    started, real_read, real_forward = threading.Event(), train_unet.read_classes, train_unet.eval_forward
+    monkeypatch.setattr(train_unet, "read_classes", lambda path, c: started.set() or real_read(path, c))
+
+    def forward(*args):
+        assert started.wait(timeout=5), "no mask read had begun when the forward pass ran"
+        return real_forward(*args)
+    monkeypatch.setattr(train_unet, "eval_forward", forward)
+    model = train_unet.build_model(cfg).eval()
+    prec = train_unet.decide_precision(train_unet.detect_hardware("cpu"), use_amp=False)
+    pieces = list(train_unet.fit_pieces(model, batch, cfg, prec, train_unet.detect_hardware("cpu")))
+    assert len(list(pieces[0][3])) >= len(batch[2])
+
+
+def test_the_start_ups_facts_are_let_go_once_the_loaders_are_built(make_cfg):
+    cfg = make_cfg()
+    train, val = train_unet.prepare_data(cfg)
+    assert train_unet.CHECKED_HERE
+    train_unet.build_loaders(train, val, cfg, train_unet.detect_hardware("cpu"))
+    assert train_unet.CHECKED_HERE == {}
