@@ -859,8 +859,8 @@ def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None):
 def probe_times_here(cfg, hw, kind, labels, job_forwards):
     """The times of `labels`: from the cache where it holds all of them, else all measured again, side by
     side, and the entry replaced by them (never merged: a ratio of times taken in different runs would
-    carry those runs' different loads). A job of fewer forwards than the probe (job_forwards: predict) is not worth probing:
-    None, the flag rule."""
+    carry those runs' different loads). A job of fewer forwards than the probe (job_forwards: predict)
+    is not worth probing: None, the flag rule."""
     path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
     entry = load_cpu_probe_cache(path).get(key) if path else None
     cached = entry["times"] if entry else {}
@@ -1149,8 +1149,9 @@ def scale_image(image, path="image", intensity_range=None):
     8-bit images stay uint8 (Normalize divides them by 255 on albumentations' exact fast path).
     Wider integers are mapped from `intensity_range` [low, high] to [0, 1] (float32): the training
     images' [min, max] (learnt_intensity_range: 12-bit data in 16-bit files -> about [0, 4095]), stored
-    in the checkpoint's config so validation, predict and the notebook use the same one. None (checkpoints from before the range was learnt) = the dtype's range, uint16 / 65535.
-    Values outside the range are not clipped. Floats have no bit depth: each image is mapped by its
+    in the checkpoint's config so validation, predict and the notebook use the same one. None
+    (checkpoints from before the range was learnt) = the dtype's range, uint16 / 65535. Values outside
+    the range are not clipped. Floats have no bit depth: each image is mapped by its
     own min/max to [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the
     objects).
     """
@@ -1193,12 +1194,17 @@ def unit_scale(image, low, high):
 def to_channels(image, channels, path):
     """HxW gray or HxWx3 RGB as asked: gray is repeated, RGB averaged by luminance, alpha dropped."""
     image = without_alpha(image)
-    if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
-        raise UserError(f"image {path} has shape {image.shape}: use grayscale, RGB or RGBA images "
-                        f"(at most 4 channels)")
+    check_channels(image, path)
     if channels == 3:
         return np.ascontiguousarray(np.repeat(image[..., None], 3, axis=2)) if image.ndim == 2 else image
     return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if image.ndim == 3 else image
+
+
+def check_channels(image, path):
+    """Gray or RGB once the alpha is dropped (without_alpha)."""
+    if image.ndim not in (2, 3) or (image.ndim == 3 and image.shape[2] != 3):
+        raise UserError(f"image {path} has shape {image.shape}: use grayscale, RGB or RGBA images "
+                        f"(at most 4 channels)")
 
 
 def without_alpha(image):
@@ -1346,7 +1352,7 @@ def check_pairs(pairs, cfg):
     paths = [os.path.abspath(p) for pair in pairs for p in pair]  # keys valid from any working dir
     CHECKED_HERE.clear()  # a start-up's check trusts the caches and the files, not an earlier run's memory
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
-    barrier()  # the cache is written: image_sizes reads it on every rank
+    barrier()  # every rank has the exchanged facts; this keeps them in step until rank 0's cache is on disk
     for image_path, mask_path in pairs:
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
@@ -1401,10 +1407,10 @@ def image_facts(path, channels):
     only: no scaled float copy (4 bytes a value, in each of the check's threads) just to learn a size."""
     image = decode_image(path, channels)
     check_pixels(image, path)
-    to_channels(np.zeros((1, 1) + image.shape[2:], np.float32), channels, path)  # the shape's check only
+    values = without_alpha(image)  # what the network sees: an opaque 16-bit alpha is not data
+    check_channels(values, path)
     facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype)}  # dtype: cache_bytes' depth
     if np.issubdtype(image.dtype, np.integer) and image.dtype != np.uint8:
-        values = without_alpha(image)  # what the network sees: an opaque 16-bit alpha is not data
         facts["range"] = [int(values.min()), int(values.max())]
     return facts
 
