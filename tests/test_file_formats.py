@@ -410,7 +410,8 @@ def multi_class_set_changed_after_the_check(make_data, make_cfg, **overrides):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_class_the_check_did_not_see_stops_loading_with_one_line(make_data, make_cfg, workers):
     cfg, train, bad = multi_class_set_changed_after_the_check(make_data, make_cfg)
-    loader = DataLoader(SegDataset(train, cfg, train=True), batch_size=2, num_workers=workers)
+    loader = DataLoader(SegDataset(train, cfg, train=True), batch_size=2, num_workers=workers,
+                        worker_init_fn=train_unet.one_opencv_thread if workers else None)  # as the trainer's
     with pytest.raises(UserError) as info:
         list(loader)
     message = train_unet.user_message(info.value)

@@ -267,7 +267,10 @@ def test_patch_sampling_is_reproducible_per_seed_epoch_and_index(make_cfg, scene
     b.epoch = 1
     assert not all(torch.equal(a[i][1], b[i][1]) for i in order[:8])  # a new epoch cuts other patches
     assert not torch.equal(a[0][0], a[1][0])  # two patches of one image differ
-    loader = torch.utils.data.DataLoader(PatchDataset(train, cfg, sizes), batch_size=4, num_workers=1)
+    # A worker as the trainer's (loader_options): OpenCV on the calling thread, else a worker forked after
+    # this process's OpenCV pool started can hang in cv2 (seen: warpAffine, once in a full run).
+    loader = torch.utils.data.DataLoader(PatchDataset(train, cfg, sizes), batch_size=4, num_workers=1,
+                                         worker_init_fn=train_unet.one_opencv_thread)
     for (xl, yl), start in zip(loader, range(0, len(order), 4)):
         assert torch.equal(xl, torch.stack([x for x, _ in first[start:start + 4]]))
 
