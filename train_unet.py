@@ -8,9 +8,37 @@ unet-amp: train a U-Net segmentation model with mixed precision done right.
     python train_unet.py benchmark                    # FP32 vs BF16 (and more), one process each
     torchrun --nproc_per_node=8 train_unet.py         # several GPUs
 
-Sections, in order: config, distributed, command line, precision, data, model, metrics,
-train/eval step, checkpoints, predict, benchmark, main. The script imports cleanly as a module;
-tests and the notebook use its functions.
+Contents: the file reads in the order it runs (Python resolves names at call time). Each entry is a
+section header below; tests/test_layout.py keeps this list and the headers the same.
+
+  I. What you edit: CONFIG and PRESETS
+      I.1 Config
+      I.2 Presets
+  II. The run, in call order: main -> train -> set-up -> epoch loop -> training step -> evaluate
+      II.1 Entry
+      II.2 Train
+      II.3 One epoch
+      II.4 The training step
+      II.5 Evaluate
+  III. Machinery, one section per concern, in the order part II calls it
+      III.1 Command line and config
+      III.2 Distributed
+      III.3 Precision
+      III.4 CPU probe
+      III.5 Data
+      III.6 Large images
+      III.7 Model, loss, optimizer, schedule
+      III.8 Metrics
+      III.9 Numerical safety
+      III.10 Checkpoints and history
+      III.11 Logging
+  IV. Other commands
+      IV.1 Predict
+      IV.2 batch_size=auto
+      IV.3 Benchmark
+      IV.4 Trainer overhead
+
+The script imports cleanly as a module; tests, tools and the notebooks use its functions.
 """
 from __future__ import annotations
 
@@ -52,8 +80,14 @@ from tqdm import tqdm
 # about that ordering on a skipped first step, which is expected here.
 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
 
+
+# ====================================================================================================
+# I. What you edit: CONFIG and PRESETS
+# ====================================================================================================
+
+
 # ----------------------------------------------------------------------------------------------------
-# Config: the defaults. Edit here, or override any key on the command line: key=value.
+# I.1 Config: the defaults. Edit here, or override any key on the command line: key=value.
 # ----------------------------------------------------------------------------------------------------
 CONFIG = {
     # preset: a named set of overrides (PRESETS below); None = none. Command-line keys win over it.
@@ -123,36 +157,10 @@ CONFIG = {
     "logger": "auto",              # "auto" (TensorBoard when installed) | "tensorboard" | "csv" | "none"
 }
 
-# Allowed values for keys with a fixed set of choices.
-CHOICES = {
-    "amp_dtype": ("auto", "bfloat16", "float16"),
-    "tf32_matmul_precision": (None, "highest", "high", "medium"),
-    "channels_last": ("auto", True, False),
-    "loss": ("dice+ce", "ce", "dice"),
-    "in_channels": (1, 3),
-    "preset": (None, "", "fast", "stable", "low_memory", "debug"),
-    "logger": ("auto", "tensorboard", "csv", "none"),
-    "data_mode": ("fit", "patch"),
-}
-# Types for keys whose default is None.
-NONE_DEFAULT_TYPES = {
-    "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
-    "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
-    "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
-    "intensity_range": list,
-}
-# Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
-BOOL_OR_TEXT = ("channels_last",)
-# Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
-MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
-# ... and those that define the data and the optimisation: a resume continues exactly only if they
-# are unchanged (epochs may grow; precision, speed and output settings may change).
-RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "batch_size",
-                            "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed",
-                            "data_mode", "patch_scale", "patch_foreground", "patches_per_image")
-# Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
-AUTO_KEYS = ("batch_size",)
 
+# ----------------------------------------------------------------------------------------------------
+# I.2 Presets: named sets of overrides. CONFIG < preset < command line.
+# ----------------------------------------------------------------------------------------------------
 # Presets: named sets of CONFIG overrides for the common use cases (README table: preset_table()).
 # Layering: CONFIG (your edits are the base) < preset < key=value on the command line (always wins).
 PRESETS = {
@@ -169,6 +177,8 @@ PRESETS = {
               "channels_last": False, "max_train_images": 8, "epochs": 2, "num_workers": 0,
               "progress": True, "detect_anomaly": True, "nan_patience": 1, "early_stopping_patience": None},
 }
+
+
 PRESET_USES = {
     "fast": "daily experiments on a GPU (compile takes 30-70 s up front and does not pay off on a CPU)",
     "stable": "the final model, or after NaN trouble: fp32, no compile, clipping and the guard",
@@ -177,88 +187,655 @@ PRESET_USES = {
 }
 
 
+# ====================================================================================================
+# II. The run, in call order: main -> train -> set-up -> epoch loop -> training step -> evaluate
+# ====================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------
+# II.1 Entry: the command, and train under torchrun (only rank 0 prints).
+# ----------------------------------------------------------------------------------------------------
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
+    if command in ("-h", "--help", "help"):
+        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
+              + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
+        return 0
+    try:
+        with sigterm_as_exit():
+            return run_command(command, args)
+    except UserError as exc:
+        print(f"error: {user_message(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: checkpoints written so far are intact; resume=True continues", file=sys.stderr)
+        return 130
+
+
+def run_command(command, args):
+    """train, predict or benchmark: the exit code."""
+    if command == "train":
+        train_main(parse_overrides(args), explicit_keys(args))
+        return 0
+    if command == "predict":
+        return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
+    if command == "benchmark":
+        rows = run_benchmark(args)["rows"]
+        return 1 if any(r["status"].startswith("failed") for r in rows) else 0
+    raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
+                    f"followed by key=value settings")
+
+
+def train_main(cfg, explicit=()):
+    """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
+    setup_distributed(cfg["device"])
+    try:
+        if not DIST.is_main:
+            with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+                return train({**cfg, "progress": False}, set(explicit) | {"progress"})
+        return train(cfg, explicit)
+    except UserError as exc:
+        if DIST.enabled:  # say which process failed; torchrun then stops the others
+            raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None
+        raise
+    finally:
+        cleanup_distributed()
+
+
+# ----------------------------------------------------------------------------------------------------
+# II.2 Train: set up (or resume), then the epoch loop with its fallback to a safer precision.
+# ----------------------------------------------------------------------------------------------------
+def train(cfg, explicit=()):
+    """Train with a config; returns {'history', 'best_iou', 'fallbacks', ...}.
+
+    `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
+    win over the preset (apply_preset).
+    """
+    cfg, preset_line = apply_preset(validate_config(cfg), explicit)
+    ckpt_dir = Path(cfg["checkpoint_dir"])
+    if DIST.is_main:
+        check_writable(ckpt_dir, "checkpoint_dir")
+    state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
+    hw, prec, notes = setup_precision(cfg, state)
+    notes.insert(0, preset_line and ("preset", preset_line))
+    if cfg["sync_batchnorm"] and hw.kind != "cuda":
+        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
+                        "set sync_batchnorm=False")
+    seed_everything(cfg["seed"])
+    train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}  # saved with the model
+    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
+    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
+                                                     notes)
+    train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
+    steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
+    run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
+    run.class_names, run.logger = class_names, RunLogger.create(cfg)
+    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
+
+    print(banner(hw, run.prec, cfg, notes, layout))
+    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(train_loader), steps_per_epoch),
+                 {"preset": preset_line, "batch_size_auto": auto_batch})
+
+    epoch = run.epoch + 1
+    while epoch <= cfg["epochs"]:
+        snapshot = to_cpu(run.state(cfg)) if cfg["nan_guard"] else None  # last known-good state
+        try:
+            row = run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg)
+        except NonFiniteStreak as bad:
+            run.logger.flush_steps("rolled_back")  # the steps that went bad stay visible
+            fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch)
+            continue  # the same epoch again, same data order, safer precision
+        finish_epoch(run, row, cfg)
+        run.logger.log_epoch(row)
+        patience = cfg["early_stopping_patience"]
+        if patience is not None and run.since_best >= patience and epoch < cfg["epochs"]:
+            print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
+            break
+        epoch += 1
+    run.logger.close()
+    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
+    table = end_of_run_table(run)
+    if table:
+        print(table)
+    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
+            "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
+
+
+def setup_precision(cfg, state=None):
+    """Hardware and the precision this run trains in: a resumed run that fell back keeps its safer
+    precision (keep_safer_precision), decided here, before the layout and batch size are."""
+    hw = detect_hardware(cfg["device"])
+    decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    prec = decided if state is None else keep_safer_precision(decided, state, hw)
+    # tf32's note and prec.warning are noted once the probe has settled the precision (effective_config)
+    apply_tf32(cfg["tf32_matmul_precision"], prec)
+    setup_cudnn(hw)
+    kept = prec is not decided
+    notes = [decided.warning if kept else None, prec.reason if kept else None]
+    if cfg["compile_model"] and hw.kind == "cpu":
+        notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
+    return hw, prec, notes
+
+
+def resume_state(cfg, ckpt_dir):
+    path = ckpt_dir / "last.pt"
+    if not path.is_file():
+        raise UserError(f"resume=True but {path} does not exist: start without resume, or set "
+                        f"checkpoint_dir to the run you want to continue")
+    state = load_checkpoint(path)
+    for key in RESUME_KEYS:
+        if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
+            continue
+        if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
+            raise UserError(f"cannot resume exactly: {path} was trained with {key}="
+                            f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
+                            f"the same value, or start a new run in another checkpoint_dir")
+    if state["epoch"] >= cfg["epochs"]:
+        raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
+                        f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
+    return state
+
+
+def run_intensity_range(cfg, state, train_pairs):
+    """scale_image's range for this run: a resumed run's (its model learnt on that scale; None for a run
+    from before ranges were learnt), else intensity_range as given, else learnt from the training images."""
+    if state is None:
+        return cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
+    saved = state["config"].get("intensity_range")
+    if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
+        raise UserError(f"cannot resume exactly: the run was trained with intensity_range={saved!r}, this run "
+                        f"has {cfg['intensity_range']!r}: resume with intensity_range=None (the run's), or "
+                        f"start a new run in another checkpoint_dir")
+    return saved
+
+
+def effective_config(cfg, hw, prec, state, n_train, notes):
+    """What this run uses, settled in dependency order before anything (loaders, caches, the model) is
+    built from it. `prec` is already the resumed run's (setup_precision); then the batch size (auto:
+    searched in that precision), then the layout (on a CPU it depends on the batch size) and, on a CPU,
+    both confirmed by the probe at that batch (cpu_probe_decision). Returns (cfg with both resolved, as
+    config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
+    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
+    prec, layout = cpu_probe_decision(cfg, hw, prec, notes)
+    notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
+    return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
+
+
+def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
+    model = prepare_model(cfg, hw)
+    if cfg["sync_batchnorm"] and DIST.enabled:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    optimizer = build_optimizer(model, cfg)
+    schedule = lr_schedule(cfg) if state is None else resumed_schedule(state, cfg, steps_per_epoch, notes)
+    start = (0, 0) if state is None else (state["scheduler"]["last_epoch"], state["epoch"])
+    scheduler = build_scheduler(optimizer, cfg, steps_per_epoch, schedule, start)
+    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, [], [], lr_schedule=schedule)
+    if state is not None:
+        run.load(state)
+        set_rng_state(state["rng"])
+        notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
+    else:
+        moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
+        notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
+    run.eval_model = torch.compile(model) if cfg["compile_model"] else model
+    run.run_model = run.eval_model
+    if DIST.enabled:  # wrapped after compile; gradients are all-reduced in buckets during backward
+        ids = [hw.device] if hw.kind == "cuda" else None
+        run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
+    return run
+
+
+def resumed_schedule(state, cfg, steps_per_epoch, notes):
+    """The checkpoint's LR schedule; with a changed epochs, extended (extend_schedule)."""
+    old_epochs, done, epochs = state["config"]["epochs"], state["epoch"], cfg["epochs"]
+    schedule = checkpoint_schedule(state, cfg)
+    if old_epochs == epochs:
+        return schedule
+    schedule = extend_schedule(schedule, done, epochs)
+    lr, change = cfg["learning_rate"], f"epochs changed from {old_epochs} to {epochs}"
+    if in_warmup(done, schedule):  # extended without a tail: the warm-up goes on
+        notes.append(f"{change}: the warm-up goes on to {lr:.2e} at epoch {schedule['warmup']:.3g}, then a "
+                     f"cosine down to {lr * LR_FLOOR:.2e} at epoch {epochs}")
+    else:
+        notes.append(f"{change}: the learning rate continues from {lr * lr_factor(done, schedule):.2e} (no "
+                     f"restart), cosine down to {lr * LR_FLOOR:.2e} over the remaining {epochs - done} "
+                     f"epochs ({(epochs - done) * steps_per_epoch} optimizer steps)")
+    return schedule
+
+
+def prepare_model(cfg, hw):
+    model = build_model(cfg).to(hw.device)
+    if cfg["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+@dataclass
+class Run:
+    """Everything that changes while training; saved in checkpoints, restored on resume/rollback."""
+    model: nn.Module
+    run_model: nn.Module          # what trains: `model`, compiled and/or wrapped in DDP
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None
+    prec: Precision
+    history: list
+    fallbacks: list               # precision fallback events, kept so a resume stays safe
+    best_iou: float = -1.0
+    since_best: int = 0
+    epoch: int = 0                # last finished epoch
+    bad_streak: int = 0           # consecutive bad optimizer steps, across epoch boundaries
+    eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
+    lr_schedule: dict | None = None      # the LR schedule's shape (extend_schedule), kept for resume
+    logger: RunLogger | None = None      # TensorBoard (rank 0), or a no-op
+    class_names: list | None = None      # for the per-class history columns
+
+    def state(self, cfg):
+        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
+                "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
+                "config": cfg, "history": self.history, "precision": self.prec.name,
+                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule}
+
+    def load(self, state):
+        self.model.load_state_dict(state["model"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.epoch, self.best_iou, self.since_best = state["epoch"], state["best_iou"], state["epochs_since_best"]
+        self.history, self.fallbacks = list(state["history"]), list(state.get("fallbacks", []))
+
+
+def announce_run(cfg, hw, run, sizes, extra):
+    """Print the config and the data/distributed summary; rank 0 writes config.json."""
+    n_train, n_val, n_batches, steps_per_epoch = sizes
+    print("config:\n" + format_config(cfg))
+    print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
+          f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
+    if cfg["data_mode"] == "patch":
+        print(patch_summary(cfg, n_batches * cfg["batch_size"] * DIST.world))
+    if DIST.enabled:
+        print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
+              f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
+    if DIST.is_main:
+        write_json(Path(cfg["checkpoint_dir"]) / "config.json",
+                   {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
+                    "device": describe(hw), "world_size": DIST.world, **extra})
+
+
+# ----------------------------------------------------------------------------------------------------
+# II.3 One epoch: train, validate, checkpoint, report.
+# ----------------------------------------------------------------------------------------------------
+def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
+    """Train and validate one epoch; returns its history row."""
+    if hw.kind == "cuda":
+        torch.cuda.reset_peak_memory_stats(hw.device)
+    start_epoch_data(train_loader, epoch, cfg["seed"])
+    anomaly = torch.autograd.set_detect_anomaly(True) if cfg["detect_anomaly"] else contextlib.nullcontext()
+    with anomaly:  # switched off again after the epoch
+        tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
+                             run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train",
+                             streak=run.bad_streak, logger=run.logger)
+    run.bad_streak = tr["stats"].bad_streak
+    val_start = time.perf_counter()
+    broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
+    va = evaluate(run.eval_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
+    val_time = time.perf_counter() - val_start
+    mem, mem_kind = peak_memory_mb(hw)
+    stats = tr["stats"]
+    events = [f["event"] for f in run.fallbacks if f["epoch"] == epoch]
+    return {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
+            "train_dice": tr["dice"], "val_iou": va["iou"], "val_dice": va["dice"], "lr": run.scheduler.get_last_lr()[0],
+            "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"],
+            "peak_mem_mb": mem, "peak_mem_kind": mem_kind, "precision": run.prec.name,
+            "grad_norm": stats.grad_norm, "grad_norm_max": stats.grad_norm_max,
+            "zero_grad_pct": stats.zero_grad_pct,
+            "scaler_scale": run.scaler.get_scale() if run.scaler else None,
+            "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps,
+            "fallback": "; ".join(events), **per_class_columns(va, run.class_names or [])}
+
+
+def finish_epoch(run, row, cfg):
+    """Record the epoch, write last.pt (and best.pt when it improved) and the history CSV."""
+    ckpt_dir = Path(cfg["checkpoint_dir"])
+    run.history.append(row)
+    run.epoch = row["epoch"]
+    improved = row["val_iou"] > run.best_iou
+    run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
+    if DIST.is_main:  # one writer; the other ranks hold the same weights
+        state = run.state(cfg)
+        save_checkpoint(ckpt_dir / "last.pt", state)
+        if improved:
+            save_checkpoint(ckpt_dir / "best.pt", state)
+        write_history(ckpt_dir / "history.csv", run.history)
+    print(epoch_summary(row, cfg, improved))
+    # Some zero gradients are normal (dead ReLUs: ~5-7% here in fp32); under fp16 a high share is
+    # the sign of gradients underflowing below fp16's smallest values.
+    if row["precision"] == "fp16" and row["zero_grad_pct"] > 5:
+        print(f"warning: {row['zero_grad_pct']:.1f}% of gradient entries were exactly zero: fp16 underflow? "
+              f"Compare with a bf16/fp32 run; try amp_dtype=bfloat16 or a larger init_scale")
+
+
+def epoch_summary(row, cfg, improved):
+    skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
+    scale = f" | scale {row['scaler_scale']:.0f}" if row["scaler_scale"] else ""
+    return (f"epoch {row['epoch']:>3}/{cfg['epochs']} | train loss {row['train_loss']:.4f} "
+            f"IoU {row['train_iou']:.4f} | val loss {row['val_loss']:.4f} IoU {row['val_iou']:.4f} "
+            f"Dice {row['val_dice']:.4f} | lr {row['lr']:.2e} | {row['epoch_time_s']:.1f}s "
+            f"{row['images_per_s']:.1f} img/s | peak {row['peak_mem_mb']:.0f} MB | {row['precision']}"
+            f" | grad {row['grad_norm']:.2f}{scale}{skipped}{' | best' if improved else ''}")
+
+
+def end_of_run_table(run):
+    """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
+    best = max(run.history, key=lambda r: r["val_iou"], default=None)
+    table = best and per_class_table(best, run.class_names or [])
+    return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
+
+
+# ----------------------------------------------------------------------------------------------------
+# II.4 The training step: one optimizer step per accumulation group, its micro-steps, the update.
+# ----------------------------------------------------------------------------------------------------
+def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
+                    streak=0, logger=None):
+    """One pass over `loader`; `streak` carries consecutive bad steps over from the last epoch."""
+    model.train()
+    n, k = len(loader), cfg["accumulation_steps"]
+    metric = SegMetric(cfg["num_classes"], hw.device)
+    loss_sum = torch.zeros((), device=hw.device, dtype=sum_dtype(hw.device))
+    finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
+    health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
+    bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
+    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
+    optimizer.zero_grad(set_to_none=True)
+    for i, (x, y, group_valid) in enumerate(accumulation_groups(bar, k, hw.device)):
+        x, y = to_device(x, y, hw, cfg["channels_last"])
+        group_start = i - i % k
+        group_len = min(k, n - group_start)  # the last group of an epoch may be short
+        if i == group_start and bn is not None:
+            bn.save()
+        boundary = i - group_start + 1 == group_len
+        logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid)
+        # On the device, no sync per micro-batch; x * 0 == 0 is isfinite in two ops instead of four.
+        finite = loss.detach() * 0 == 0
+        group_ok = finite if i == group_start else group_ok & finite
+        loss_sum += loss.detach().nan_to_num(0.0, 0.0, 0.0)  # non-finite losses count as 0 ...
+        finite_losses += finite                                # ... and are left out of the mean
+        metric.update(logits.detach(), y)
+        seen += x.shape[0]
+        if boundary:
+            if DIST.enabled:  # every rank must take the same decision: bad if any rank's loss was
+                group_ok = all_reduce_(group_ok.to(torch.int32), "min").bool()
+            step = optimizer_step(model, optimizer, scaler, cfg, group_ok, health.sample_zeros())
+            if step.loss_bad:  # its forward poisoned BatchNorm's running statistics
+                bn.restore()
+            health.record(step)
+            if logger is not None:  # buffers device tensors: no host sync
+                logger.log_step(scheduler, loss_sum, finite_losses, step.norm, scaler)
+            scheduler.step()
+            if health.bad_streak >= cfg["nan_patience"]:
+                raise NonFiniteStreak(scheduler.last_epoch, (x, y))
+        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
+            pair = torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)])
+            last_refresh = show_progress(bar, pair, metric, seen, start)
+    bar.close()
+    synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
+    elapsed = time.perf_counter() - start
+    result = metric.all_reduce().compute()
+    all_reduce_(loss_sum), all_reduce_(finite_losses)
+    seen *= DIST.world
+    return {"loss": loss_sum.item() / max(1, finite_losses.item()), "iou": result["iou"],
+            "dice": result["dice"], "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0,
+            "stats": health.stats()}
+
+
+def accumulation_groups(batches, k, device):
+    """(x, y, group_valid) per micro-batch, reading each group of k micro-batches ahead.
+
+    group_valid: the real (not padding, not void) pixels of the whole group, over all ranks and
+    divided by the rank count (DDP averages gradients), so CE summed per micro-batch / group_valid
+    is exactly one big batch's CE mean. Counted on the loader's CPU masks: no device sync. With one
+    micro-batch per step in one process the group is the micro-batch (None: its own loss, as is).
+    """
+    batches = iter(batches)
+    while group := list(itertools.islice(batches, k)):
+        if k == 1 and not DIST.enabled:
+            yield *group[0], None
+            continue
+        count = sum(valid_pixels(y) for _, y in group).to(device, non_blocking=True)
+        group_valid = all_reduce_(count).float().clamp(min=1) / DIST.world
+        for x, y in group:
+            yield x, y, group_valid
+
+
+def to_device(x, y, hw, channels_last):
+    x = x.to(hw.device, non_blocking=True)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x, y.to(hw.device, non_blocking=True)
+
+
+def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid=None):
+    """Forward under autocast, fp32 loss outside it, backward (scaled for fp16) of the group's share:
+    CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size;
+    group_valid=None: the group is this one micro-batch, whose share is its own loss.
+    Returns (logits, this micro-batch's own loss)."""
+    # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
+    sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
+    with sync:
+        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+            logits = model(x)
+        ce_sum, dice = loss_fn.parts(logits, y)
+        loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
+        scaled = loss if group_valid is None else ce_sum / group_valid + dice / group_len
+        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    return logits, loss
+
+
+def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
+    """Unscale once, measure (and clip) the gradient norm, step unless something is non-finite.
+
+    `loss_ok` is a device bool: every loss of this accumulation group was finite. A non-finite
+    gradient makes the total norm non-finite, so the norm is the whole gradient check. With
+    nan_guard on, the one host sync per optimizer step reads these flags (never per micro-batch);
+    with it off there is none (fp16's GradScaler.step then makes its own, as in any PyTorch loop).
+    """
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    if cfg["grad_clip_norm"] is not None:
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip_norm"])
+    else:
+        norm = torch.nn.utils.get_total_norm(grads)
+    zeros = count_zero_grads(grads) if count_zeros else None
+    result = StepResult(norm.detach(), True, zeros=zeros, elems=sum(g.numel() for g in grads) if count_zeros else 0)
+    if scaler is not None:
+        scaler_step(optimizer, scaler, cfg, loss_ok, result)
+    elif cfg["nan_guard"]:
+        loss_fine, norm_value = host_flags(loss_ok.to(norm.dtype), norm)  # a non-finite gradient makes the norm so
+        grads_fine = math.isfinite(norm_value)
+        result.applied, result.loss_bad = bool(loss_fine) and grads_fine, not loss_fine
+        result.bad = not result.applied
+        if result.applied:
+            optimizer.step()
+    else:  # plain PyTorch behaviour: no check, no sync
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------
+# II.5 Evaluate: loss and IoU/Dice at each image's original size, on the logits predict would use.
+# ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
+    """Loss and dataset-level IoU/Dice; in fp32 unless eval_amp=True. IoU/Dice are counted at each
+    image's original size against its original mask, on the logits predict would turn into its mask
+    (fit: fit_pieces; patch: whole images by the sliding window, window_pieces)."""
+    model.eval()
+    prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
+    scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
+    metric = SegMetric(cfg["num_classes"], hw.device)
+    totals = torch.zeros(2, device=hw.device, dtype=sum_dtype(hw.device))  # loss * images, images
+    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
+    start, last_refresh, seen = time.perf_counter(), 0.0, 0
+    for batch in bar:
+        for logits, y, images, scored in scored_pieces(model, batch, cfg, prec, hw):
+            totals[0] += loss_fn(logits, y).detach().to(hw.device) * images
+            totals[1] += images
+            for score_logits, target in scored:
+                metric.update(score_logits, target)
+            seen += images
+        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
+            last_refresh = show_progress(bar, totals, metric, seen, start)
+    bar.close()
+    loss_sum, count = all_reduce_(totals).tolist()
+    return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
+
+
+def fit_pieces(model, batch, cfg, prec, hw):
+    """A batch from ValidationImages: one piece (logits, resized targets, number of images, scored).
+    The val loss is taken on the resized images, as the model sees them; `scored` gives the metric each
+    image's logits at its original size (original_size_logits: what predict makes its mask from)
+    against its original mask, in bands of rows: read here, in this process, while a GPU computes the
+    logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
+    original masks too."""
+    x, y, *paths = batch
+    reads = [mask_readers().submit(read_classes, path, cfg) for path in paths[0]] if paths else None
+    logits = eval_forward(model, x, cfg, prec, hw)
+    masks = [torch.from_numpy(read.result()) for read in reads] if paths else y
+    yield logits, y.to(hw.device, non_blocking=True), x.shape[0], original_size_scores(logits, masks, cfg, hw)
+
+
+@functools.lru_cache(maxsize=None)
+def mask_readers():
+    """Threads that decode fit validation's original masks while the model runs (OpenCV and Pillow
+    release the GIL): a 12 MP mask takes ~50 ms to decode, a batch of them would otherwise wait in turn."""
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="unet-amp-masks")
+
+
+def original_size_scores(logits, masks, cfg, hw):
+    """(1 x classes x rows x w logits, 1 x rows x w mask) bands of each image at its original size."""
+    for full, mask in zip(original_size_logits(logits, [m.shape for m in masks], cfg), masks):
+        mask = mask.to(hw.device, non_blocking=True)
+        for band in score_bands(*mask.shape):
+            yield full[None, :, band], mask[None, band]
+
+
+SCORE_BAND_PIXELS = 1 << 24  # validation scores large images in bands of rows of this size
+
+
+def score_bands(height, width):
+    """Row slices of at most SCORE_BAND_PIXELS pixels: scoring's int64 temporaries stay a band's size."""
+    rows = max(1, SCORE_BAND_PIXELS // width)
+    return [slice(top, min(top + rows, height)) for top in range(0, height, rows)]
+
+
+def window_pieces(model, batch, cfg, prec, hw):
+    """One whole image (an unbatched loader item) through the sliding window, scored in bands of rows:
+    (1 x classes x rows x W logits, 1 x rows x W mask, share of the image). The counts add up exactly;
+    the loss of an image over SCORE_BAND_PIXELS is the row-weighted mean of its bands' losses. All on
+    the CPU: a full-size image never goes to the device, and the scoring's int64 temporaries stay the
+    size of a band."""
+    image, mask = batch
+    logits, (h, w) = predict_logits(model, image.numpy(), cfg, prec, hw), mask.shape
+    for band in score_bands(h, w):
+        pair = logits[None, :, band], mask[None, band].long()
+        yield *pair, (band.stop - band.start) / h, [pair]
+
+
+# ====================================================================================================
+# III. Machinery, one section per concern, in the order part II calls it
+# ====================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------
+# III.1 Command line and config: key=value overrides parsed to the default's type, validated; presets.
+# Presets: "explicit" keys (given on the command line, or passed to train() with a value that differs from
+# CONFIG) keep their value; the preset sets the others.
+# ----------------------------------------------------------------------------------------------------
 class UserError(Exception):
     """A problem the user can fix (bad config, bad data). Printed as one line, no traceback."""
 
 
-# ----------------------------------------------------------------------------------------------------
-# Distributed: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; one process per device. Module-level like
-# nanoGPT's ddp variables: every function reads the same facts, nothing is threaded through.
-# ----------------------------------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    setup_group: object = None    # start-up waits (barrier, gather_setup); None = the default group
-
-    @property
-    def enabled(self):
-        return self.world > 1
-
-    @property
-    def is_main(self):
-        return self.rank == 0
+def user_message(exc):
+    """A UserError's message. One raised in a DataLoader worker (a file that broke after the data check,
+    a full disk) comes back re-raised with the worker's traceback as its text: its last line is the
+    original "...UserError: message"."""
+    text = str(exc)
+    if "Original Traceback" not in text:
+        return text
+    lines = text.rstrip("\n").splitlines()
+    last = max((i for i, line in enumerate(lines) if re.match(r"[\w.]*UserError: ", line)), default=None)
+    return text if last is None else "\n".join(lines[last:]).split("UserError: ", 1)[1]
 
 
-DIST = Dist()
+def first_line(exc, limit=160):
+    return (str(exc).splitlines() or [""])[0][:limit]
 
 
-# Start-up work before training can keep some ranks waiting for long: the first data check of a large
-# set, writing the embedded data set. Under the default group's timeout NCCL's watchdog kills a rank
-# whose wait passes 10 minutes. Those waits use a gloo group of their own with a generous timeout (gloo
-# has no watchdog and carries Python objects on the CPU); a rank that fails still stops the others at
-# once (torchrun), and the check's decoding is shared by the ranks (checked_facts), so waits stay short.
-SETUP_TIMEOUT = datetime.timedelta(hours=6)  # far beyond any start-up; a real hang still ends
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends the run like
+    Ctrl-C: Python's exit handlers then remove the temporary image caches (DecodedImages), which a
+    plain SIGTERM would leave behind. Checkpoints are written atomically either way."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def setup_distributed(device="auto"):
-    """Join torchrun's process group (nccl on CUDA, gloo on CPU); a no-op in a plain run."""
-    global DIST
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
-        return DIST
-    DIST = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
-    cuda = torch.cuda.is_available() and not device.startswith(("cpu", "mps"))
-    if cuda:
-        torch.cuda.set_device(DIST.local_rank)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    DIST.setup_group = torch.distributed.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
-    return DIST
+# Allowed values for keys with a fixed set of choices.
+CHOICES = {
+    "amp_dtype": ("auto", "bfloat16", "float16"),
+    "tf32_matmul_precision": (None, "highest", "high", "medium"),
+    "channels_last": ("auto", True, False),
+    "loss": ("dice+ce", "ce", "dice"),
+    "in_channels": (1, 3),
+    "preset": (None, "", "fast", "stable", "low_memory", "debug"),
+    "logger": ("auto", "tensorboard", "csv", "none"),
+    "data_mode": ("fit", "patch"),
+}
 
 
-def cleanup_distributed():
-    global DIST
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    DIST = Dist()
+# Types for keys whose default is None.
+NONE_DEFAULT_TYPES = {
+    "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
+    "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
+    "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
+    "intensity_range": list,
+}
 
 
-def gather_setup(obj):
-    """Every rank's `obj`, in rank order ([obj] in a single process), during start-up (SETUP_TIMEOUT)."""
-    if not DIST.enabled:
-        return [obj]
-    objs = [None] * DIST.world
-    torch.distributed.all_gather_object(objs, obj, group=DIST.setup_group)
-    return objs
+# Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
+BOOL_OR_TEXT = ("channels_last",)
+
+# Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
+MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
+
+# ... and those that define the data and the optimisation: a resume continues exactly only if they
+# are unchanged (epochs may grow; precision, speed and output settings may change).
+RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "batch_size",
+                            "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed",
+                            "data_mode", "patch_scale", "patch_foreground", "patches_per_image")
 
 
-def barrier():
-    """Wait for every rank (start-up work of unequal length: on the setup group, SETUP_TIMEOUT)."""
-    if DIST.enabled:
-        torch.distributed.barrier(group=DIST.setup_group)
+# Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
+AUTO_KEYS = ("batch_size",)
 
 
-def all_reduce_(tensor, op="sum"):
-    """In-place sum/min over ranks (no-op in a single process); returns the tensor."""
-    if DIST.enabled:
-        reduce_op = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.SUM
-        torch.distributed.all_reduce(tensor, reduce_op)
-    return tensor
-
-
-# ----------------------------------------------------------------------------------------------------
-# Command line: key=value overrides, parsed to the default's type, then validated.
-# ----------------------------------------------------------------------------------------------------
 def parse_value(key, text, default):
     kind = NONE_DEFAULT_TYPES.get(key, type(default))
     low = text.strip().lower()
@@ -310,6 +887,11 @@ def parse_overrides(args, base=None, defaults=None):
 def normalize_key(key):
     """'--batch-size' -> 'batch_size'."""
     return key.strip().lstrip("-").replace("-", "_")
+
+
+def explicit_keys(args):
+    """The keys named in a key=value list: what the user typed wins over a preset."""
+    return {normalize_key(a.partition("=")[0]) for a in args}
 
 
 def check_known_key(key, defaults=CONFIG):
@@ -432,15 +1014,6 @@ def check_model_names(cfg):
                         f"{', '.join(near) or 'resnet34'}? (smp.encoders.get_encoder_names() lists all)")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Presets: CONFIG < preset < command line. "Explicit" keys (given on the command line, or passed to
-# train() with a value that differs from CONFIG) keep their value; the preset sets the others.
-# ----------------------------------------------------------------------------------------------------
-def explicit_keys(args):
-    """The keys named in a key=value list: what the user typed wins over a preset."""
-    return {normalize_key(a.partition("=")[0]) for a in args}
-
-
 def apply_preset(cfg, explicit=()):
     """Return (cfg with the preset applied, a one-line description for the banner or None)."""
     name = cfg.get("preset")
@@ -466,29 +1039,93 @@ def preset_table():
     return "\n".join(rows)
 
 
-def user_message(exc):
-    """A UserError's message. One raised in a DataLoader worker (a file that broke after the data check,
-    a full disk) comes back re-raised with the worker's traceback as its text: its last line is the
-    original "...UserError: message"."""
-    text = str(exc)
-    if "Original Traceback" not in text:
-        return text
-    lines = text.rstrip("\n").splitlines()
-    last = max((i for i, line in enumerate(lines) if re.match(r"[\w.]*UserError: ", line)), default=None)
-    return text if last is None else "\n".join(lines[last:]).split("UserError: ", 1)[1]
-
-
-def first_line(exc, limit=160):
-    return (str(exc).splitlines() or [""])[0][:limit]
-
-
 def format_config(cfg):
     width = max(map(len, cfg))
     return "\n".join(f"  {k:<{width}} = {v!r}" for k, v in cfg.items())
 
 
 # ----------------------------------------------------------------------------------------------------
-# Precision: what the hardware really supports, and the one decision made from it.
+# III.2 Distributed: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; one process per device.
+# Module-level like nanoGPT's ddp variables: every function reads the same facts, nothing is threaded through.
+# ----------------------------------------------------------------------------------------------------
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    setup_group: object = None    # start-up waits (barrier, gather_setup); None = the default group
+
+    @property
+    def enabled(self):
+        return self.world > 1
+
+    @property
+    def is_main(self):
+        return self.rank == 0
+
+
+DIST = Dist()
+
+# Start-up work before training can keep some ranks waiting for long: the first data check of a large
+# set, writing the embedded data set. Under the default group's timeout NCCL's watchdog kills a rank
+# whose wait passes 10 minutes. Those waits use a gloo group of their own with a generous timeout (gloo
+# has no watchdog and carries Python objects on the CPU); a rank that fails still stops the others at
+# once (torchrun), and the check's decoding is shared by the ranks (checked_facts), so waits stay short.
+SETUP_TIMEOUT = datetime.timedelta(hours=6)  # far beyond any start-up; a real hang still ends
+
+
+def setup_distributed(device="auto"):
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU); a no-op in a plain run."""
+    global DIST
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or torch.distributed.is_initialized():
+        return DIST
+    DIST = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    cuda = torch.cuda.is_available() and not device.startswith(("cpu", "mps"))
+    if cuda:
+        torch.cuda.set_device(DIST.local_rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    DIST.setup_group = torch.distributed.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
+    return DIST
+
+
+def cleanup_distributed():
+    global DIST
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    DIST = Dist()
+
+
+def gather_setup(obj):
+    """Every rank's `obj`, in rank order ([obj] in a single process), during start-up (SETUP_TIMEOUT)."""
+    if not DIST.enabled:
+        return [obj]
+    objs = [None] * DIST.world
+    torch.distributed.all_gather_object(objs, obj, group=DIST.setup_group)
+    return objs
+
+
+def barrier():
+    """Wait for every rank (start-up work of unequal length: on the setup group, SETUP_TIMEOUT)."""
+    if DIST.enabled:
+        torch.distributed.barrier(group=DIST.setup_group)
+
+
+def all_reduce_(tensor, op="sum"):
+    """In-place sum/min over ranks (no-op in a single process); returns the tensor."""
+    if DIST.enabled:
+        reduce_op = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(tensor, reduce_op)
+    return tensor
+
+
+def broadcast_buffers(model):
+    if DIST.enabled:
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# III.3 Precision: what the hardware really supports, and the one decision made from it.
 # ----------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hardware:
@@ -741,25 +1378,54 @@ def banner(hw, prec, cfg, notes=(), layout=None):
 
 
 # ----------------------------------------------------------------------------------------------------
-# CPU probe: on a CPU, "native bf16" by feature flag does not mean faster (an AVX512-BF16 Xeon ran
-# bf16 0.7x fp32), so amp_dtype="auto" and channels_last="auto" confirm the flag rule with a few timed
-# steps of the run's own model, image size and batch, cached per machine and setting.
+# III.4 CPU probe: a few timed steps confirm the feature-flag rule on a CPU, cached per machine and setting.
+# On a CPU, "native bf16" by feature flag does not mean faster (an AVX512-BF16 Xeon ran bf16 0.7x fp32),
+# so amp_dtype="auto" and channels_last="auto" are confirmed by timed steps of the run's own model,
+# image size and batch. The timing machinery (bare steps, alternating rounds) is shared with the benchmark.
 # ----------------------------------------------------------------------------------------------------
 # bf16 is kept only if its fastest layout beats fp32's by this factor: fp32 is the safer mode (no
 # autocast rounding), so a gain within the probe's noise is not worth it. Noise measured on a shared
 # 2-core Xeon (README "CPU probe"): the same mode probed 4 times differed by up to 7% (fp32 0.332-0.355
 # s/step at the default run), the bf16/fp32 ratio by 4%; 1.15x is twice the worst spread.
 CPU_PROBE_BF16_MARGIN = 1.15
+
 # The other layout replaces the flag rule's only when faster by more than that noise (a layout carries
 # no numerical risk, so the bar is the noise alone).
 CPU_PROBE_LAYOUT_MARGIN = 1.08
+
 # Timed steps per mode, after one untimed warm-up step each, in alternating rounds (alternate_timings;
 # the median of 3 shrugs off one disturbed step): 7 s, ~5% of the default run on 2 cores (README).
 CPU_PROBE_ROUNDS = 3
+
 CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label: (precision, NHWC),
                    "bf16": ("bf16", False), "bf16_cl": ("bf16", True)}   # the benchmark's labels
+
+
 CPU_PROBE_VERSION = 1  # of the cache file's layout; another version's file is ignored
+
 CPU_PROBE_SETTING = ("arch", "encoder_name", "image_size", "batch_size", "in_channels", "num_classes")
+
+
+def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
+    """(precision, (channels_last, why)) for a resolved cfg (a number for batch_size): the flag rule's
+    (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on.
+    job_forwards: the job's forwards where a probe longer than the job is skipped (predict)."""
+    rule_layout = decide_channels_last(cfg, hw, prec)
+    probe_prec, probe_layout = cpu_probe_dimensions(cfg, hw, prec)
+    if not (probe_prec or probe_layout):
+        return prec, rule_layout
+    labels = probe_labels(prec, rule_layout[0], probe_prec, probe_layout)
+    times, how = cpu_probe_times(cfg, hw, kind, labels, job_forwards)
+    if times is None:
+        notes.append(("probe", how))
+        return prec, rule_layout
+    chosen, layout = choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout)
+    per_step = ", ".join(f"{mode_label(label)} {times[label]:.3f}" for label in labels)
+    notes.append(("probe", f"s/{'step' if kind == 'train' else 'forward'} at batch {cfg['batch_size']} x "
+                           f"{cfg['image_size']}px: {per_step}; {how}"))
+    if prec.warning and chosen is not prec:  # a fallback from a dtype not native here: say what is used
+        chosen = Precision(chosen.dtype, chosen.use_scaler, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
+    return chosen, layout
 
 
 def mode_label(label):
@@ -940,36 +1606,140 @@ def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
     return prec, (on, why + ("" if on == rule_layout[0] else " (the rule of thumb said otherwise)"))
 
 
-def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
-    """(precision, (channels_last, why)) for a resolved cfg (a number for batch_size): the flag rule's
-    (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on.
-    job_forwards: the job's forwards where a probe longer than the job is skipped (predict)."""
-    rule_layout = decide_channels_last(cfg, hw, prec)
-    probe_prec, probe_layout = cpu_probe_dimensions(cfg, hw, prec)
-    if not (probe_prec or probe_layout):
-        return prec, rule_layout
-    labels = probe_labels(prec, rule_layout[0], probe_prec, probe_layout)
-    times, how = cpu_probe_times(cfg, hw, kind, labels, job_forwards)
-    if times is None:
-        notes.append(("probe", how))
-        return prec, rule_layout
-    chosen, layout = choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout)
-    per_step = ", ".join(f"{mode_label(label)} {times[label]:.3f}" for label in labels)
-    notes.append(("probe", f"s/{'step' if kind == 'train' else 'forward'} at batch {cfg['batch_size']} x "
-                           f"{cfg['image_size']}px: {per_step}; {how}"))
-    if prec.warning and chosen is not prec:  # a fallback from a dtype not native here: say what is used
-        chosen = Precision(chosen.dtype, chosen.use_scaler, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
-    return chosen, layout
+def alternate_timings(runs, rounds, hw):
+    """{name: seconds per round} for each function in `runs`, called in turn every round after one
+    untimed round (first passes are slower); the order flips each round (A B C, C B A, A B C, ...), so
+    A and B run next to each other every round, and neither always first."""
+    names, times = list(runs), {name: [] for name in runs}
+    for name in names:
+        runs[name]()
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            synchronize(hw)
+            start = time.perf_counter()
+            runs[name]()
+            synchronize(hw)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def synchronize(hw):
+    if hw.kind == "cuda":
+        torch.cuda.synchronize(hw.device)
+
+
+def bare_step_runners(base, hw, dtypes, channels_last):
+    """{dtype: bare_step_runner's function} for each of `dtypes`, all on one fresh model, optimizer and
+    batch: autocast does not change the model, so one per layout is enough (half the probe's memory)."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device)
+    x, y = random_batch(base, hw)
+    if channels_last:
+        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
+    # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
+    opt, loss_fn = build_optimizer(model, base), SegLoss(base["num_classes"])
+
+    def runner(prec):
+        return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
+    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+
+
+def bare_inference_runners(base, hw, dtypes, channels_last):
+    """{dtype: a function that runs one inference forward (eval_forward, as predict)} of one fresh model
+    in eval mode on a random batch at base's batch and image size, in that dtype's autocast and the
+    given layout (one model for all dtypes, as bare_step_runners)."""
+    torch.manual_seed(0)
+    model = build_model({**base, "encoder_weights": None}).to(hw.device).eval()
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
+    x, _ = random_batch(base, hw)
+    layout = {"channels_last": channels_last}
+
+    def runner(prec):
+        def forward():
+            with torch.inference_mode():
+                eval_forward(model, x, layout, prec, hw)
+        return forward
+    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+
+
+def random_batch(base, hw):
+    """A random (images, class indices) batch at base's batch size, image size and channels."""
+    x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
+                    device=hw.device)
+    y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
+         * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
+    return x, y
+
+
+def bare_training_step(model, micro_batches, loss_fn, optimizer, scaler, prec, hw, clip):
+    """What a minimal PyTorch loop does per optimizer step over its (x, y) micro-batches: forward
+    under autocast, backward (scaled under fp16), clip, step, zero the gradients. The reference for
+    the trainer's overhead."""
+    for x, y in micro_batches:
+        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
+            logits = model(x)
+        loss = loss_fn(logits, y) / len(micro_batches)
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Data: the embedded shapes data set, the folder layout, checks with clear errors, loaders.
+# III.5 Data: the embedded shapes data set, the folder layout, checks with clear errors, loaders.
 # ----------------------------------------------------------------------------------------------------
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
+
 # Mask value of pixels that are not part of the image (padding, areas rotated in by augmentation):
 # ignored by the loss and the metrics, so IoU is measured on real pixels only.
 IGNORE_INDEX = 255
+
 EMBEDDED_DATA_DIR = "data/shapes"
+
+
+def prepare_data(cfg):
+    """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
+    root = Path(cfg["data_dir"])
+    if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
+        print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
+        write_embedded_dataset(root)
+    barrier()  # the other ranks wait until rank 0 has written it
+    if not root.is_dir():
+        raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
+                        f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
+    split = [(root / name).is_dir() for name in ("train", "val")]
+    if split == [True, False] or split == [False, True]:
+        have, missing = ("train", "val") if split[0] else ("val", "train")
+        raise UserError(f"{root} has {have}/ but no {missing}/: add {root}/{missing}/images and masks, or "
+                        f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
+    if all(split):
+        train, val = find_pairs(root / "train"), find_pairs(root / "val")
+    else:
+        pairs = find_pairs(root)
+        order = np.random.default_rng(cfg["seed"]).permutation(len(pairs))
+        n_val = max(1, round(len(pairs) * cfg["val_fraction"]))
+        if len(pairs) - n_val < 1:
+            raise UserError(f"{root} has only {len(pairs)} image(s): need at least 2 to split train/val")
+        val = [pairs[i] for i in sorted(order[:n_val])]
+        train = [pairs[i] for i in sorted(order[n_val:])]
+    train = train[:cfg["max_train_images"]]
+    check_pairs(train + val, cfg)
+    samples = training_samples(train, cfg)
+    if samples // DIST.world < cfg["batch_size"]:
+        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
+            f"{samples} patch(es) per epoch from {len(train)} image(s)"
+        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
+        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
+        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
+                        f"lower batch_size or {more}")
+    return train, val
 
 
 def generate_shapes_dataset(root, count=300, size=128, num_classes=1, seed=0):
@@ -1339,6 +2109,7 @@ def mask_hint(path, dtype, values):
 
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
+
 CHECK_CACHE_VERSION = 3  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts)
 
 
@@ -1529,47 +2300,67 @@ def entries_still_current(caches, skip):
     return kept
 
 
-def prepare_data(cfg):
-    """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
-    root = Path(cfg["data_dir"])
-    if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
-        print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
-        write_embedded_dataset(root)
-    barrier()  # the other ranks wait until rank 0 has written it
-    if not root.is_dir():
-        raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
-                        f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
-    split = [(root / name).is_dir() for name in ("train", "val")]
-    if split == [True, False] or split == [False, True]:
-        have, missing = ("train", "val") if split[0] else ("val", "train")
-        raise UserError(f"{root} has {have}/ but no {missing}/: add {root}/{missing}/images and masks, or "
-                        f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
-    if all(split):
-        train, val = find_pairs(root / "train"), find_pairs(root / "val")
-    else:
-        pairs = find_pairs(root)
-        order = np.random.default_rng(cfg["seed"]).permutation(len(pairs))
-        n_val = max(1, round(len(pairs) * cfg["val_fraction"]))
-        if len(pairs) - n_val < 1:
-            raise UserError(f"{root} has only {len(pairs)} image(s): need at least 2 to split train/val")
-        val = [pairs[i] for i in sorted(order[:n_val])]
-        train = [pairs[i] for i in sorted(order[n_val:])]
-    train = train[:cfg["max_train_images"]]
-    check_pairs(train + val, cfg)
-    samples = training_samples(train, cfg)
-    if samples // DIST.world < cfg["batch_size"]:
-        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
-            f"{samples} patch(es) per epoch from {len(train)} image(s)"
-        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
-        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
-        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
-                        f"lower batch_size or {more}")
-    return train, val
-
-
 def training_samples(pairs, cfg):
     """Samples per epoch: images (fit), or patches (patch mode: patch_counts)."""
     return len(pairs) if cfg["data_mode"] == "fit" else sum(patch_counts(image_sizes(pairs, cfg), cfg))
+
+
+def build_loaders(train_pairs, val_pairs, cfg, hw):
+    common = loader_options(cfg, hw)
+    train_set, val_set = build_datasets(train_pairs, val_pairs, cfg)
+    # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
+    # BatchNorm never sees a batch of one.
+    if DIST.enabled:
+        sampler = torch.utils.data.DistributedSampler(train_set, DIST.world, DIST.rank, shuffle=True,
+                                                      seed=cfg["seed"], drop_last=True)
+        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True, **common)
+    else:
+        # The shuffle has its own generator: a DataLoader also draws from `generator` when it starts
+        # an iterator, which persistent workers do only once, so sharing one would make the order
+        # depend on whether the workers were kept (and differ after a resume).
+        sampler = torch.utils.data.RandomSampler(train_set, generator=torch.Generator().manual_seed(cfg["seed"]))
+        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True,
+                                  generator=torch.Generator().manual_seed(cfg["seed"]), **common)
+    # Validation shards the set without padding (validation_shard): with the counts all-reduced, every
+    # image is counted exactly once, so the IoU equals a single process's.
+    if cfg["data_mode"] == "fit":
+        val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg),
+                                collate_fn=with_mask_paths, **common)
+    else:  # whole images, one at a time, read in this process (ReadAhead)
+        val_loader = ReadAhead(val_set, validation_shard(val_pairs, cfg))
+    CHECKED_HERE.clear()  # the start-up's questions are answered: a million files' facts need not stay
+    return train_loader, val_loader
+
+
+def build_datasets(train_pairs, val_pairs, cfg):
+    """fit: resized images (validation also with the original masks); patch: training patches, and whole
+    validation images for the sliding window."""
+    # First: a killed run's decoded images count as used space in the estimates below (and in fit mode
+    # with caching off or skipped, no DecodedImages would ever remove them).
+    remove_stale_caches(tempfile.gettempdir())
+    if cfg["data_mode"] == "patch":
+        return PatchDataset(train_pairs, cfg, image_sizes(train_pairs, cfg)), WholeImages(val_pairs, cfg)
+    return SegDataset(train_pairs, cfg, True), ValidationImages(val_pairs, cfg)
+
+
+def validation_shard(val_pairs, cfg):
+    """This rank's validation images: rank r takes r, r + world, ... so each is counted exactly once
+    (the counts are all-reduced). Patch mode deals them largest first: the sliding window's time
+    follows the pixels, and sizes vary."""
+    order = list(range(len(val_pairs)))
+    if cfg["data_mode"] == "patch" and DIST.enabled:
+        sizes = image_sizes(val_pairs, cfg)
+        order.sort(key=lambda i: -sizes[i][0] * sizes[i][1])
+    return order[DIST.rank::DIST.world]
+
+
+def start_epoch_data(loader, epoch, seed):
+    """Same shuffle and augmentation for a given epoch, whether or not the run was resumed."""
+    loader.dataset.epoch = epoch
+    if isinstance(loader.sampler, torch.utils.data.DistributedSampler):
+        loader.sampler.set_epoch(epoch)
+    elif getattr(loader.sampler, "generator", None) is not None:
+        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
 
 
 def build_transforms(cfg, train, resize=True):
@@ -1841,6 +2632,7 @@ class DecodedImages:
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
 CACHE_PREFIX = "unet_amp_decoded_"  # DecodedImages' folders in the temporary directory: + "<pid>-<random>"
 
 
@@ -1925,68 +2717,10 @@ def one_opencv_thread(worker_id):
     cv2.setNumThreads(0)
 
 
-def build_loaders(train_pairs, val_pairs, cfg, hw):
-    common = loader_options(cfg, hw)
-    train_set, val_set = build_datasets(train_pairs, val_pairs, cfg)
-    # drop_last: every micro-batch has batch_size images, so accumulation weights are exact and
-    # BatchNorm never sees a batch of one.
-    if DIST.enabled:
-        sampler = torch.utils.data.DistributedSampler(train_set, DIST.world, DIST.rank, shuffle=True,
-                                                      seed=cfg["seed"], drop_last=True)
-        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True, **common)
-    else:
-        # The shuffle has its own generator: a DataLoader also draws from `generator` when it starts
-        # an iterator, which persistent workers do only once, so sharing one would make the order
-        # depend on whether the workers were kept (and differ after a resume).
-        sampler = torch.utils.data.RandomSampler(train_set, generator=torch.Generator().manual_seed(cfg["seed"]))
-        train_loader = DataLoader(train_set, cfg["batch_size"], sampler=sampler, drop_last=True,
-                                  generator=torch.Generator().manual_seed(cfg["seed"]), **common)
-    # Validation shards the set without padding (validation_shard): with the counts all-reduced, every
-    # image is counted exactly once, so the IoU equals a single process's.
-    if cfg["data_mode"] == "fit":
-        val_loader = DataLoader(val_set, cfg["batch_size"], sampler=validation_shard(val_pairs, cfg),
-                                collate_fn=with_mask_paths, **common)
-    else:  # whole images, one at a time, read in this process (ReadAhead)
-        val_loader = ReadAhead(val_set, validation_shard(val_pairs, cfg))
-    CHECKED_HERE.clear()  # the start-up's questions are answered: a million files' facts need not stay
-    return train_loader, val_loader
-
-
-def validation_shard(val_pairs, cfg):
-    """This rank's validation images: rank r takes r, r + world, ... so each is counted exactly once
-    (the counts are all-reduced). Patch mode deals them largest first: the sliding window's time
-    follows the pixels, and sizes vary."""
-    order = list(range(len(val_pairs)))
-    if cfg["data_mode"] == "patch" and DIST.enabled:
-        sizes = image_sizes(val_pairs, cfg)
-        order.sort(key=lambda i: -sizes[i][0] * sizes[i][1])
-    return order[DIST.rank::DIST.world]
-
-
-def build_datasets(train_pairs, val_pairs, cfg):
-    """fit: resized images (validation also with the original masks); patch: training patches, and whole
-    validation images for the sliding window."""
-    # First: a killed run's decoded images count as used space in the estimates below (and in fit mode
-    # with caching off or skipped, no DecodedImages would ever remove them).
-    remove_stale_caches(tempfile.gettempdir())
-    if cfg["data_mode"] == "patch":
-        return PatchDataset(train_pairs, cfg, image_sizes(train_pairs, cfg)), WholeImages(val_pairs, cfg)
-    return SegDataset(train_pairs, cfg, True), ValidationImages(val_pairs, cfg)
-
-
-def start_epoch_data(loader, epoch, seed):
-    """Same shuffle and augmentation for a given epoch, whether or not the run was resumed."""
-    loader.dataset.epoch = epoch
-    if isinstance(loader.sampler, torch.utils.data.DistributedSampler):
-        loader.sampler.set_epoch(epoch)
-    elif getattr(loader.sampler, "generator", None) is not None:
-        loader.sampler.generator.manual_seed(seed * 1000 + epoch)
-
-
 # ----------------------------------------------------------------------------------------------------
-# Large images (data_mode="patch"): training on image_size patches cut at patch_scale (1.0 = native
-# resolution); validation and predict run whole images through one blended sliding window
-# (predict_logits), so the val IoU is the IoU predict gives.
+# III.6 Large images: data_mode="patch".
+# Training on image_size patches cut at patch_scale (1.0 = native resolution); validation and predict run
+# whole images through one blended sliding window (predict_logits), so the val IoU is the IoU predict gives.
 # ----------------------------------------------------------------------------------------------------
 def scaled_size(hw, scale):
     """(height, width) after patch_scale: the one rounding rule for patches, tiles and patch counts."""
@@ -2072,6 +2806,7 @@ def cut_patch(image, mask, foreground, cfg, rng):
 
 
 OPEN_FILES_SHARE = 8      # training images kept open take at most 1/8 of a process's file-descriptor limit
+
 MAX_OPEN_IMAGES = 8192    # ... and 2 of the 65,530 memory maps a process may have (vm.max_map_count) each
 
 
@@ -2172,6 +2907,16 @@ class ReadAhead:
                 current = following
 
 
+def predict_logits(model, image, cfg, prec, hw):
+    """Patch mode: fp32 logits (classes x H x W, CPU) at the image's own size: scaled by patch_scale,
+    through the sliding window, resized back. Validation and predict both call this."""
+    h, w = image.shape[:2]
+    logits = sliding_window(model, rescale(image, None, cfg["patch_scale"])[0], cfg, prec, hw)
+    if logits.shape[1:] != (h, w):
+        logits = nn.functional.interpolate(logits[None], size=(h, w), mode="bilinear", align_corners=False)[0]
+    return logits
+
+
 def tile_starts(length, window, overlap):
     """Tile offsets along one axis: one every window * (1 - overlap) pixels, the last flush with the end."""
     if length <= window:
@@ -2221,16 +2966,6 @@ def sliding_window(model, image, cfg, prec, hw):
     return total[:, :h, :w]
 
 
-def predict_logits(model, image, cfg, prec, hw):
-    """Patch mode: fp32 logits (classes x H x W, CPU) at the image's own size: scaled by patch_scale,
-    through the sliding window, resized back. Validation and predict both call this."""
-    h, w = image.shape[:2]
-    logits = sliding_window(model, rescale(image, None, cfg["patch_scale"])[0], cfg, prec, hw)
-    if logits.shape[1:] != (h, w):
-        logits = nn.functional.interpolate(logits[None], size=(h, w), mode="bilinear", align_corners=False)[0]
-    return logits
-
-
 def eval_forward(model, x, cfg, prec, hw):
     """Inference forward of a batch in the run's layout, under autocast when prec says so."""
     x = x.to(hw.device, non_blocking=True)
@@ -2248,7 +2983,7 @@ def patch_summary(cfg, patches):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Model, loss, optimizer, schedule
+# III.7 Model, loss, optimizer, schedule.
 # ----------------------------------------------------------------------------------------------------
 def build_model(cfg):
     import segmentation_models_pytorch as smp
@@ -2322,6 +3057,7 @@ def build_optimizer(model, cfg):
 
 
 FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+
 # How the update runs on this device, not what it computes: on resume they stay as build_optimizer set
 # them, since a checkpoint's flags belong to the device (and PyTorch version) it was written on.
 OPTIMIZER_RUNTIME_FLAGS = ("fused", "foreach")
@@ -2437,7 +3173,7 @@ def unwrap(model):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Metrics: dataset-level IoU / Dice from a confusion matrix kept on the device.
+# III.8 Metrics: dataset-level IoU / Dice from a confusion matrix on the device; per-class tables.
 # ----------------------------------------------------------------------------------------------------
 def sum_dtype(device):
     """dtype of the running sums kept on the device (losses, gradient norms): float64, so an epoch's
@@ -2508,9 +3244,6 @@ class SegMetric:
                 "per_class_dice": dice.tolist()}
 
 
-# ----------------------------------------------------------------------------------------------------
-# Per-class metrics: names from <data_dir>/class_names.txt, history columns, the end-of-run table.
-# ----------------------------------------------------------------------------------------------------
 def load_class_names(cfg):
     """Class names, one per line, class 0 first (VOC/labelme convention); indices when there is no file.
 
@@ -2567,8 +3300,56 @@ def per_class_table(row, names):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Train / eval step
+# III.9 Numerical safety: guard, BatchNorm snapshot, gradient health, streak, fallback, diagnosis.
 # ----------------------------------------------------------------------------------------------------
+class NonFiniteStreak(Exception):
+    """Internal: nan_patience bad steps in a row. train() falls back to a safer precision."""
+
+    def __init__(self, step, batch):
+        super().__init__(f"non-finite loss or gradients for several steps up to step {step}")
+        self.step, self.batch = step, batch
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. `applied` is a host bool, or a device bool under fp16 without
+    nan_guard (the scaler decides on the device; nothing reads it back)."""
+    norm: torch.Tensor            # pre-clip total gradient norm (device)
+    applied: bool | torch.Tensor
+    bad: bool = False             # counts towards the fallback streak
+    loss_bad: bool = False        # a loss of the group was non-finite: its forward poisoned BatchNorm
+    zeros: torch.Tensor | None = None  # zero gradient entries (device), on sampled steps only
+    elems: int = 0                # gradient entries counted
+
+
+def scaler_step(optimizer, scaler, cfg, loss_ok, result):
+    """fp16: step when the scaler found no inf/NaN gradient, then update the scale.
+
+    A step is `bad` when its loss was non-finite (a forward overflow no scale can fix), or when its
+    gradients overflow even with the loss scaled *down* (scale < 1): fp16 cannot hold them. Any
+    other skip is the scaler's normal business.
+    """
+    found_inf = sum(scaler._found_inf_per_device(optimizer).values())  # recorded by unscale_()
+    if not cfg["nan_guard"]:
+        scaler.step(optimizer)
+        scaler.update()
+        result.applied = found_inf == 0
+        return
+    # The guard's one sync also answers GradScaler.step's question (any inf?), so the optimizer is
+    # stepped here directly, exactly when GradScaler.step would.
+    loss_fine, grads_fine, scale = host_flags(loss_ok.float(), (found_inf == 0).float(), scaler._scale.float())
+    if grads_fine:
+        optimizer.step()
+    scaler.update()
+    result.applied, result.loss_bad = bool(grads_fine), not loss_fine
+    result.bad = not loss_fine or (not grads_fine and scale * scaler.get_backoff_factor() < 1.0)
+
+
+def host_flags(*flags):
+    """The guard's one device->host sync per optimizer step: small same-dtype scalars, read together."""
+    return torch.stack(flags).tolist()
+
+
 @dataclass
 class StepStats:
     """What one epoch of training saw: the history's gradient-health columns."""
@@ -2589,39 +3370,7 @@ class StepStats:
         return 100.0 * self.zero_grad_elems / max(1, self.grad_elems)
 
 
-class NonFiniteStreak(Exception):
-    """Internal: nan_patience bad steps in a row. train() falls back to a safer precision."""
-
-    def __init__(self, step, batch):
-        super().__init__(f"non-finite loss or gradients for several steps up to step {step}")
-        self.step, self.batch = step, batch
-
-
-def synchronize(hw):
-    if hw.kind == "cuda":
-        torch.cuda.synchronize(hw.device)
-
-
-def to_device(x, y, hw, channels_last):
-    x = x.to(hw.device, non_blocking=True)
-    if channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x, y.to(hw.device, non_blocking=True)
-
-
 ZERO_GRAD_EVERY = 8  # optimizer steps between zero-gradient counts (a count reads every gradient)
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step did. `applied` is a host bool, or a device bool under fp16 without
-    nan_guard (the scaler decides on the device; nothing reads it back)."""
-    norm: torch.Tensor            # pre-clip total gradient norm (device)
-    applied: bool | torch.Tensor
-    bad: bool = False             # counts towards the fallback streak
-    loss_bad: bool = False        # a loss of the group was non-finite: its forward poisoned BatchNorm
-    zeros: torch.Tensor | None = None  # zero gradient entries (device), on sampled steps only
-    elems: int = 0                # gradient entries counted
 
 
 class GradHealth:
@@ -2715,248 +3464,126 @@ class BatchNormSnapshot:
             torch._foreach_copy_(live, saved)
 
 
-def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
-    """Unscale once, measure (and clip) the gradient norm, step unless something is non-finite.
-
-    `loss_ok` is a device bool: every loss of this accumulation group was finite. A non-finite
-    gradient makes the total norm non-finite, so the norm is the whole gradient check. With
-    nan_guard on, the one host sync per optimizer step reads these flags (never per micro-batch);
-    with it off there is none (fp16's GradScaler.step then makes its own, as in any PyTorch loop).
-    """
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
-    grads = [p.grad for p in params]
-    if cfg["grad_clip_norm"] is not None:
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip_norm"])
-    else:
-        norm = torch.nn.utils.get_total_norm(grads)
-    zeros = count_zero_grads(grads) if count_zeros else None
-    result = StepResult(norm.detach(), True, zeros=zeros, elems=sum(g.numel() for g in grads) if count_zeros else 0)
-    if scaler is not None:
-        scaler_step(optimizer, scaler, cfg, loss_ok, result)
-    elif cfg["nan_guard"]:
-        loss_fine, norm_value = host_flags(loss_ok.to(norm.dtype), norm)  # a non-finite gradient makes the norm so
-        grads_fine = math.isfinite(norm_value)
-        result.applied, result.loss_bad = bool(loss_fine) and grads_fine, not loss_fine
-        result.bad = not result.applied
-        if result.applied:
-            optimizer.step()
-    else:  # plain PyTorch behaviour: no check, no sync
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return result
+def to_cpu(obj):
+    """A detached CPU copy of a (nested) state dict: the in-memory rollback snapshot."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
-def host_flags(*flags):
-    """The guard's one device->host sync per optimizer step: small same-dtype scalars, read together."""
-    return torch.stack(flags).tolist()
+SAFETY_ORDER = ("fp16", "bf16", "fp32")  # a fallback only ever moves right
 
 
-def scaler_step(optimizer, scaler, cfg, loss_ok, result):
-    """fp16: step when the scaler found no inf/NaN gradient, then update the scale.
-
-    A step is `bad` when its loss was non-finite (a forward overflow no scale can fix), or when its
-    gradients overflow even with the loss scaled *down* (scale < 1): fp16 cannot hold them. Any
-    other skip is the scaler's normal business.
-    """
-    found_inf = sum(scaler._found_inf_per_device(optimizer).values())  # recorded by unscale_()
-    if not cfg["nan_guard"]:
-        scaler.step(optimizer)
-        scaler.update()
-        result.applied = found_inf == 0
-        return
-    # The guard's one sync also answers GradScaler.step's question (any inf?), so the optimizer is
-    # stepped here directly, exactly when GradScaler.step would.
-    loss_fine, grads_fine, scale = host_flags(loss_ok.float(), (found_inf == 0).float(), scaler._scale.float())
-    if grads_fine:
-        optimizer.step()
-    scaler.update()
-    result.applied, result.loss_bad = bool(grads_fine), not loss_fine
-    result.bad = not loss_fine or (not grads_fine and scale * scaler.get_backoff_factor() < 1.0)
-
-
-def show_progress(bar, loss_pair, metric, seen, start):
-    """Loss, IoU so far and images/s on a tqdm bar; one device->host copy per refresh, and callers
-    refresh at most twice a second (none with progress=False). Returns the time of this refresh."""
-    host = torch.cat([loss_pair.cpu().double(), metric.flat.cpu().double()])  # float64 on the host: MPS has none
-    loss_sum, count = host[:2].tolist()
-    loss = loss_sum / max(1.0, count)
-    now = time.perf_counter()
-    iou = metric.with_counts(host[2:]).compute()["iou"]
-    bar.set_postfix(loss=f"{loss:.4f}", iou=f"{iou:.3f}", img_s=f"{seen / (now - start):.1f}")
-    return now
+def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
+    """nan_patience bad steps in a row: roll back and continue in a safer precision, or stop in fp32."""
+    nxt = safer_precision(run.prec, hw)
+    ckpt = Path(cfg["checkpoint_dir"]) / "last.pt"
+    if nxt is None:
+        where = diagnose_nonfinite(unwrap(run.model), bad.batch, loss_fn)
+        kept = f"{ckpt} (epoch {run.epoch}) is intact" if run.epoch else "no checkpoint was written yet"
+        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): "
+                        f"{where}; likely causes: learning_rate={cfg['learning_rate']} "
+                        f"too high, or NaN/inf/garbage in the data; {kept}")
+    events = run.fallbacks
+    run.load(snapshot)  # model, optimizer, scheduler, scaler as they were at the start of the epoch
+    run.fallbacks = events
+    set_rng_state(snapshot["rng"])
+    event = (f"{run.prec.name} went non-finite at step {bad.step}: falling back to {nxt.name}, "
+             f"rolled back to " + (f"epoch {run.epoch}" if run.epoch else "the start"))
+    run.fallbacks.append({"epoch": epoch, "step": bad.step, "from": run.prec.name, "to": nxt.name,
+                          "event": event})
+    run.prec, run.scaler, run.bad_streak = nxt, build_scaler(nxt, hw, cfg), 0
+    banner_line(event)
 
 
-def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid=None):
-    """Forward under autocast, fp32 loss outside it, backward (scaled for fp16) of the group's share:
-    CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size;
-    group_valid=None: the group is this one micro-batch, whose share is its own loss.
-    Returns (logits, this micro-batch's own loss)."""
-    # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
-    sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
-    with sync:
-        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-            logits = model(x)
-        ce_sum, dice = loss_fn.parts(logits, y)
-        loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
-        scaled = loss if group_valid is None else ce_sum / group_valid + dice / group_len
-        (scaler.scale(scaled) if scaler is not None else scaled).backward()
-    return logits, loss
+def safer_precision(prec, hw):
+    """fp16 -> bf16 where native, else fp32; bf16 -> fp32; fp32 -> None (nothing safer)."""
+    if prec.dtype == torch.float16 and hw.bf16:
+        return Precision(torch.bfloat16, False, "fallback from fp16 (non-finite)")
+    if prec.amp:
+        return Precision(torch.float32, False, f"fallback from {prec.name} (non-finite)")
+    return None
 
 
-def accumulation_groups(batches, k, device):
-    """(x, y, group_valid) per micro-batch, reading each group of k micro-batches ahead.
-
-    group_valid: the real (not padding, not void) pixels of the whole group, over all ranks and
-    divided by the rank count (DDP averages gradients), so CE summed per micro-batch / group_valid
-    is exactly one big batch's CE mean. Counted on the loader's CPU masks: no device sync. With one
-    micro-batch per step in one process the group is the micro-batch (None: its own loss, as is).
-    """
-    batches = iter(batches)
-    while group := list(itertools.islice(batches, k)):
-        if k == 1 and not DIST.enabled:
-            yield *group[0], None
-            continue
-        count = sum(valid_pixels(y) for _, y in group).to(device, non_blocking=True)
-        group_valid = all_reduce_(count).float().clamp(min=1) / DIST.world
-        for x, y in group:
-            yield x, y, group_valid
+def keep_safer_precision(prec, state, hw):
+    """On resume, a run that fell back earlier keeps its safer precision, on the hardware it runs on now:
+    where that precision is not native here (bf16 on a CPU without AVX512-BF16), one step safer still."""
+    if not state.get("fallbacks") or SAFETY_ORDER.index(state["precision"]) <= SAFETY_ORDER.index(prec.name):
+        return prec
+    name = state["precision"]
+    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
+    safer = next(n for n in SAFETY_ORDER[SAFETY_ORDER.index(name):] if native[n])
+    why = f"this run fell back to {name} ({state['fallbacks'][-1]['event']})"
+    if safer != name:
+        why += f"; {name} is not native on {hw.device}, so {safer}"
+    return Precision(DTYPES[safer], safer == "fp16", f"kept from the checkpoint: {why}")
 
 
-def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
-                    streak=0, logger=None):
-    """One pass over `loader`; `streak` carries consecutive bad steps over from the last epoch."""
-    model.train()
-    n, k = len(loader), cfg["accumulation_steps"]
-    metric = SegMetric(cfg["num_classes"], hw.device)
-    loss_sum = torch.zeros((), device=hw.device, dtype=sum_dtype(hw.device))
-    finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
-    health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
-    bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
-    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
-    optimizer.zero_grad(set_to_none=True)
-    for i, (x, y, group_valid) in enumerate(accumulation_groups(bar, k, hw.device)):
-        x, y = to_device(x, y, hw, cfg["channels_last"])
-        group_start = i - i % k
-        group_len = min(k, n - group_start)  # the last group of an epoch may be short
-        if i == group_start and bn is not None:
-            bn.save()
-        boundary = i - group_start + 1 == group_len
-        logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid)
-        # On the device, no sync per micro-batch; x * 0 == 0 is isfinite in two ops instead of four.
-        finite = loss.detach() * 0 == 0
-        group_ok = finite if i == group_start else group_ok & finite
-        loss_sum += loss.detach().nan_to_num(0.0, 0.0, 0.0)  # non-finite losses count as 0 ...
-        finite_losses += finite                                # ... and are left out of the mean
-        metric.update(logits.detach(), y)
-        seen += x.shape[0]
-        if boundary:
-            if DIST.enabled:  # every rank must take the same decision: bad if any rank's loss was
-                group_ok = all_reduce_(group_ok.to(torch.int32), "min").bool()
-            step = optimizer_step(model, optimizer, scaler, cfg, group_ok, health.sample_zeros())
-            if step.loss_bad:  # its forward poisoned BatchNorm's running statistics
-                bn.restore()
-            health.record(step)
-            if logger is not None:  # buffers device tensors: no host sync
-                logger.log_step(scheduler, loss_sum, finite_losses, step.norm, scaler)
-            scheduler.step()
-            if health.bad_streak >= cfg["nan_patience"]:
-                raise NonFiniteStreak(scheduler.last_epoch, (x, y))
-        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            pair = torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)])
-            last_refresh = show_progress(bar, pair, metric, seen, start)
-    bar.close()
-    synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
-    elapsed = time.perf_counter() - start
-    result = metric.all_reduce().compute()
-    all_reduce_(loss_sum), all_reduce_(finite_losses)
-    seen *= DIST.world
-    return {"loss": loss_sum.item() / max(1, finite_losses.item()), "iou": result["iou"],
-            "dice": result["dice"], "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0,
-            "stats": health.stats()}
+def banner_line(text):
+    rule = "!" * 78
+    print(f"{rule}\n{text}\n{rule}", flush=True)
 
 
-@torch.no_grad()
-def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
-    """Loss and dataset-level IoU/Dice; in fp32 unless eval_amp=True. IoU/Dice are counted at each
-    image's original size against its original mask, on the logits predict would turn into its mask
-    (fit: fit_pieces; patch: whole images by the sliding window, window_pieces)."""
-    model.eval()
-    prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
-    scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
-    metric = SegMetric(cfg["num_classes"], hw.device)
-    totals = torch.zeros(2, device=hw.device, dtype=sum_dtype(hw.device))  # loss * images, images
-    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
-    start, last_refresh, seen = time.perf_counter(), 0.0, 0
-    for batch in bar:
-        for logits, y, images, scored in scored_pieces(model, batch, cfg, prec, hw):
-            totals[0] += loss_fn(logits, y).detach().to(hw.device) * images
-            totals[1] += images
-            for score_logits, target in scored:
-                metric.update(score_logits, target)
-            seen += images
-        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            last_refresh = show_progress(bar, totals, metric, seen, start)
-    bar.close()
-    loss_sum, count = all_reduce_(totals).tolist()
-    return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
+def diagnose_nonfinite(model, batch, loss_fn):
+    """Re-run one batch in fp32 with hooks (installed only here) to find where NaN/inf first appears."""
+    x, y = batch
+    if not torch.isfinite(x).all():
+        return "the input batch itself holds NaN/inf values: check the data"
+    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+    if bad:
+        return f"the weights are already non-finite, first {bad[0]}"
+    found = []
 
+    def hook(name):
+        def check(module, inputs, output):
+            if not found and isinstance(output, torch.Tensor) and not torch.isfinite(output).all():
+                found.append(f"the first non-finite value is the forward output of {name} "
+                             f"({type(module).__name__})")
+        return check
 
-def fit_pieces(model, batch, cfg, prec, hw):
-    """A batch from ValidationImages: one piece (logits, resized targets, number of images, scored).
-    The val loss is taken on the resized images, as the model sees them; `scored` gives the metric each
-    image's logits at its original size (original_size_logits: what predict makes its mask from)
-    against its original mask, in bands of rows: read here, in this process, while a GPU computes the
-    logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
-    original masks too."""
-    x, y, *paths = batch
-    reads = [mask_readers().submit(read_classes, path, cfg) for path in paths[0]] if paths else None
-    logits = eval_forward(model, x, cfg, prec, hw)
-    masks = [torch.from_numpy(read.result()) for read in reads] if paths else y
-    yield logits, y.to(hw.device, non_blocking=True), x.shape[0], original_size_scores(logits, masks, cfg, hw)
-
-
-@functools.lru_cache(maxsize=None)
-def mask_readers():
-    """Threads that decode fit validation's original masks while the model runs (OpenCV and Pillow
-    release the GIL): a 12 MP mask takes ~50 ms to decode, a batch of them would otherwise wait in turn."""
-    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="unet-amp-masks")
-
-
-def original_size_scores(logits, masks, cfg, hw):
-    """(1 x classes x rows x w logits, 1 x rows x w mask) bands of each image at its original size."""
-    for full, mask in zip(original_size_logits(logits, [m.shape for m in masks], cfg), masks):
-        mask = mask.to(hw.device, non_blocking=True)
-        for band in score_bands(*mask.shape):
-            yield full[None, :, band], mask[None, band]
-
-
-SCORE_BAND_PIXELS = 1 << 24  # validation scores large images in bands of rows of this size
-
-
-def score_bands(height, width):
-    """Row slices of at most SCORE_BAND_PIXELS pixels: scoring's int64 temporaries stay a band's size."""
-    rows = max(1, SCORE_BAND_PIXELS // width)
-    return [slice(top, min(top + rows, height)) for top in range(0, height, rows)]
-
-
-def window_pieces(model, batch, cfg, prec, hw):
-    """One whole image (an unbatched loader item) through the sliding window, scored in bands of rows:
-    (1 x classes x rows x W logits, 1 x rows x W mask, share of the image). The counts add up exactly;
-    the loss of an image over SCORE_BAND_PIXELS is the row-weighted mean of its bands' losses. All on
-    the CPU: a full-size image never goes to the device, and the scoring's int64 temporaries stay the
-    size of a band."""
-    image, mask = batch
-    logits, (h, w) = predict_logits(model, image.numpy(), cfg, prec, hw), mask.shape
-    for band in score_bands(h, w):
-        pair = logits[None, :, band], mask[None, band].long()
-        yield *pair, (band.stop - band.start) / h, [pair]
+    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
+    handles = [m.register_forward_hook(hook(n)) for n, m in leaves]
+    try:
+        loss = loss_fn(model(x.float()), y)
+        if not found and not torch.isfinite(loss):
+            found.append("the loss is non-finite while the model's outputs are finite: check the masks")
+        if not found:
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            owners = {id(p): n for n, m in leaves for p in m.parameters(recurse=False)}
+            for p in reversed(list(model.parameters())):  # backward runs from the output end
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    found.append(f"the first non-finite gradient is that of "
+                                 f"{owners.get(id(p), 'a parameter')}")
+                    break
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return found[0] if found else "nothing is non-finite when this batch is re-run in fp32 (intermittent)"
 
 
 # ----------------------------------------------------------------------------------------------------
-# Checkpoints and history: atomic writes, weights_only loads, exact resume.
+# III.10 Checkpoints and history: atomic writes, weights_only loads, exact resume.
 # ----------------------------------------------------------------------------------------------------
+def check_writable(folder, key="output"):
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{key} {folder} is a file, not a folder: choose another {key}=...")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write_test_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"{key} folder {folder} is not writable ({exc.strerror}): choose another "
+                        f"{key}=...") from None
+
+
 def atomic_write(path, write):
     """write(tmp_path), then rename over path: a crash never leaves a half-written file. The temporary
     file is created new (mkstemp: O_EXCL, an unpredictable name), so a file or symlink planted under its
@@ -3072,6 +3699,21 @@ def archive_previous_run(ckpt_dir, names=RUN_FILES):
     return dest
 
 
+# ----------------------------------------------------------------------------------------------------
+# III.11 Logging: progress bars, peak memory, TensorBoard (rank 0, one host transfer per epoch).
+# ----------------------------------------------------------------------------------------------------
+def show_progress(bar, loss_pair, metric, seen, start):
+    """Loss, IoU so far and images/s on a tqdm bar; one device->host copy per refresh, and callers
+    refresh at most twice a second (none with progress=False). Returns the time of this refresh."""
+    host = torch.cat([loss_pair.cpu().double(), metric.flat.cpu().double()])  # float64 on the host: MPS has none
+    loss_sum, count = host[:2].tolist()
+    loss = loss_sum / max(1.0, count)
+    now = time.perf_counter()
+    iou = metric.with_counts(host[2:]).compute()["iou"]
+    bar.set_postfix(loss=f"{loss:.4f}", iou=f"{iou:.3f}", img_s=f"{seen / (now - start):.1f}")
+    return now
+
+
 def peak_memory_mb(hw):
     """CUDA: peak allocated by tensors this run. CPU: peak resident memory of this process."""
     if hw.kind == "cuda":
@@ -3084,11 +3726,6 @@ def peak_memory_mb(hw):
         return float("nan"), "unavailable"
 
 
-# ----------------------------------------------------------------------------------------------------
-# Logging: TensorBoard events in <checkpoint_dir>/tensorboard/, written by rank 0. Per-step values stay
-# on the device until the epoch ends and then cross to the host in one transfer: no extra host sync
-# per step. history.csv is written either way.
-# ----------------------------------------------------------------------------------------------------
 TENSORBOARD_DIR = "tensorboard"
 
 
@@ -3171,8 +3808,13 @@ class RunLogger:
             self.writer = None
 
 
+# ====================================================================================================
+# IV. Other commands
+# ====================================================================================================
+
+
 # ----------------------------------------------------------------------------------------------------
-# Predict: masks for new images from a checkpoint, at each image's original size.
+# IV.1 Predict: masks for new images from a checkpoint, at each image's original size.
 # ----------------------------------------------------------------------------------------------------
 PREDICT_CONFIG = {
     "checkpoint": "checkpoints/best.pt",
@@ -3189,6 +3831,57 @@ PREDICT_CONFIG = {
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
 }
+
+
+def predict(opts):
+    """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
+    opts = validate_predict({**PREDICT_CONFIG, **opts})
+    hw = detect_hardware(opts["device"])
+    prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
+    model, cfg = load_model(opts["checkpoint"], hw)
+    tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
+    if tiling and cfg["data_mode"] == "fit":
+        print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
+              f"(each image resized to {cfg['image_size']} px, no sliding window)")
+    cfg, notes = {**cfg, **tiling}, []
+    paths = list_images(opts["input"])
+    prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
+    model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
+    out_dir = Path(opts["output"])
+    outputs = dict(zip(paths, output_paths(paths, out_dir)))
+    check_writable(out_dir)
+    tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
+             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
+    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
+          + (f" ({prec.warning})" if prec.warning else "") + tiled)
+    for _, note in notes:  # the probe's measurement
+        print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
+              f"probe {note}")
+    failed, done, start = [], 0, time.perf_counter()
+    bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
+    per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
+    for i in range(0, len(paths), per_batch):
+        batch = []
+        for path in paths[i:i + per_batch]:
+            try:
+                batch.append((path, read_image(path, cfg["in_channels"], cfg["intensity_range"])))
+            except UserError as exc:
+                failed.append((str(path), str(exc)))
+        masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
+        for (path, image), mask in zip(batch, masks):
+            save_prediction(outputs[path], mask_to_png(mask, cfg["num_classes"]), done)
+            if opts["overlay"]:
+                save_prediction(out_dir / f"{path.stem}_overlay.png", overlay_image(image, mask), done)
+            done += 1
+        bar.update(len(paths[i:i + per_batch]))
+    bar.close()
+    seconds = time.perf_counter() - start
+    print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
+          f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
+    for path, reason in failed:
+        print(f"  failed: {reason}")
+    return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
+            "output": str(out_dir)}
 
 
 def load_model(checkpoint, hw):
@@ -3217,20 +3910,6 @@ def list_images(path):
     if not images:
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}")
     return images
-
-
-def check_writable(folder, key="output"):
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"{key} {folder} is a file, not a folder: choose another {key}=...")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".write_test_{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"{key} folder {folder} is not writable ({exc.strerror}): choose another "
-                        f"{key}=...") from None
 
 
 def valid_region(transform, height, width):
@@ -3393,59 +4072,100 @@ def predict_layout(model, cfg, opts, hw, prec, layout=None):
     return model, {**cfg, "channels_last": channels_last}
 
 
-def predict(opts):
-    """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
-    opts = validate_predict({**PREDICT_CONFIG, **opts})
-    hw = detect_hardware(opts["device"])
-    prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
-    model, cfg = load_model(opts["checkpoint"], hw)
-    tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
-    if tiling and cfg["data_mode"] == "fit":
-        print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
-              f"(each image resized to {cfg['image_size']} px, no sliding window)")
-    cfg, notes = {**cfg, **tiling}, []
-    paths = list_images(opts["input"])
-    prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
-    model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
-    out_dir = Path(opts["output"])
-    outputs = dict(zip(paths, output_paths(paths, out_dir)))
-    check_writable(out_dir)
-    tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
-             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
-    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
-          + (f" ({prec.warning})" if prec.warning else "") + tiled)
-    for _, note in notes:  # the probe's measurement
-        print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
-              f"probe {note}")
-    failed, done, start = [], 0, time.perf_counter()
-    bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
-    per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    for i in range(0, len(paths), per_batch):
-        batch = []
-        for path in paths[i:i + per_batch]:
-            try:
-                batch.append((path, read_image(path, cfg["in_channels"], cfg["intensity_range"])))
-            except UserError as exc:
-                failed.append((str(path), str(exc)))
-        masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
-        for (path, image), mask in zip(batch, masks):
-            save_prediction(outputs[path], mask_to_png(mask, cfg["num_classes"]), done)
-            if opts["overlay"]:
-                save_prediction(out_dir / f"{path.stem}_overlay.png", overlay_image(image, mask), done)
-            done += 1
-        bar.update(len(paths[i:i + per_batch]))
-    bar.close()
-    seconds = time.perf_counter() - start
-    print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
-          f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
-    for path, reason in failed:
-        print(f"  failed: {reason}")
-    return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
-            "output": str(out_dir)}
+# ----------------------------------------------------------------------------------------------------
+# IV.2 batch_size=auto: the largest batch that fits on the GPU (real steps, OOM caught), minus headroom.
+# ----------------------------------------------------------------------------------------------------
+AUTO_BATCH_FALLBACK = 8      # batch_size=auto where no search is possible (CPU, MPS): CONFIG's default
+
+AUTO_BATCH_HEADROOM = 0.15   # room for fragmentation, validation and other processes on the GPU
+
+AUTO_BATCH_CAP = 1024
+
+
+def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
+    """Replace batch_size='auto' by a number; returns (cfg, what to record in config.json or None)."""
+    if cfg["batch_size"] != "auto":
+        return cfg, None
+    cap = max(1, min(AUTO_BATCH_CAP, n_train // DIST.world))
+    if state is not None:
+        use, info = state["config"]["batch_size"], "kept the resumed run's batch size"
+    elif hw.kind != "cuda":
+        use = min(AUTO_BATCH_FALLBACK, cap)
+        info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}"
+    else:
+        start = time.perf_counter()
+        # The trials run in the run's layout: on CUDA it does not depend on the batch size.
+        trial = {**cfg, "channels_last": decide_channels_last(cfg, hw, prec)[0]}
+        largest, use = find_batch_size(trial, hw, prec, cap)
+        if largest == 0:
+            raise UserError(f"batch_size=auto: not even a batch of {min(2, cap)} fits in {describe(hw)}'s "
+                            f"memory at image_size={cfg['image_size']}: lower image_size, use a smaller "
+                            f"encoder_name or use_amp=True")
+        use = int(all_reduce_(torch.tensor(use, device=hw.device), "min").item())  # same on every rank
+        limit = "the training set" if largest == cap else f"{AUTO_BATCH_HEADROOM:.0%} headroom"
+        info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
+                f"{', channels_last' if trial['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
+        seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
+    notes.append(("batch", f"auto -> {use}: {info}"))
+    return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
+
+
+def find_batch_size(cfg, hw, prec, cap):
+    """Search on a throw-away model; returns (largest batch that fit, batch to use)."""
+    model = prepare_model({**cfg, "encoder_weights": None}, hw).train()
+    optimizer = build_optimizer(model, cfg)
+    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
+
+    def fits(n):
+        try:
+            # A fresh GradScaler (fp16) per trial: an OOM after unscale_() leaves a scaler mid-step,
+            # and the next trial's unscale_() would raise instead of measuring.
+            batch_trial(model, optimizer, loss_fn, build_scaler(prec, hw, cfg), prec, hw, cfg, n)
+            ok = True
+        except torch.cuda.OutOfMemoryError:
+            ok = False
+        optimizer.zero_grad(set_to_none=True)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # outside the except block: the traceback no longer pins tensors
+        return ok
+
+    largest = search_batch_size(fits, start=min(2, cap), cap=cap)
+    del model, optimizer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    use = largest if largest == cap else max(min(2, cap), int(largest * (1 - AUTO_BATCH_HEADROOM)))
+    return largest, use
+
+
+def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
+    """One real training step at batch n on random data, in the run's precision and layout."""
+    size = cfg["image_size"]
+    x = torch.randn(n, cfg["in_channels"], size, size, device=hw.device)
+    y = torch.randint(0, max(2, cfg["num_classes"]), (n, size, size), device=hw.device)
+    if cfg["channels_last"]:
+        x = x.contiguous(memory_format=torch.channels_last)
+    forward_backward(model, x, y, loss_fn, scaler, prec, hw, 1, True)  # a group of one micro-batch
+    optimizer_step(model, optimizer, scaler, cfg, torch.ones((), dtype=torch.bool, device=hw.device))
+    synchronize(hw)
+
+
+def search_batch_size(fits, start=2, cap=AUTO_BATCH_CAP):
+    """Largest n in [start, cap] with fits(n): double until a batch fails, then bisect between the
+    last that fit and the first that did not. Returns 0 when even `start` does not fit."""
+    if not fits(start):
+        return 0
+    good, bad = start, None
+    while bad is None and good < cap:
+        n = min(good * 2, cap)
+        good, bad = (n, None) if fits(n) else (good, n)
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
 
 
 # ----------------------------------------------------------------------------------------------------
-# Benchmark: the same data, seed and model under several precision settings, one process each.
+# IV.3 Benchmark: the same data, seed and model under several precision settings, one process each.
 # ----------------------------------------------------------------------------------------------------
 BENCHMARK_CONFIG = {
     "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS
@@ -3455,9 +4175,12 @@ BENCHMARK_CONFIG = {
     "overhead_rounds": 5,   # trainer vs bare loop: timed rounds of bare_steps steps each, alternating
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
 }
+
+
 # Each benchmark configuration: CONFIG overrides. "2x" doubles batch_size. The layout is pinned (NCHW
 # unless named _cl) and fp32 is strict (TF32 off) except in `tf32`; `default` is the config as given.
 STRICT_FP32 = {"tf32_matmul_precision": "highest"}  # also turns cuDNN's TF32 convolutions off
+
 BENCHMARK_SETTINGS = {
     "default": {},
     "fp32": {"use_amp": False, "channels_last": False, **STRICT_FP32},
@@ -3469,8 +4192,11 @@ BENCHMARK_SETTINGS = {
     "bf16_2x": {"amp_dtype": "bfloat16", "channels_last": False, "batch_size": "2x"},
     "fp16": {"amp_dtype": "float16", "channels_last": False},
 }
+
+
 # Training keys every benchmark run sets itself.
 BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patience")
+
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
@@ -3478,6 +4204,59 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
                     "trainer_images_per_s", "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
                     "images_per_s_vs_held_batch", "epochs", "status",
                     "slowdown_vs_fp32")
+
+
+def run_benchmark(args=()):
+    """The `benchmark` command: returns {'rows', 'histories', 'bare_loop', ...} and writes CSV/JSON."""
+    opts, base, train_args, names = parse_benchmark_args(list(args))
+    hw = detect_hardware(base["device"])
+    out_dir = Path(opts["output"])
+    check_writable(out_dir)
+    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, names))
+    if moved:
+        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
+    pairs = prepare_data(base)  # writes the embedded data set once, before the runs start
+    setup_cudnn(hw)
+    # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
+    # every training row runs in its own process with its own setting.
+    apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision(torch.float32, False, "benchmark"))
+    print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
+          f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
+    bare = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
+    rows, histories, fp32_times = [], {}, {}
+    for name in names:
+        if probe_instead(name, base, hw):
+            rows.append(probe_row(name, base, hw, opts["probe_steps"], fp32_times))
+            continue
+        reason = skip_reason(name, base, hw)
+        if reason:
+            rows.append({"config": name, "status": f"skipped: {reason}"})
+            print(f"[benchmark] {name}: skipped: {reason}", flush=True)
+            continue
+        row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
+        rows.append(add_overhead(row, name, base, hw, opts, pairs))
+    add_speedups(rows)
+    result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
+              "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
+              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
+    write_json(out_dir / "benchmark.json", result)
+    atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
+    print(format_benchmark_table(rows))
+    if bare:
+        print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16{'' if hw.bf16 else ' (not native)'} "
+              f"{bare['bf16']:.3f} "
+              f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
+              f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
+    print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
+          "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.\n"
+          f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
+          f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
+    print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
+          "a bare loop that also clips; img/s vs bare: the trainer's training pass over the run's own loader "
+          "against a bare loop over the same loader, same precision, layout and batch; vs held batch: against the "
+          f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
+          f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
+    return result
 
 
 def parse_benchmark_args(args):
@@ -3545,37 +4324,6 @@ def slower_than_fp32(slowdown):
     return f"{slowdown:.1f}x slower than fp32" if slowdown >= 1 else f"{1 / slowdown:.2f}x faster than fp32"
 
 
-def summarize_history(name, history, info):
-    """One benchmark row from a run's per-epoch history (first epoch reported apart)."""
-    times = [float(r["epoch_time_s"]) for r in history]
-    rates = [float(r["images_per_s"]) for r in history]
-    steady = slice(1, None) if len(history) > 1 else slice(0, None)
-    skipped = sum(int(r["skipped_steps"]) for r in history)
-    fp16 = history[-1]["precision"] == "fp16"
-    precision = history[-1]["precision"]
-    if precision == "fp32" and info.get("fp32_math") == "tf32":
-        precision = "tf32"  # fp32 whose convolutions/matmuls ran in TF32 (CUDA Ampere+)
-    return {"config": name, "device": info["device"], "precision": precision,
-            "batch": info["config"]["batch_size"], "channels_last": info["config"]["channels_last"],
-            "compile": info["config"]["compile_model"],
-            "time_per_epoch_s": float(np.median(times[steady])), "first_epoch_s": times[0],
-            "images_per_s": float(np.median(rates[steady])), "speedup_vs_fp32": None,
-            "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in history),
-            "peak_mem_kind": history[-1]["peak_mem_kind"],
-            "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
-            "nonfinite_steps": 0 if fp16 else skipped, "scaler_skipped_steps": skipped if fp16 else 0,
-            "epochs": len(history), "status": "ok"}
-
-
-def merge_args(*lists):
-    """key=value lists merged left to right, one entry per key (a later list wins)."""
-    merged = {}
-    for arg in (a for lst in lists for a in lst):
-        key, _, value = arg.partition("=")
-        merged[normalize_key(key)] = value
-    return [f"{k}={v}" for k, v in merged.items()]
-
-
 def run_benchmark_config(name, base, train_args, out_dir):
     """Train one configuration in a fresh process; returns (row, per-epoch history)."""
     import subprocess
@@ -3596,6 +4344,37 @@ def run_benchmark_config(name, base, train_args, out_dir):
         history = list(csv.DictReader(f))
     info = json.loads((run_dir / "config.json").read_text())
     return summarize_history(name, history, info), history
+
+
+def merge_args(*lists):
+    """key=value lists merged left to right, one entry per key (a later list wins)."""
+    merged = {}
+    for arg in (a for lst in lists for a in lst):
+        key, _, value = arg.partition("=")
+        merged[normalize_key(key)] = value
+    return [f"{k}={v}" for k, v in merged.items()]
+
+
+def summarize_history(name, history, info):
+    """One benchmark row from a run's per-epoch history (first epoch reported apart)."""
+    times = [float(r["epoch_time_s"]) for r in history]
+    rates = [float(r["images_per_s"]) for r in history]
+    steady = slice(1, None) if len(history) > 1 else slice(0, None)
+    skipped = sum(int(r["skipped_steps"]) for r in history)
+    fp16 = history[-1]["precision"] == "fp16"
+    precision = history[-1]["precision"]
+    if precision == "fp32" and info.get("fp32_math") == "tf32":
+        precision = "tf32"  # fp32 whose convolutions/matmuls ran in TF32 (CUDA Ampere+)
+    return {"config": name, "device": info["device"], "precision": precision,
+            "batch": info["config"]["batch_size"], "channels_last": info["config"]["channels_last"],
+            "compile": info["config"]["compile_model"],
+            "time_per_epoch_s": float(np.median(times[steady])), "first_epoch_s": times[0],
+            "images_per_s": float(np.median(rates[steady])), "speedup_vs_fp32": None,
+            "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in history),
+            "peak_mem_kind": history[-1]["peak_mem_kind"],
+            "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
+            "nonfinite_steps": 0 if fp16 else skipped, "scaler_skipped_steps": skipped if fp16 else 0,
+            "epochs": len(history), "status": "ok"}
 
 
 def bare_loop_speedups(base, hw, steps, probe_steps=2):
@@ -3625,53 +4404,126 @@ def time_train_steps(base, hw, dtype, channels_last, steps):
     return float(np.median(times[1:]))
 
 
-def random_batch(base, hw):
-    """A random (images, class indices) batch at base's batch size, image size and channels."""
-    x = torch.randn(base["batch_size"], base["in_channels"], base["image_size"], base["image_size"],
-                    device=hw.device)
-    y = (torch.rand(base["batch_size"], base["image_size"], base["image_size"], device=hw.device)
-         * max(2, base["num_classes"])).long().clamp(max=max(1, base["num_classes"] - 1))
-    return x, y
-
-
 def bare_step_runner(base, hw, dtype, channels_last):
     """A function that runs one bare training step (bare_training_step) of a fresh model on a random
     batch at base's batch and image size, in `dtype` autocast and the given layout."""
     return bare_step_runners(base, hw, [dtype], channels_last)[dtype]
 
 
-def bare_step_runners(base, hw, dtypes, channels_last):
-    """{dtype: bare_step_runner's function} for each of `dtypes`, all on one fresh model, optimizer and
-    batch: autocast does not change the model, so one per layout is enough (half the probe's memory)."""
-    torch.manual_seed(0)
-    model = build_model({**base, "encoder_weights": None}).to(hw.device)
-    x, y = random_batch(base, hw)
-    if channels_last:
-        model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-    # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
-    opt, loss_fn = build_optimizer(model, base), SegLoss(base["num_classes"])
-
-    def runner(prec):
-        return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
-    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+def add_speedups(rows):
+    """Speed-up = training images/s over fp32's (same images per epoch, so batch size is fair)."""
+    ref = next((r for r in rows if r["config"] == "fp32" and r.get("status") == "ok"), None)
+    for r in rows:
+        if ref and r.get("status") == "ok":
+            r["speedup_vs_fp32"] = r["images_per_s"] / ref["images_per_s"]
+    return rows
 
 
-def bare_inference_runners(base, hw, dtypes, channels_last):
-    """{dtype: a function that runs one inference forward (eval_forward, as predict)} of one fresh model
-    in eval mode on a random batch at base's batch and image size, in that dtype's autocast and the
-    given layout (one model for all dtypes, as bare_step_runners)."""
-    torch.manual_seed(0)
-    model = build_model({**base, "encoder_weights": None}).to(hw.device).eval()
-    model = model.to(memory_format=torch.channels_last) if channels_last else model
-    x, _ = random_batch(base, hw)
-    layout = {"channels_last": channels_last}
+def format_benchmark_table(rows):
+    header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
+              "Ops/step vs bare", "img/s vs bare", "vs held batch", "Note")
+    lines = [header]
+    for r in rows:
+        if r.get("status", "").startswith("probe"):
+            lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
+                          "-", "-", "-", "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
+            continue
+        if r.get("status") != "ok":
+            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
+            continue
+        speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
+        ops = (f"{r['ops_vs_bare']:.2f}x ({r['ops_per_step']:.0f}/{r['bare_ops_per_step']:.0f})"
+               if r.get("ops_vs_bare") else "-")
+        vs_bare, vs_held = (f"{r[key]:.2f}x" if r.get(key) else "-"
+                            for key in ("images_per_s_vs_bare", "images_per_s_vs_held_batch"))
+        lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare, vs_held,
+                      f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(lines[0]), rule] + [fmt(line) for line in lines[1:]])
 
-    def runner(prec):
-        def forward():
-            with torch.inference_mode():
-                eval_forward(model, x, layout, prec, hw)
-        return forward
-    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+
+BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
+
+
+def benchmark_outputs(out_dir, configs):
+    """The names an earlier benchmark wrote in out_dir: its results, and each configuration's log and
+    run folder. Only these are archived; anything else there (output=. holds the user's files and
+    train_unet.py itself) is not the benchmark's and stays, as does a folder named like a configuration
+    that holds no run. One that this benchmark would train in (`configs`) is refused instead: the run
+    would write into it, and the next benchmark would archive it."""
+    names = [*BENCHMARK_RESULTS, *(n for config in BENCHMARK_SETTINGS for n in (config, f"{config}.log"))]
+    found = [n for n in names if (out_dir / n).exists() or (out_dir / n).is_symlink()]
+    foreign = [n for n in found if n in BENCHMARK_SETTINGS and not is_run_folder(out_dir / n)]
+    clash = next((n for n in foreign if n in configs), None)
+    if clash is not None:
+        raise UserError(f"{out_dir / clash} is not a benchmark run (no checkpoint or history inside), but "
+                        f"the benchmark's {clash} run writes there: move it or choose another output=...")
+    return [n for n in found if n not in foreign]
+
+
+def is_run_folder(path):
+    """A training run's checkpoint_dir (RUN_FILES, or an archive of them), or an empty folder."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    entries = {p.name for p in path.iterdir()}
+    # A run that stopped before its first checkpoint has the data check's cache alone (read-only data_dir);
+    # a user's data folder has it among its images.
+    return not entries or bool(entries & {*RUN_FILES, "previous"}) or entries == {CHECK_CACHE_NAME}
+
+
+def write_rows_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=BENCHMARK_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# IV.4 Trainer overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
+# ----------------------------------------------------------------------------------------------------
+def add_overhead(row, name, base, hw, opts, pairs):
+    """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
+    (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
+    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "trainer_images_per_s",
+                                      "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
+                                      "images_per_s_vs_held_batch")})
+    if row.get("status") != "ok" or opts["bare_steps"] < 1 or row["compile"]:
+        return row
+    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    cfg = {**cfg, "channels_last": row["channels_last"]}  # as the run resolved "auto"
+    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
+    print(f"[benchmark] {name}: ops per step, and {opts['overhead_rounds']} timed rounds of {opts['bare_steps']} "
+          f"steps, trainer vs bare loop", flush=True)
+    row.update(measure_overhead(cfg, hw, prec, opts["bare_steps"], opts["overhead_rounds"], pairs))
+    return row
+
+
+def measure_overhead(cfg, hw, prec, steps, rounds, pairs):
+    """Trainer vs bare loop at one configuration.
+
+    Ops: aten ops per optimizer step, counted on one held batch (the zero-gradient sampling averaged
+    in). Speed: `steps` optimizer steps each of the trainer and of the bare loop, both over the run's
+    own loader (its workers, decoding and augmentation), and of the bare loop on a batch held on the
+    device (no data loading at all), timed in alternating rounds. img/s vs bare (and vs held batch) is
+    the median of the rounds' ratios: side by side, so the machine's drift in speed falls on all alike.
+    """
+    trainer, bare = step_runners(cfg, hw, prec)
+    ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
+    bare_ops, _ = count_ops_per_step(bare)
+    loader = timing_loader(cfg, hw, steps, pairs)  # alternate_timings' untimed round starts its workers
+    times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps, loader),
+                               "held": lambda: bare(steps)}, rounds, hw)
+    images = steps * cfg["batch_size"] * cfg["accumulation_steps"]
+    ratios = {name: [b / t for b, t in zip(times[name], times["trainer"])] for name in ("bare", "held")}
+    speed = {name: images / float(np.median(times[name])) for name in times}
+    return {"ops_per_step": ops, "bare_ops_per_step": bare_ops, "ops_vs_bare": ops / bare_ops,
+            "trainer_images_per_s": speed["trainer"], "bare_images_per_s": speed["bare"],
+            "held_batch_images_per_s": speed["held"], "images_per_s_vs_bare": float(np.median(ratios["bare"])),
+            "images_per_s_vs_held_batch": float(np.median(ratios["held"])),
+            "round_ratios": ratios["bare"], "held_round_ratios": ratios["held"]}
 
 
 # Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
@@ -3702,27 +4554,6 @@ def count_ops_per_step(run_steps, steps=2):
         counts.append(counter.ops)
     per_op = {op: (counts[1][op] - counts[0][op]) / steps for op in counts[1] | counts[0]}
     return (sum(counts[1].values()) - sum(counts[0].values())) / steps, {k: v for k, v in per_op.items() if v}
-
-
-def bare_training_step(model, micro_batches, loss_fn, optimizer, scaler, prec, hw, clip):
-    """What a minimal PyTorch loop does per optimizer step over its (x, y) micro-batches: forward
-    under autocast, backward (scaled under fp16), clip, step, zero the gradients. The reference for
-    the trainer's overhead."""
-    for x, y in micro_batches:
-        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-            logits = model(x)
-        loss = loss_fn(logits, y) / len(micro_batches)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    if clip is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def step_runners(cfg, hw, prec):
@@ -3765,31 +4596,6 @@ def bare_groups(n, batches, held, k):
         yield group
 
 
-def measure_overhead(cfg, hw, prec, steps, rounds, pairs):
-    """Trainer vs bare loop at one configuration.
-
-    Ops: aten ops per optimizer step, counted on one held batch (the zero-gradient sampling averaged
-    in). Speed: `steps` optimizer steps each of the trainer and of the bare loop, both over the run's
-    own loader (its workers, decoding and augmentation), and of the bare loop on a batch held on the
-    device (no data loading at all), timed in alternating rounds. img/s vs bare (and vs held batch) is
-    the median of the rounds' ratios: side by side, so the machine's drift in speed falls on all alike.
-    """
-    trainer, bare = step_runners(cfg, hw, prec)
-    ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
-    bare_ops, _ = count_ops_per_step(bare)
-    loader = timing_loader(cfg, hw, steps, pairs)  # alternate_timings' untimed round starts its workers
-    times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps, loader),
-                               "held": lambda: bare(steps)}, rounds, hw)
-    images = steps * cfg["batch_size"] * cfg["accumulation_steps"]
-    ratios = {name: [b / t for b, t in zip(times[name], times["trainer"])] for name in ("bare", "held")}
-    speed = {name: images / float(np.median(times[name])) for name in times}
-    return {"ops_per_step": ops, "bare_ops_per_step": bare_ops, "ops_vs_bare": ops / bare_ops,
-            "trainer_images_per_s": speed["trainer"], "bare_images_per_s": speed["bare"],
-            "held_batch_images_per_s": speed["held"], "images_per_s_vs_bare": float(np.median(ratios["bare"])),
-            "images_per_s_vs_held_batch": float(np.median(ratios["held"])),
-            "round_ratios": ratios["bare"], "held_round_ratios": ratios["held"]}
-
-
 def timing_loader(cfg, hw, steps, pairs):
     """The run's training loader (same data set, transforms and worker settings) over `pairs`
     (prepare_data's), cut to `steps` optimizer steps: its first samples, repeated if the set is
@@ -3799,721 +4605,6 @@ def timing_loader(cfg, hw, steps, pairs):
     need = steps * cfg["batch_size"] * cfg["accumulation_steps"]
     subset = torch.utils.data.Subset(train_set, [i % len(train_set) for i in range(need)])
     return DataLoader(subset, cfg["batch_size"], drop_last=True, **loader_options(cfg, hw))
-
-
-def alternate_timings(runs, rounds, hw):
-    """{name: seconds per round} for each function in `runs`, called in turn every round after one
-    untimed round (first passes are slower); the order flips each round (A B C, C B A, A B C, ...), so
-    A and B run next to each other every round, and neither always first."""
-    names, times = list(runs), {name: [] for name in runs}
-    for name in names:
-        runs[name]()
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else names[::-1]:
-            synchronize(hw)
-            start = time.perf_counter()
-            runs[name]()
-            synchronize(hw)
-            times[name].append(time.perf_counter() - start)
-    return times
-
-
-def add_overhead(row, name, base, hw, opts, pairs):
-    """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
-    (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
-    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "trainer_images_per_s",
-                                      "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
-                                      "images_per_s_vs_held_batch")})
-    if row.get("status") != "ok" or opts["bare_steps"] < 1 or row["compile"]:
-        return row
-    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
-    cfg = {**cfg, "channels_last": row["channels_last"]}  # as the run resolved "auto"
-    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    print(f"[benchmark] {name}: ops per step, and {opts['overhead_rounds']} timed rounds of {opts['bare_steps']} "
-          f"steps, trainer vs bare loop", flush=True)
-    row.update(measure_overhead(cfg, hw, prec, opts["bare_steps"], opts["overhead_rounds"], pairs))
-    return row
-
-
-def format_benchmark_table(rows):
-    header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
-              "Ops/step vs bare", "img/s vs bare", "vs held batch", "Note")
-    lines = [header]
-    for r in rows:
-        if r.get("status", "").startswith("probe"):
-            lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
-                          "-", "-", "-", "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
-            continue
-        if r.get("status") != "ok":
-            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
-            continue
-        speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
-        ops = (f"{r['ops_vs_bare']:.2f}x ({r['ops_per_step']:.0f}/{r['bare_ops_per_step']:.0f})"
-               if r.get("ops_vs_bare") else "-")
-        vs_bare, vs_held = (f"{r[key]:.2f}x" if r.get(key) else "-"
-                            for key in ("images_per_s_vs_bare", "images_per_s_vs_held_batch"))
-        lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare, vs_held,
-                      f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(lines[0]), rule] + [fmt(line) for line in lines[1:]])
-
-
-def add_speedups(rows):
-    """Speed-up = training images/s over fp32's (same images per epoch, so batch size is fair)."""
-    ref = next((r for r in rows if r["config"] == "fp32" and r.get("status") == "ok"), None)
-    for r in rows:
-        if ref and r.get("status") == "ok":
-            r["speedup_vs_fp32"] = r["images_per_s"] / ref["images_per_s"]
-    return rows
-
-
-def run_benchmark(args=()):
-    """The `benchmark` command: returns {'rows', 'histories', 'bare_loop', ...} and writes CSV/JSON."""
-    opts, base, train_args, names = parse_benchmark_args(list(args))
-    hw = detect_hardware(base["device"])
-    out_dir = Path(opts["output"])
-    check_writable(out_dir)
-    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, names))
-    if moved:
-        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
-    pairs = prepare_data(base)  # writes the embedded data set once, before the runs start
-    setup_cudnn(hw)
-    # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
-    # every training row runs in its own process with its own setting.
-    apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision(torch.float32, False, "benchmark"))
-    print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
-          f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
-    bare = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
-    rows, histories, fp32_times = [], {}, {}
-    for name in names:
-        if probe_instead(name, base, hw):
-            rows.append(probe_row(name, base, hw, opts["probe_steps"], fp32_times))
-            continue
-        reason = skip_reason(name, base, hw)
-        if reason:
-            rows.append({"config": name, "status": f"skipped: {reason}"})
-            print(f"[benchmark] {name}: skipped: {reason}", flush=True)
-            continue
-        row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(add_overhead(row, name, base, hw, opts, pairs))
-    add_speedups(rows)
-    result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
-              "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
-              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
-    write_json(out_dir / "benchmark.json", result)
-    atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
-    print(format_benchmark_table(rows))
-    if bare:
-        print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16{'' if hw.bf16 else ' (not native)'} "
-              f"{bare['bf16']:.3f} "
-              f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
-              f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
-    print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
-          "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.\n"
-          f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
-          f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
-    print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
-          "a bare loop that also clips; img/s vs bare: the trainer's training pass over the run's own loader "
-          "against a bare loop over the same loader, same precision, layout and batch; vs held batch: against the "
-          f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
-          f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
-    return result
-
-
-BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
-
-
-def benchmark_outputs(out_dir, configs):
-    """The names an earlier benchmark wrote in out_dir: its results, and each configuration's log and
-    run folder. Only these are archived; anything else there (output=. holds the user's files and
-    train_unet.py itself) is not the benchmark's and stays, as does a folder named like a configuration
-    that holds no run. One that this benchmark would train in (`configs`) is refused instead: the run
-    would write into it, and the next benchmark would archive it."""
-    names = [*BENCHMARK_RESULTS, *(n for config in BENCHMARK_SETTINGS for n in (config, f"{config}.log"))]
-    found = [n for n in names if (out_dir / n).exists() or (out_dir / n).is_symlink()]
-    foreign = [n for n in found if n in BENCHMARK_SETTINGS and not is_run_folder(out_dir / n)]
-    clash = next((n for n in foreign if n in configs), None)
-    if clash is not None:
-        raise UserError(f"{out_dir / clash} is not a benchmark run (no checkpoint or history inside), but "
-                        f"the benchmark's {clash} run writes there: move it or choose another output=...")
-    return [n for n in found if n not in foreign]
-
-
-def is_run_folder(path):
-    """A training run's checkpoint_dir (RUN_FILES, or an archive of them), or an empty folder."""
-    if path.is_symlink() or not path.is_dir():
-        return False
-    entries = {p.name for p in path.iterdir()}
-    # A run that stopped before its first checkpoint has the data check's cache alone (read-only data_dir);
-    # a user's data folder has it among its images.
-    return not entries or bool(entries & {*RUN_FILES, "previous"}) or entries == {CHECK_CACHE_NAME}
-
-
-def write_rows_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=BENCHMARK_FIELDS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-# ----------------------------------------------------------------------------------------------------
-# batch_size=auto: the largest batch that fits on the GPU (real training steps, OOM caught), minus
-# headroom. The search itself (search_batch_size) is plain Python, tested with faked OOMs.
-# ----------------------------------------------------------------------------------------------------
-AUTO_BATCH_FALLBACK = 8      # batch_size=auto where no search is possible (CPU, MPS): CONFIG's default
-AUTO_BATCH_HEADROOM = 0.15   # room for fragmentation, validation and other processes on the GPU
-AUTO_BATCH_CAP = 1024
-
-
-def search_batch_size(fits, start=2, cap=AUTO_BATCH_CAP):
-    """Largest n in [start, cap] with fits(n): double until a batch fails, then bisect between the
-    last that fit and the first that did not. Returns 0 when even `start` does not fit."""
-    if not fits(start):
-        return 0
-    good, bad = start, None
-    while bad is None and good < cap:
-        n = min(good * 2, cap)
-        good, bad = (n, None) if fits(n) else (good, n)
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        good, bad = (mid, bad) if fits(mid) else (good, mid)
-    return good
-
-
-def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
-    """One real training step at batch n on random data, in the run's precision and layout."""
-    size = cfg["image_size"]
-    x = torch.randn(n, cfg["in_channels"], size, size, device=hw.device)
-    y = torch.randint(0, max(2, cfg["num_classes"]), (n, size, size), device=hw.device)
-    if cfg["channels_last"]:
-        x = x.contiguous(memory_format=torch.channels_last)
-    forward_backward(model, x, y, loss_fn, scaler, prec, hw, 1, True)  # a group of one micro-batch
-    optimizer_step(model, optimizer, scaler, cfg, torch.ones((), dtype=torch.bool, device=hw.device))
-    synchronize(hw)
-
-
-def find_batch_size(cfg, hw, prec, cap):
-    """Search on a throw-away model; returns (largest batch that fit, batch to use)."""
-    model = prepare_model({**cfg, "encoder_weights": None}, hw).train()
-    optimizer = build_optimizer(model, cfg)
-    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
-
-    def fits(n):
-        try:
-            # A fresh GradScaler (fp16) per trial: an OOM after unscale_() leaves a scaler mid-step,
-            # and the next trial's unscale_() would raise instead of measuring.
-            batch_trial(model, optimizer, loss_fn, build_scaler(prec, hw, cfg), prec, hw, cfg, n)
-            ok = True
-        except torch.cuda.OutOfMemoryError:
-            ok = False
-        optimizer.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # outside the except block: the traceback no longer pins tensors
-        return ok
-
-    largest = search_batch_size(fits, start=min(2, cap), cap=cap)
-    del model, optimizer
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    use = largest if largest == cap else max(min(2, cap), int(largest * (1 - AUTO_BATCH_HEADROOM)))
-    return largest, use
-
-
-def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
-    """Replace batch_size='auto' by a number; returns (cfg, what to record in config.json or None)."""
-    if cfg["batch_size"] != "auto":
-        return cfg, None
-    cap = max(1, min(AUTO_BATCH_CAP, n_train // DIST.world))
-    if state is not None:
-        use, info = state["config"]["batch_size"], "kept the resumed run's batch size"
-    elif hw.kind != "cuda":
-        use = min(AUTO_BATCH_FALLBACK, cap)
-        info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}"
-    else:
-        start = time.perf_counter()
-        # The trials run in the run's layout: on CUDA it does not depend on the batch size.
-        trial = {**cfg, "channels_last": decide_channels_last(cfg, hw, prec)[0]}
-        largest, use = find_batch_size(trial, hw, prec, cap)
-        if largest == 0:
-            raise UserError(f"batch_size=auto: not even a batch of {min(2, cap)} fits in {describe(hw)}'s "
-                            f"memory at image_size={cfg['image_size']}: lower image_size, use a smaller "
-                            f"encoder_name or use_amp=True")
-        use = int(all_reduce_(torch.tensor(use, device=hw.device), "min").item())  # same on every rank
-        limit = "the training set" if largest == cap else f"{AUTO_BATCH_HEADROOM:.0%} headroom"
-        info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
-                f"{', channels_last' if trial['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
-        seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
-    notes.append(("batch", f"auto -> {use}: {info}"))
-    return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
-
-
-# ----------------------------------------------------------------------------------------------------
-# Main: set up, train epoch by epoch, checkpoint, stop early.
-# ----------------------------------------------------------------------------------------------------
-def effective_config(cfg, hw, prec, state, n_train, notes):
-    """What this run uses, settled in dependency order before anything (loaders, caches, the model) is
-    built from it. `prec` is already the resumed run's (setup_precision); then the batch size (auto:
-    searched in that precision), then the layout (on a CPU it depends on the batch size) and, on a CPU,
-    both confirmed by the probe at that batch (cpu_probe_decision). Returns (cfg with both resolved, as
-    config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
-    cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
-    prec, layout = cpu_probe_decision(cfg, hw, prec, notes)
-    notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
-    return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
-
-
-def setup_precision(cfg, state=None):
-    """Hardware and the precision this run trains in: a resumed run that fell back keeps its safer
-    precision (keep_safer_precision), decided here, before the layout and batch size are."""
-    hw = detect_hardware(cfg["device"])
-    decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    prec = decided if state is None else keep_safer_precision(decided, state, hw)
-    # tf32's note and prec.warning are noted once the probe has settled the precision (effective_config)
-    apply_tf32(cfg["tf32_matmul_precision"], prec)
-    setup_cudnn(hw)
-    kept = prec is not decided
-    notes = [decided.warning if kept else None, prec.reason if kept else None]
-    if cfg["compile_model"] and hw.kind == "cpu":
-        notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
-    return hw, prec, notes
-
-
-def prepare_model(cfg, hw):
-    model = build_model(cfg).to(hw.device)
-    if cfg["channels_last"]:
-        model = model.to(memory_format=torch.channels_last)
-    return model
-
-
-def resume_state(cfg, ckpt_dir):
-    path = ckpt_dir / "last.pt"
-    if not path.is_file():
-        raise UserError(f"resume=True but {path} does not exist: start without resume, or set "
-                        f"checkpoint_dir to the run you want to continue")
-    state = load_checkpoint(path)
-    for key in RESUME_KEYS:
-        if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
-            continue
-        if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
-            raise UserError(f"cannot resume exactly: {path} was trained with {key}="
-                            f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
-                            f"the same value, or start a new run in another checkpoint_dir")
-    if state["epoch"] >= cfg["epochs"]:
-        raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
-                        f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
-    return state
-
-
-@dataclass
-class Run:
-    """Everything that changes while training; saved in checkpoints, restored on resume/rollback."""
-    model: nn.Module
-    run_model: nn.Module          # what trains: `model`, compiled and/or wrapped in DDP
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler | None
-    prec: Precision
-    history: list
-    fallbacks: list               # precision fallback events, kept so a resume stays safe
-    best_iou: float = -1.0
-    since_best: int = 0
-    epoch: int = 0                # last finished epoch
-    bad_streak: int = 0           # consecutive bad optimizer steps, across epoch boundaries
-    eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
-    lr_schedule: dict | None = None      # the LR schedule's shape (extend_schedule), kept for resume
-    logger: RunLogger | None = None      # TensorBoard (rank 0), or a no-op
-    class_names: list | None = None      # for the per-class history columns
-
-    def state(self, cfg):
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
-                "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
-                "config": cfg, "history": self.history, "precision": self.prec.name,
-                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule}
-
-    def load(self, state):
-        self.model.load_state_dict(state["model"])
-        load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if self.scaler is not None and state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.epoch, self.best_iou, self.since_best = state["epoch"], state["best_iou"], state["epochs_since_best"]
-        self.history, self.fallbacks = list(state["history"]), list(state.get("fallbacks", []))
-
-
-def to_cpu(obj):
-    """A detached CPU copy of a (nested) state dict: the in-memory rollback snapshot."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
-    return copy.deepcopy(obj)
-
-
-SAFETY_ORDER = ("fp16", "bf16", "fp32")  # a fallback only ever moves right
-
-
-def safer_precision(prec, hw):
-    """fp16 -> bf16 where native, else fp32; bf16 -> fp32; fp32 -> None (nothing safer)."""
-    if prec.dtype == torch.float16 and hw.bf16:
-        return Precision(torch.bfloat16, False, "fallback from fp16 (non-finite)")
-    if prec.amp:
-        return Precision(torch.float32, False, f"fallback from {prec.name} (non-finite)")
-    return None
-
-
-def keep_safer_precision(prec, state, hw):
-    """On resume, a run that fell back earlier keeps its safer precision, on the hardware it runs on now:
-    where that precision is not native here (bf16 on a CPU without AVX512-BF16), one step safer still."""
-    if not state.get("fallbacks") or SAFETY_ORDER.index(state["precision"]) <= SAFETY_ORDER.index(prec.name):
-        return prec
-    name = state["precision"]
-    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
-    safer = next(n for n in SAFETY_ORDER[SAFETY_ORDER.index(name):] if native[n])
-    why = f"this run fell back to {name} ({state['fallbacks'][-1]['event']})"
-    if safer != name:
-        why += f"; {name} is not native on {hw.device}, so {safer}"
-    return Precision(DTYPES[safer], safer == "fp16", f"kept from the checkpoint: {why}")
-
-
-def diagnose_nonfinite(model, batch, loss_fn):
-    """Re-run one batch in fp32 with hooks (installed only here) to find where NaN/inf first appears."""
-    x, y = batch
-    if not torch.isfinite(x).all():
-        return "the input batch itself holds NaN/inf values: check the data"
-    bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-    if bad:
-        return f"the weights are already non-finite, first {bad[0]}"
-    found = []
-
-    def hook(name):
-        def check(module, inputs, output):
-            if not found and isinstance(output, torch.Tensor) and not torch.isfinite(output).all():
-                found.append(f"the first non-finite value is the forward output of {name} "
-                             f"({type(module).__name__})")
-        return check
-
-    leaves = [(n, m) for n, m in model.named_modules() if not list(m.children())]
-    handles = [m.register_forward_hook(hook(n)) for n, m in leaves]
-    try:
-        loss = loss_fn(model(x.float()), y)
-        if not found and not torch.isfinite(loss):
-            found.append("the loss is non-finite while the model's outputs are finite: check the masks")
-        if not found:
-            model.zero_grad(set_to_none=True)
-            loss.backward()
-            owners = {id(p): n for n, m in leaves for p in m.parameters(recurse=False)}
-            for p in reversed(list(model.parameters())):  # backward runs from the output end
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    found.append(f"the first non-finite gradient is that of "
-                                 f"{owners.get(id(p), 'a parameter')}")
-                    break
-    finally:
-        for h in handles:
-            h.remove()
-        model.zero_grad(set_to_none=True)
-    return found[0] if found else "nothing is non-finite when this batch is re-run in fp32 (intermittent)"
-
-
-def banner_line(text):
-    rule = "!" * 78
-    print(f"{rule}\n{text}\n{rule}", flush=True)
-
-
-def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
-    """nan_patience bad steps in a row: roll back and continue in a safer precision, or stop in fp32."""
-    nxt = safer_precision(run.prec, hw)
-    ckpt = Path(cfg["checkpoint_dir"]) / "last.pt"
-    if nxt is None:
-        where = diagnose_nonfinite(unwrap(run.model), bad.batch, loss_fn)
-        kept = f"{ckpt} (epoch {run.epoch}) is intact" if run.epoch else "no checkpoint was written yet"
-        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): "
-                        f"{where}; likely causes: learning_rate={cfg['learning_rate']} "
-                        f"too high, or NaN/inf/garbage in the data; {kept}")
-    events = run.fallbacks
-    run.load(snapshot)  # model, optimizer, scheduler, scaler as they were at the start of the epoch
-    run.fallbacks = events
-    set_rng_state(snapshot["rng"])
-    event = (f"{run.prec.name} went non-finite at step {bad.step}: falling back to {nxt.name}, "
-             f"rolled back to " + (f"epoch {run.epoch}" if run.epoch else "the start"))
-    run.fallbacks.append({"epoch": epoch, "step": bad.step, "from": run.prec.name, "to": nxt.name,
-                          "event": event})
-    run.prec, run.scaler, run.bad_streak = nxt, build_scaler(nxt, hw, cfg), 0
-    banner_line(event)
-
-
-def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
-    model = prepare_model(cfg, hw)
-    if cfg["sync_batchnorm"] and DIST.enabled:
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    optimizer = build_optimizer(model, cfg)
-    schedule = lr_schedule(cfg) if state is None else resumed_schedule(state, cfg, steps_per_epoch, notes)
-    start = (0, 0) if state is None else (state["scheduler"]["last_epoch"], state["epoch"])
-    scheduler = build_scheduler(optimizer, cfg, steps_per_epoch, schedule, start)
-    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, [], [], lr_schedule=schedule)
-    if state is not None:
-        run.load(state)
-        set_rng_state(state["rng"])
-        notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
-    else:
-        moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
-        notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
-    run.eval_model = torch.compile(model) if cfg["compile_model"] else model
-    run.run_model = run.eval_model
-    if DIST.enabled:  # wrapped after compile; gradients are all-reduced in buckets during backward
-        ids = [hw.device] if hw.kind == "cuda" else None
-        run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
-    return run
-
-
-def resumed_schedule(state, cfg, steps_per_epoch, notes):
-    """The checkpoint's LR schedule; with a changed epochs, extended (extend_schedule)."""
-    old_epochs, done, epochs = state["config"]["epochs"], state["epoch"], cfg["epochs"]
-    schedule = checkpoint_schedule(state, cfg)
-    if old_epochs == epochs:
-        return schedule
-    schedule = extend_schedule(schedule, done, epochs)
-    lr, change = cfg["learning_rate"], f"epochs changed from {old_epochs} to {epochs}"
-    if in_warmup(done, schedule):  # extended without a tail: the warm-up goes on
-        notes.append(f"{change}: the warm-up goes on to {lr:.2e} at epoch {schedule['warmup']:.3g}, then a "
-                     f"cosine down to {lr * LR_FLOOR:.2e} at epoch {epochs}")
-    else:
-        notes.append(f"{change}: the learning rate continues from {lr * lr_factor(done, schedule):.2e} (no "
-                     f"restart), cosine down to {lr * LR_FLOOR:.2e} over the remaining {epochs - done} "
-                     f"epochs ({(epochs - done) * steps_per_epoch} optimizer steps)")
-    return schedule
-
-
-def train(cfg, explicit=()):
-    """Train with a config; returns {'history', 'best_iou', 'fallbacks', ...}.
-
-    `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
-    win over the preset (apply_preset).
-    """
-    cfg, preset_line = apply_preset(validate_config(cfg), explicit)
-    ckpt_dir = Path(cfg["checkpoint_dir"])
-    if DIST.is_main:
-        check_writable(ckpt_dir, "checkpoint_dir")
-    state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
-    hw, prec, notes = setup_precision(cfg, state)
-    notes.insert(0, preset_line and ("preset", preset_line))
-    if cfg["sync_batchnorm"] and hw.kind != "cuda":
-        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
-                        "set sync_batchnorm=False")
-    seed_everything(cfg["seed"])
-    train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
-    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}  # saved with the model
-    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
-                                                     notes)
-    train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
-    steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
-    run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
-    run.class_names, run.logger = class_names, RunLogger.create(cfg)
-    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
-
-    print(banner(hw, run.prec, cfg, notes, layout))
-    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(train_loader), steps_per_epoch),
-                 {"preset": preset_line, "batch_size_auto": auto_batch})
-
-    epoch = run.epoch + 1
-    while epoch <= cfg["epochs"]:
-        snapshot = to_cpu(run.state(cfg)) if cfg["nan_guard"] else None  # last known-good state
-        try:
-            row = run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg)
-        except NonFiniteStreak as bad:
-            run.logger.flush_steps("rolled_back")  # the steps that went bad stay visible
-            fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch)
-            continue  # the same epoch again, same data order, safer precision
-        finish_epoch(run, row, cfg)
-        run.logger.log_epoch(row)
-        patience = cfg["early_stopping_patience"]
-        if patience is not None and run.since_best >= patience and epoch < cfg["epochs"]:
-            print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
-            break
-        epoch += 1
-    run.logger.close()
-    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
-    table = end_of_run_table(run)
-    if table:
-        print(table)
-    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
-            "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
-
-
-def run_intensity_range(cfg, state, train_pairs):
-    """scale_image's range for this run: a resumed run's (its model learnt on that scale; None for a run
-    from before ranges were learnt), else intensity_range as given, else learnt from the training images."""
-    if state is None:
-        return cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
-    saved = state["config"].get("intensity_range")
-    if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
-        raise UserError(f"cannot resume exactly: the run was trained with intensity_range={saved!r}, this run "
-                        f"has {cfg['intensity_range']!r}: resume with intensity_range=None (the run's), or "
-                        f"start a new run in another checkpoint_dir")
-    return saved
-
-
-def announce_run(cfg, hw, run, sizes, extra):
-    """Print the config and the data/distributed summary; rank 0 writes config.json."""
-    n_train, n_val, n_batches, steps_per_epoch = sizes
-    print("config:\n" + format_config(cfg))
-    print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
-          f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
-    if cfg["data_mode"] == "patch":
-        print(patch_summary(cfg, n_batches * cfg["batch_size"] * DIST.world))
-    if DIST.enabled:
-        print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
-              f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
-    if DIST.is_main:
-        write_json(Path(cfg["checkpoint_dir"]) / "config.json",
-                   {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
-                    "device": describe(hw), "world_size": DIST.world, **extra})
-
-
-def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
-    """Train and validate one epoch; returns its history row."""
-    if hw.kind == "cuda":
-        torch.cuda.reset_peak_memory_stats(hw.device)
-    start_epoch_data(train_loader, epoch, cfg["seed"])
-    anomaly = torch.autograd.set_detect_anomaly(True) if cfg["detect_anomaly"] else contextlib.nullcontext()
-    with anomaly:  # switched off again after the epoch
-        tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
-                             run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train",
-                             streak=run.bad_streak, logger=run.logger)
-    run.bad_streak = tr["stats"].bad_streak
-    val_start = time.perf_counter()
-    broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
-    va = evaluate(run.eval_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
-    val_time = time.perf_counter() - val_start
-    mem, mem_kind = peak_memory_mb(hw)
-    stats = tr["stats"]
-    events = [f["event"] for f in run.fallbacks if f["epoch"] == epoch]
-    return {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
-            "train_dice": tr["dice"], "val_iou": va["iou"], "val_dice": va["dice"], "lr": run.scheduler.get_last_lr()[0],
-            "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"],
-            "peak_mem_mb": mem, "peak_mem_kind": mem_kind, "precision": run.prec.name,
-            "grad_norm": stats.grad_norm, "grad_norm_max": stats.grad_norm_max,
-            "zero_grad_pct": stats.zero_grad_pct,
-            "scaler_scale": run.scaler.get_scale() if run.scaler else None,
-            "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps,
-            "fallback": "; ".join(events), **per_class_columns(va, run.class_names or [])}
-
-
-def end_of_run_table(run):
-    """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
-    best = max(run.history, key=lambda r: r["val_iou"], default=None)
-    table = best and per_class_table(best, run.class_names or [])
-    return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
-
-
-def broadcast_buffers(model):
-    if DIST.enabled:
-        for buffer in model.buffers():
-            torch.distributed.broadcast(buffer, src=0)
-
-
-def finish_epoch(run, row, cfg):
-    """Record the epoch, write last.pt (and best.pt when it improved) and the history CSV."""
-    ckpt_dir = Path(cfg["checkpoint_dir"])
-    run.history.append(row)
-    run.epoch = row["epoch"]
-    improved = row["val_iou"] > run.best_iou
-    run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
-    if DIST.is_main:  # one writer; the other ranks hold the same weights
-        state = run.state(cfg)
-        save_checkpoint(ckpt_dir / "last.pt", state)
-        if improved:
-            save_checkpoint(ckpt_dir / "best.pt", state)
-        write_history(ckpt_dir / "history.csv", run.history)
-    print(epoch_summary(row, cfg, improved))
-    # Some zero gradients are normal (dead ReLUs: ~5-7% here in fp32); under fp16 a high share is
-    # the sign of gradients underflowing below fp16's smallest values.
-    if row["precision"] == "fp16" and row["zero_grad_pct"] > 5:
-        print(f"warning: {row['zero_grad_pct']:.1f}% of gradient entries were exactly zero: fp16 underflow? "
-              f"Compare with a bf16/fp32 run; try amp_dtype=bfloat16 or a larger init_scale")
-
-
-def epoch_summary(row, cfg, improved):
-    skipped = f" | skipped {row['skipped_steps']}" if row["skipped_steps"] else ""
-    scale = f" | scale {row['scaler_scale']:.0f}" if row["scaler_scale"] else ""
-    return (f"epoch {row['epoch']:>3}/{cfg['epochs']} | train loss {row['train_loss']:.4f} "
-            f"IoU {row['train_iou']:.4f} | val loss {row['val_loss']:.4f} IoU {row['val_iou']:.4f} "
-            f"Dice {row['val_dice']:.4f} | lr {row['lr']:.2e} | {row['epoch_time_s']:.1f}s "
-            f"{row['images_per_s']:.1f} img/s | peak {row['peak_mem_mb']:.0f} MB | {row['precision']}"
-            f" | grad {row['grad_norm']:.2f}{scale}{skipped}{' | best' if improved else ''}")
-
-
-def train_main(cfg, explicit=()):
-    """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
-    setup_distributed(cfg["device"])
-    try:
-        if not DIST.is_main:
-            with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
-                return train({**cfg, "progress": False}, set(explicit) | {"progress"})
-        return train(cfg, explicit)
-    except UserError as exc:
-        if DIST.enabled:  # say which process failed; torchrun then stops the others
-            raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None
-        raise
-    finally:
-        cleanup_distributed()
-
-
-@contextlib.contextmanager
-def sigterm_as_exit():
-    """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends the run like
-    Ctrl-C: Python's exit handlers then remove the temporary image caches (DecodedImages), which a
-    plain SIGTERM would leave behind. Checkpoints are written atomically either way."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
-        yield
-        return
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
-    if command in ("-h", "--help", "help"):
-        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
-              + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
-        return 0
-    try:
-        with sigterm_as_exit():
-            return run_command(command, args)
-    except UserError as exc:
-        print(f"error: {user_message(exc)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: checkpoints written so far are intact; resume=True continues", file=sys.stderr)
-        return 130
-
-
-def run_command(command, args):
-    """train, predict or benchmark: the exit code."""
-    if command == "train":
-        train_main(parse_overrides(args), explicit_keys(args))
-        return 0
-    if command == "predict":
-        return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
-    if command == "benchmark":
-        rows = run_benchmark(args)["rows"]
-        return 1 if any(r["status"].startswith("failed") for r in rows) else 0
-    raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
-                    f"followed by key=value settings")
 
 
 if __name__ == "__main__":
