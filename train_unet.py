@@ -66,7 +66,7 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
@@ -252,54 +252,70 @@ def train(cfg, explicit=()):
     `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
     win over the preset (apply_preset).
     """
-    cfg, preset_line = apply_preset(validate_config(cfg), explicit)
-    ckpt_dir = Path(cfg["checkpoint_dir"])
-    if DIST.is_main:
-        check_writable(ckpt_dir, "checkpoint_dir")
-    state = resume_state(cfg, ckpt_dir) if cfg["resume"] else None
-    hw, prec, notes = setup_precision(cfg, state)
-    notes.insert(0, preset_line and ("preset", preset_line))
-    if cfg["sync_batchnorm"] and hw.kind != "cuda":
-        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
-                        "set sync_batchnorm=False")
-    seed_everything(cfg["seed"])
-    train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
-    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}  # saved with the model
-    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
-    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
-                                                     notes)
-    train_loader, val_loader = build_loaders(train_pairs, val_pairs, cfg, hw)
-    steps_per_epoch = optimizer_steps_per_epoch(len(train_loader), cfg["accumulation_steps"])
-    run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
-    run.class_names, run.logger = class_names, RunLogger.create(cfg)
-    loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
-
-    print(banner(hw, run.prec, cfg, notes, layout))
-    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(train_loader), steps_per_epoch),
-                 {"preset": preset_line, "batch_size_auto": auto_batch})
-
+    cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
     epoch = run.epoch + 1
     while epoch <= cfg["epochs"]:
-        snapshot = to_cpu(run.state(cfg)) if cfg["nan_guard"] else None  # last known-good state
+        snapshot = rollback_point(run, cfg)  # the last known-good state, on the host (nan_guard)
         try:
-            row = run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg)
+            row = run_epoch(run, epoch, train_loader, val_loader, hw, cfg)
         except NonFiniteStreak as bad:
-            run.logger.flush_steps("rolled_back")  # the steps that went bad stay visible
-            fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch)
+            fall_back(run, bad, snapshot, hw, cfg, epoch)
             continue  # the same epoch again, same data order, safer precision
         finish_epoch(run, row, cfg)
-        run.logger.log_epoch(row)
-        patience = cfg["early_stopping_patience"]
-        if patience is not None and run.since_best >= patience and epoch < cfg["epochs"]:
-            print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
+        if stop_early(run, epoch, cfg):
             break
         epoch += 1
+    return finish_run(run, hw, cfg)
+
+
+def set_up_training(cfg, explicit):
+    """What the epoch loop needs, settled in dependency order: (effective config, hardware, Run, loaders)."""
+    # 1. The config as given: preset applied, values checked, the checkpoint folder writable.
+    cfg, preset_line = apply_preset(validate_config(cfg), explicit)
+    if DIST.is_main:
+        check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
+    # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
+    state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
+    hw, prec, notes = setup_precision(cfg, state)
+    notes.insert(0, preset_line and ("preset", preset_line))
+    seed_everything(cfg["seed"])
+    # 3. The data: checked and split; its intensity range (saved with the model) and class names.
+    train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}
+    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
+    # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
+    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
+                                                     notes)
+    loaders = build_loaders(train_pairs, val_pairs, cfg, hw)
+    # 5. Model, optimizer, LR schedule, scaler: new, or resumed exactly; then the loss and the logger.
+    steps_per_epoch = optimizer_steps_per_epoch(len(loaders[0]), cfg["accumulation_steps"])
+    run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
+    run.class_names, run.logger = class_names, RunLogger.create(cfg)
+    run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
+    # 6. Say what was decided, and why.
+    print(banner(hw, run.prec, cfg, notes, layout))
+    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch),
+                 {"preset": preset_line, "batch_size_auto": auto_batch})
+    return cfg, hw, run, loaders
+
+
+def stop_early(run, epoch, cfg):
+    """early_stopping_patience epochs without a better val IoU (never after the last epoch)."""
+    patience = cfg["early_stopping_patience"]
+    if patience is None or run.since_best < patience or epoch >= cfg["epochs"]:
+        return False
+    print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
+    return True
+
+
+def finish_run(run, hw, cfg):
     run.logger.close()
-    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
+    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {cfg['checkpoint_dir']}/ (best.pt, last.pt, "
+          f"history.csv)")
     table = end_of_run_table(run)
     if table:
         print(table)
-    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
+    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(cfg["checkpoint_dir"]),
             "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
 
 
@@ -307,6 +323,9 @@ def setup_precision(cfg, state=None):
     """Hardware and the precision this run trains in: a resumed run that fell back keeps its safer
     precision (keep_safer_precision), decided here, before the layout and batch size are."""
     hw = detect_hardware(cfg["device"])
+    if cfg["sync_batchnorm"] and hw.kind != "cuda":
+        raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
+                        "set sync_batchnorm=False")
     decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     prec = decided if state is None else keep_safer_precision(decided, state, hw)
     # tf32's note and prec.warning are noted once the probe has settled the precision (effective_config)
@@ -371,7 +390,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     schedule = lr_schedule(cfg) if state is None else resumed_schedule(state, cfg, steps_per_epoch, notes)
     start = (0, 0) if state is None else (state["scheduler"]["last_epoch"], state["epoch"])
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch, schedule, start)
-    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, [], [], lr_schedule=schedule)
+    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, lr_schedule=schedule)
     if state is not None:
         run.load(state)
         set_rng_state(state["rng"])
@@ -421,16 +440,20 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None
     prec: Precision
-    history: list
-    fallbacks: list               # precision fallback events, kept so a resume stays safe
+    history: list = field(default_factory=list)
+    fallbacks: list = field(default_factory=list)  # precision fallback events, kept so a resume stays safe
     best_iou: float = -1.0
     since_best: int = 0
     epoch: int = 0                # last finished epoch
     bad_streak: int = 0           # consecutive bad optimizer steps, across epoch boundaries
     eval_model: nn.Module | None = None  # `model`, compiled if asked, never DDP-wrapped
     lr_schedule: dict | None = None      # the LR schedule's shape (extend_schedule), kept for resume
-    logger: RunLogger | None = None      # TensorBoard (rank 0), or a no-op
+    logger: RunLogger = field(default_factory=lambda: RunLogger())  # TensorBoard (rank 0), or a no-op
     class_names: list | None = None      # for the per-class history columns
+    loss_fn: nn.Module | None = None     # SegLoss
+
+    def __post_init__(self):
+        self.eval_model = self.model if self.eval_model is None else self.eval_model
 
     def state(self, cfg):
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
@@ -470,33 +493,19 @@ def announce_run(cfg, hw, run, sizes, extra):
 # ----------------------------------------------------------------------------------------------------
 # II.3 One epoch: train, validate, checkpoint, report.
 # ----------------------------------------------------------------------------------------------------
-def run_epoch(run, epoch, train_loader, val_loader, loss_fn, hw, cfg):
+def run_epoch(run, epoch, train_loader, val_loader, hw, cfg):
     """Train and validate one epoch; returns its history row."""
     if hw.kind == "cuda":
         torch.cuda.reset_peak_memory_stats(hw.device)
     start_epoch_data(train_loader, epoch, cfg["seed"])
     anomaly = torch.autograd.set_detect_anomaly(True) if cfg["detect_anomaly"] else contextlib.nullcontext()
     with anomaly:  # switched off again after the epoch
-        tr = train_one_epoch(run.run_model, train_loader, loss_fn, run.optimizer, run.scheduler, run.scaler,
-                             run.prec, hw, cfg, desc=f"epoch {epoch}/{cfg['epochs']} train",
-                             streak=run.bad_streak, logger=run.logger)
-    run.bad_streak = tr["stats"].bad_streak
+        trained = train_one_epoch(run, train_loader, cfg, hw, desc=f"epoch {epoch}/{cfg['epochs']} train")
+    run.bad_streak = trained["stats"].bad_streak
     val_start = time.perf_counter()
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
-    va = evaluate(run.eval_model, val_loader, loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
-    val_time = time.perf_counter() - val_start
-    mem, mem_kind = peak_memory_mb(hw)
-    stats = tr["stats"]
-    events = [f["event"] for f in run.fallbacks if f["epoch"] == epoch]
-    return {"epoch": epoch, "train_loss": tr["loss"], "val_loss": va["loss"], "train_iou": tr["iou"],
-            "train_dice": tr["dice"], "val_iou": va["iou"], "val_dice": va["dice"], "lr": run.scheduler.get_last_lr()[0],
-            "epoch_time_s": tr["time"], "val_time_s": val_time, "images_per_s": tr["images_per_s"],
-            "peak_mem_mb": mem, "peak_mem_kind": mem_kind, "precision": run.prec.name,
-            "grad_norm": stats.grad_norm, "grad_norm_max": stats.grad_norm_max,
-            "zero_grad_pct": stats.zero_grad_pct,
-            "scaler_scale": run.scaler.get_scale() if run.scaler else None,
-            "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps,
-            "fallback": "; ".join(events), **per_class_columns(va, run.class_names or [])}
+    validated = evaluate(run.eval_model, val_loader, run.loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
+    return history_row(run, epoch, trained, validated, time.perf_counter() - val_start, hw)
 
 
 def finish_epoch(run, row, cfg):
@@ -513,11 +522,8 @@ def finish_epoch(run, row, cfg):
             save_checkpoint(ckpt_dir / "best.pt", state)
         write_history(ckpt_dir / "history.csv", run.history)
     print(epoch_summary(row, cfg, improved))
-    # Some zero gradients are normal (dead ReLUs: ~5-7% here in fp32); under fp16 a high share is
-    # the sign of gradients underflowing below fp16's smallest values.
-    if row["precision"] == "fp16" and row["zero_grad_pct"] > 5:
-        print(f"warning: {row['zero_grad_pct']:.1f}% of gradient entries were exactly zero: fp16 underflow? "
-              f"Compare with a bf16/fp32 run; try amp_dtype=bfloat16 or a larger init_scale")
+    warn_fp16_underflow(row)
+    run.logger.log_epoch(row)
 
 
 def epoch_summary(row, cfg, improved):
@@ -540,61 +546,34 @@ def end_of_run_table(run):
 # ----------------------------------------------------------------------------------------------------
 # II.4 The training step: one optimizer step per accumulation group, its micro-steps, the update.
 # ----------------------------------------------------------------------------------------------------
-def train_one_epoch(model, loader, loss_fn, optimizer, scheduler, scaler, prec, hw, cfg, desc="train",
-                    streak=0, logger=None):
-    """One pass over `loader`; `streak` carries consecutive bad steps over from the last epoch."""
+def train_one_epoch(run, loader, cfg, hw, desc="train"):
+    """One pass over `loader`, one optimizer step per accumulation group. run.bad_streak carries
+    consecutive bad steps over from the last epoch. Returns the epoch's loss, IoU, Dice, speed and stats."""
+    model = run.run_model
     model.train()
-    n, k = len(loader), cfg["accumulation_steps"]
-    metric = SegMetric(cfg["num_classes"], hw.device)
-    loss_sum = torch.zeros((), device=hw.device, dtype=sum_dtype(hw.device))
-    finite_losses = torch.zeros((), device=hw.device, dtype=torch.int64)
-    health, seen, start, last_refresh = GradHealth(hw.device, streak), 0, time.perf_counter(), 0.0
-    bn = BatchNormSnapshot(model) if cfg["nan_guard"] else None
-    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
-    optimizer.zero_grad(set_to_none=True)
-    for i, (x, y, group_valid) in enumerate(accumulation_groups(bar, k, hw.device)):
-        x, y = to_device(x, y, hw, cfg["channels_last"])
-        group_start = i - i % k
-        group_len = min(k, n - group_start)  # the last group of an epoch may be short
-        if i == group_start and bn is not None:
-            bn.save()
-        boundary = i - group_start + 1 == group_len
-        logits, loss = forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid)
-        # On the device, no sync per micro-batch; x * 0 == 0 is isfinite in two ops instead of four.
-        finite = loss.detach() * 0 == 0
-        group_ok = finite if i == group_start else group_ok & finite
-        loss_sum += loss.detach().nan_to_num(0.0, 0.0, 0.0)  # non-finite losses count as 0 ...
-        finite_losses += finite                                # ... and are left out of the mean
-        metric.update(logits.detach(), y)
-        seen += x.shape[0]
-        if boundary:
-            if DIST.enabled:  # every rank must take the same decision: bad if any rank's loss was
-                group_ok = all_reduce_(group_ok.to(torch.int32), "min").bool()
-            step = optimizer_step(model, optimizer, scaler, cfg, group_ok, health.sample_zeros())
-            if step.loss_bad:  # its forward poisoned BatchNorm's running statistics
-                bn.restore()
-            health.record(step)
-            if logger is not None:  # buffers device tensors: no host sync
-                logger.log_step(scheduler, loss_sum, finite_losses, step.norm, scaler)
-            scheduler.step()
-            if health.bad_streak >= cfg["nan_patience"]:
-                raise NonFiniteStreak(scheduler.last_epoch, (x, y))
-        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            pair = torch.stack([loss_sum, finite_losses.to(loss_sum.dtype)])
-            last_refresh = show_progress(bar, pair, metric, seen, start)
-    bar.close()
-    synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
-    elapsed = time.perf_counter() - start
-    result = metric.all_reduce().compute()
-    all_reduce_(loss_sum), all_reduce_(finite_losses)
-    seen *= DIST.world
-    return {"loss": loss_sum.item() / max(1, finite_losses.item()), "iou": result["iou"],
-            "dice": result["dice"], "time": elapsed, "images_per_s": seen / elapsed if elapsed else 0.0,
-            "stats": health.stats()}
+    tally, progress = EpochTally(cfg["num_classes"], hw.device), Progress(loader, desc, cfg)
+    guard = StepGuard(model, cfg, hw.device, run.bad_streak)  # numerical safety (III.9)
+    run.optimizer.zero_grad(set_to_none=True)
+    for group, group_valid in accumulation_groups(progress, cfg["accumulation_steps"], hw.device):
+        guard.start_group()  # BatchNorm statistics before this group's forward passes
+        for i, (x, y) in enumerate(group):
+            x, y = to_device(x, y, hw, cfg["channels_last"])
+            with ddp_sync(model, i == len(group) - 1):  # DDP all-reduces gradients on the last micro-step
+                logits, loss = forward_backward(run, x, y, hw, len(group), group_valid)
+            finite = tally.add(loss, logits, y)  # a device bool: no sync per micro-step
+            group_ok = finite if i == 0 else group_ok & finite
+        # ---- the update: one per group; with nan_guard, the one host sync per optimizer step ----
+        step = optimizer_step(run, cfg, agree(group_ok), guard.count_zeros_now())
+        run.logger.log_step(run.scheduler, tally.loss_sum, tally.finite_losses, step.norm, run.scaler)
+        run.scheduler.step()
+        guard.after_step(step, run.scheduler.last_epoch, (x, y))  # nan_patience bad steps: NonFiniteStreak
+        progress.refresh(tally.loss_pair, tally.metric, tally.images)
+    progress.close()
+    return tally.result(guard.health, hw)
 
 
 def accumulation_groups(batches, k, device):
-    """(x, y, group_valid) per micro-batch, reading each group of k micro-batches ahead.
+    """(micro-batches, group_valid) for each group of k micro-batches (the last may be shorter).
 
     group_valid: the real (not padding, not void) pixels of the whole group, over all ranks and
     divided by the rank count (DDP averages gradients), so CE summed per micro-batch / group_valid
@@ -604,12 +583,10 @@ def accumulation_groups(batches, k, device):
     batches = iter(batches)
     while group := list(itertools.islice(batches, k)):
         if k == 1 and not DIST.enabled:
-            yield *group[0], None
+            yield group, None
             continue
         count = sum(valid_pixels(y) for _, y in group).to(device, non_blocking=True)
-        group_valid = all_reduce_(count).float().clamp(min=1) / DIST.world
-        for x, y in group:
-            yield x, y, group_valid
+        yield group, all_reduce_(count).float().clamp(min=1) / DIST.world
 
 
 def to_device(x, y, hw, channels_last):
@@ -619,34 +596,27 @@ def to_device(x, y, hw, channels_last):
     return x, y.to(hw.device, non_blocking=True)
 
 
-def forward_backward(model, x, y, loss_fn, scaler, prec, hw, group_len, boundary, group_valid=None):
+def forward_backward(run, x, y, hw, group_len, group_valid=None):
     """Forward under autocast, fp32 loss outside it, backward (scaled for fp16) of the group's share:
     CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size;
     group_valid=None: the group is this one micro-batch, whose share is its own loss.
     Returns (logits, this micro-batch's own loss)."""
-    # Under DDP, all-reduce gradients only on the micro-batch that ends a group.
-    sync = model.no_sync() if hasattr(model, "no_sync") and not boundary else contextlib.nullcontext()
-    with sync:
-        with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-            logits = model(x)
-        ce_sum, dice = loss_fn.parts(logits, y)
-        loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
-        scaled = loss if group_valid is None else ce_sum / group_valid + dice / group_len
-        (scaler.scale(scaled) if scaler is not None else scaled).backward()
+    with torch.autocast(hw.kind, dtype=run.prec.dtype, enabled=run.prec.amp):
+        logits = run.run_model(x)
+    ce_sum, dice = run.loss_fn.parts(logits, y)
+    loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
+    share = loss if group_valid is None else ce_sum / group_valid + dice / group_len
+    (run.scaler.scale(share) if run.scaler is not None else share).backward()
     return logits, loss
 
 
-def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
-    """Unscale once, measure (and clip) the gradient norm, step unless something is non-finite.
-
-    `loss_ok` is a device bool: every loss of this accumulation group was finite. A non-finite
-    gradient makes the total norm non-finite, so the norm is the whole gradient check. With
-    nan_guard on, the one host sync per optimizer step reads these flags (never per micro-batch);
-    with it off there is none (fp16's GradScaler.step then makes its own, as in any PyTorch loop).
-    """
+def optimizer_step(run, cfg, loss_ok, count_zeros=False):
+    """Unscale once, measure (and clip) the gradient norm, then step where the guard lets it
+    (step_if_finite). `loss_ok`: a device bool, every loss of this accumulation group was finite."""
+    optimizer, scaler = run.optimizer, run.scaler
     if scaler is not None:
         scaler.unscale_(optimizer)
-    params = [p for p in model.parameters() if p.grad is not None]
+    params = [p for p in run.run_model.parameters() if p.grad is not None]
     grads = [p.grad for p in params]
     if cfg["grad_clip_norm"] is not None:
         norm = torch.nn.utils.clip_grad_norm_(params, cfg["grad_clip_norm"])
@@ -654,17 +624,7 @@ def optimizer_step(model, optimizer, scaler, cfg, loss_ok, count_zeros=False):
         norm = torch.nn.utils.get_total_norm(grads)
     zeros = count_zero_grads(grads) if count_zeros else None
     result = StepResult(norm.detach(), True, zeros=zeros, elems=sum(g.numel() for g in grads) if count_zeros else 0)
-    if scaler is not None:
-        scaler_step(optimizer, scaler, cfg, loss_ok, result)
-    elif cfg["nan_guard"]:
-        loss_fine, norm_value = host_flags(loss_ok.to(norm.dtype), norm)  # a non-finite gradient makes the norm so
-        grads_fine = math.isfinite(norm_value)
-        result.applied, result.loss_bad = bool(loss_fine) and grads_fine, not loss_fine
-        result.bad = not result.applied
-        if result.applied:
-            optimizer.step()
-    else:  # plain PyTorch behaviour: no check, no sync
-        optimizer.step()
+    step_if_finite(optimizer, scaler, cfg, loss_ok, result)
     optimizer.zero_grad(set_to_none=True)
     return result
 
@@ -678,22 +638,20 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
     image's original size against its original mask, on the logits predict would turn into its mask
     (fit: fit_pieces; patch: whole images by the sliding window, window_pieces)."""
     model.eval()
-    prec = prec if prec.amp and cfg["eval_amp"] else Precision(torch.float32, False, "validation in fp32")
+    prec = prec if prec.amp and cfg["eval_amp"] else Precision.of(torch.float32, "validation in fp32")
     scored_pieces = window_pieces if cfg["data_mode"] == "patch" else fit_pieces
     metric = SegMetric(cfg["num_classes"], hw.device)
     totals = torch.zeros(2, device=hw.device, dtype=sum_dtype(hw.device))  # loss * images, images
-    bar = tqdm(loader, desc=desc, leave=False, disable=not cfg["progress"], dynamic_ncols=True)
-    start, last_refresh, seen = time.perf_counter(), 0.0, 0
-    for batch in bar:
+    progress, seen = Progress(loader, desc, cfg), 0
+    for batch in progress:
         for logits, y, images, scored in scored_pieces(model, batch, cfg, prec, hw):
             totals[0] += loss_fn(logits, y).detach().to(hw.device) * images
             totals[1] += images
             for score_logits, target in scored:
                 metric.update(score_logits, target)
             seen += images
-        if cfg["progress"] and time.perf_counter() - last_refresh > 0.5:  # one sync, at most 2x/second
-            last_refresh = show_progress(bar, totals, metric, seen, start)
-    bar.close()
+        progress.refresh(lambda: totals, metric, seen)
+    progress.close()
     loss_sum, count = all_reduce_(totals).tolist()
     return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
 
@@ -930,22 +888,34 @@ def validate_config(cfg):
         if cfg[key] not in allowed:
             raise UserError(f"{key}={cfg[key]!r} is not allowed: use one of "
                             + ", ".join(repr(a) if a is None else str(a) for a in allowed))
-    positive_ints = ("epochs", "batch_size", "accumulation_steps", "num_classes", "growth_interval",
-                     "nan_patience")
+    check_counts(cfg)
+    for key, ok, rule in value_rules(cfg):
+        if not ok:
+            raise UserError(f"{key}={cfg[key]!r} {rule}")
+    check_model_names(cfg)
+    return cfg
+
+
+def check_counts(cfg):
+    """Whole-number keys, the class count and the image size."""
     if cfg["num_classes"] >= IGNORE_INDEX:
         raise UserError(f"num_classes={cfg['num_classes']} must be below {IGNORE_INDEX} (mask value "
                         f"{IGNORE_INDEX} marks padding)")
-    for key in positive_ints:
+    for key in ("epochs", "batch_size", "accumulation_steps", "num_classes", "growth_interval", "nan_patience"):
         if key in AUTO_KEYS and cfg[key] == "auto":
             continue
         if not isinstance(cfg[key], int) or cfg[key] < 1:
             raise UserError(f"{key}={cfg[key]!r} must be a whole number >= 1")
-    size = cfg["image_size"]
-    if not isinstance(size, int) or size < 32 or size % 32:
-        ok = max(32, round(size / 32) * 32) if isinstance(size, (int, float)) else 128
-        raise UserError(f"image_size={size!r} must be a multiple of 32 (the U-Net halves it 5 times): "
+    size, stride = cfg["image_size"], MODEL_STRIDE
+    if not isinstance(size, int) or size < stride or size % stride:
+        ok = max(stride, round(size / stride) * stride) if isinstance(size, (int, float)) else 128
+        raise UserError(f"image_size={size!r} must be a multiple of {stride} (the U-Net halves it 5 times): "
                         f"try image_size={ok}")
-    checks = [
+
+
+def value_rules(cfg):
+    """(key, value is allowed, the rule) for the keys with a range."""
+    return [
         ("learning_rate", 0 < cfg["learning_rate"] < math.inf, "must be a finite number > 0"),
         ("seed", 0 <= cfg["seed"] < 2**32, "must be a whole number in [0, 2**32)"),
         ("weight_decay", cfg["weight_decay"] >= 0, "must be >= 0"),
@@ -969,15 +939,13 @@ def validate_config(cfg):
         ("intensity_range", cfg["intensity_range"] is None or valid_range(cfg["intensity_range"]),
          "must be [low, high] with low < high (the values mapped to 0 and 1), or None to learn it"),
         *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
-        ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // 32) ** 2 > 1,
+        ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // MODEL_STRIDE) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
          f"bottleneck: use batch_size >= 2 or image_size >= 64"),
     ]
-    for key, ok, rule in checks:
-        if not ok:
-            raise UserError(f"{key}={cfg[key]!r} {rule}")
-    check_model_names(cfg)
-    return cfg
+
+
+MODEL_STRIDE = 32  # the U-Net halves the image 5 times: sides must be multiples of this
 
 
 # Sliding-window settings: checked for training, and at predict time when given (None = the checkpoint's).
@@ -1118,6 +1086,16 @@ def all_reduce_(tensor, op="sum"):
     return tensor
 
 
+def agree(flag):
+    """A device bool every rank agrees on: true only where it is true on every rank (as is in one process)."""
+    return all_reduce_(flag.to(torch.int32), "min").bool() if DIST.enabled else flag
+
+
+def ddp_sync(model, sync):
+    """Under DDP, no gradient all-reduce unless `sync` (the micro-step that ends a group)."""
+    return model.no_sync() if hasattr(model, "no_sync") and not sync else contextlib.nullcontext()
+
+
 def broadcast_buffers(model):
     if DIST.enabled:
         for buffer in model.buffers():
@@ -1139,6 +1117,13 @@ class Hardware:
 
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}  # short names
+# CUDA compute capabilities: bf16 kernels and TF32 need Ampere (8.0); fast fp16 needs Volta's tensor cores (7.0).
+AMPERE = (8, 0)
+VOLTA = (7, 0)
+
+
+def capability_text(cap):
+    return f"{cap[0]}.{cap[1]}"
 
 
 @dataclass(frozen=True)
@@ -1147,6 +1132,14 @@ class Precision:
     use_scaler: bool              # GradScaler: only for float16
     reason: str                   # why this precision
     warning: str | None = None    # set when the request could not be honoured
+
+    def __post_init__(self):
+        assert self.use_scaler == (self.dtype == torch.float16), self  # fp16, and only fp16, needs GradScaler
+
+    @classmethod
+    def of(cls, dtype, reason, warning=None):
+        """Every precision this script uses is built here: GradScaler exactly when the dtype is fp16."""
+        return cls(dtype, dtype == torch.float16, reason, warning)
 
     @property
     def amp(self):
@@ -1231,8 +1224,9 @@ def detect_hardware(device="auto"):
         # Capability, not torch.cuda.is_bf16_supported(): that one says True on a T4 (7.5), where
         # bf16 is emulated and slow.
         return Hardware(f"cuda:{index}", "cuda", torch.cuda.get_device_name(index), cap,
-                        bf16=cap >= (8, 0), fp16=cap >= (7, 0),
-                        bf16_feature=f"compute capability {cap[0]}.{cap[1]}" + (" < 8.0" if cap < (8, 0) else ""))
+                        bf16=cap >= AMPERE, fp16=cap >= VOLTA,
+                        bf16_feature=f"compute capability {capability_text(cap)}"
+                        + (f" < {capability_text(AMPERE)}" if cap < AMPERE else ""))
     if kind == "mps":
         if not torch.backends.mps.is_available():
             raise UserError("device='mps' but MPS is not available: use device=auto or device=cpu")
@@ -1248,30 +1242,30 @@ def detect_hardware(device="auto"):
 
 
 def describe(hw):
-    cap = f", compute capability {hw.capability[0]}.{hw.capability[1]}" if hw.capability else ""
+    cap = f", compute capability {capability_text(hw.capability)}" if hw.capability else ""
     return f"{hw.device} ({hw.name}{cap})"
 
 
 def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     """The one place that chooses bf16 / fp16 / fp32, and says why."""
     if not use_amp:
-        return Precision(torch.float32, False, "use_amp=False: plain fp32")
+        return Precision.of(torch.float32, "use_amp=False: plain fp32")
     if amp_dtype == "auto":
         if hw.bf16:
-            return Precision(torch.bfloat16, False, "auto: native bf16 (fp32's range, no loss scaling)")
+            return Precision.of(torch.bfloat16, "auto: native bf16 (fp32's range, no loss scaling)")
         if hw.fp16:
-            return Precision(torch.float16, True, "auto: no native bf16, native fp16 -> fp16 + GradScaler")
-        return Precision(torch.float32, False, f"auto: no native bf16 ({hw.bf16_feature}) or fp16 -> fp32")
+            return Precision.of(torch.float16, "auto: no native bf16, native fp16 -> fp16 + GradScaler")
+        return Precision.of(torch.float32, f"auto: no native bf16 ({hw.bf16_feature}) or fp16 -> fp32")
     assert amp_dtype in CHOICES["amp_dtype"], amp_dtype  # validated before; a bug otherwise
     dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
     native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
     if native or force:
         slow = f"{amp_dtype} {missing_support(hw, amp_dtype)}" if hw.kind == "cpu" else "no native kernels, slow"
         note = "" if native else f" (force_amp_dtype=True: {slow})"
-        return Precision(dtype, dtype == torch.float16, f"{amp_dtype} as requested{note}")
+        return Precision.of(dtype, f"{amp_dtype} as requested{note}")
     # Not native here: the automatic choice is the fallback (it can never be the requested dtype).
     auto = decide_precision(hw)
-    return Precision(auto.dtype, auto.use_scaler, f"fallback from {amp_dtype}", fallback_warning(hw, amp_dtype, auto))
+    return Precision.of(auto.dtype, f"fallback from {amp_dtype}", fallback_warning(hw, amp_dtype, auto))
 
 
 def fallback_warning(hw, amp_dtype, used):
@@ -1281,8 +1275,8 @@ def fallback_warning(hw, amp_dtype, used):
 
 def missing_support(hw, amp_dtype):
     if hw.kind == "cuda":
-        need = "8.0" if amp_dtype == "bfloat16" else "7.0"
-        return f"needs compute capability >= {need}, {hw.device} has {hw.capability[0]}.{hw.capability[1]}"
+        need = capability_text(AMPERE if amp_dtype == "bfloat16" else VOLTA)
+        return f"needs compute capability >= {need}, {hw.device} has {capability_text(hw.capability)}"
     if hw.kind == "cpu" and amp_dtype == "float16":
         # 188x slower measured on a Xeon that advertises AVX512-FP16 (issue 21); ~70x on another
         return "has no fast CPU kernels (fp16 autocast runs 70-190x slower than fp32 there, even with AVX512-FP16)"
@@ -1326,7 +1320,7 @@ def decide_channels_last(cfg, hw, prec):
         return setting, f"channels_last={setting} as set"
     assert setting == "auto", setting  # validated before; a bug otherwise
     if hw.kind == "cuda":
-        if prec.amp or (hw.capability and hw.capability >= (8, 0)):
+        if prec.amp or (hw.capability and hw.capability >= AMPERE):
             return True, f"auto: {'AMP' if prec.amp else 'TF32'} convolutions on tensor cores want NHWC"
         # A judgement call, not a measurement: cuDNN's fp32 kernels before Ampere are NCHW-first.
         # `make gpu-check` times fp32 NCHW vs NHWC (bare loop) on a GPU for the README.
@@ -1343,7 +1337,7 @@ def decide_channels_last(cfg, hw, prec):
 
 def fp32_math(hw):
     """What plain fp32 convolutions/matmuls really run in here: 'tf32' or 'strict fp32'."""
-    if hw.kind != "cuda" or not hw.capability or hw.capability < (8, 0):
+    if hw.kind != "cuda" or not hw.capability or hw.capability < AMPERE:
         return "strict fp32"
     conv = torch.backends.cudnn.allow_tf32  # True by default: cuDNN runs fp32 convolutions in TF32
     matmul = torch.get_float32_matmul_precision() != "highest"
@@ -1424,7 +1418,7 @@ def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
     notes.append(("probe", f"s/{'step' if kind == 'train' else 'forward'} at batch {cfg['batch_size']} x "
                            f"{cfg['image_size']}px: {per_step}; {how}"))
     if prec.warning and chosen is not prec:  # a fallback from a dtype not native here: say what is used
-        chosen = Precision(chosen.dtype, chosen.use_scaler, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
+        chosen = Precision.of(chosen.dtype, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
     return chosen, layout
 
 
@@ -1596,9 +1590,9 @@ def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
         t = {name: times[f"{name}_cl" if on else name] for name, on in nhwc.items()}
         ratio = t["fp32"] / t["bf16"]
         keep = ratio >= CPU_PROBE_BF16_MARGIN
-        prec = Precision(torch.bfloat16 if keep else torch.float32, False,
-                         f"auto: bf16 measured {ratio:.2f}x fp32 here; "
-                         f"{'kept' if keep else 'not kept'}: needs {CPU_PROBE_BF16_MARGIN:.2f}x")
+        prec = Precision.of(torch.bfloat16 if keep else torch.float32,
+                            f"auto: bf16 measured {ratio:.2f}x fp32 here; "
+                            f"{'kept' if keep else 'not kept'}: needs {CPU_PROBE_BF16_MARGIN:.2f}x")
     if not probe_layout:
         return prec, rule_layout
     on, ratio = faster_layout(times, prec.name, rule_layout[0])
@@ -1641,7 +1635,7 @@ def bare_step_runners(base, hw, dtypes, channels_last):
 
     def runner(prec):
         return lambda: bare_training_step(model, [(x, y)], loss_fn, opt, None, prec, hw, base["grad_clip_norm"])
-    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+    return {dtype: runner(Precision.of(dtype, "bare loop")) for dtype in dtypes}
 
 
 def bare_inference_runners(base, hw, dtypes, channels_last):
@@ -1659,7 +1653,7 @@ def bare_inference_runners(base, hw, dtypes, channels_last):
             with torch.inference_mode():
                 eval_forward(model, x, layout, prec, hw)
         return forward
-    return {dtype: runner(Precision(dtype, False, "bare loop")) for dtype in dtypes}
+    return {dtype: runner(Precision.of(dtype, "bare loop")) for dtype in dtypes}
 
 
 def random_batch(base, hw):
@@ -3244,6 +3238,39 @@ class SegMetric:
                 "per_class_dice": dice.tolist()}
 
 
+class EpochTally:
+    """A training pass's loss and IoU/Dice, summed on the device (no host sync per micro-step) and read
+    back once, by result(). Non-finite losses count as 0 and are left out of the mean."""
+
+    def __init__(self, num_classes, device):
+        self.metric = SegMetric(num_classes, device)
+        self.loss_sum = torch.zeros((), device=device, dtype=sum_dtype(device))
+        self.finite_losses = torch.zeros((), device=device, dtype=torch.int64)
+        self.images, self.start = 0, time.perf_counter()
+
+    def add(self, loss, logits, y):
+        """Count one micro-batch; returns whether its loss was finite (a device bool)."""
+        finite = loss.detach() * 0 == 0  # isfinite in two ops instead of four
+        self.loss_sum += loss.detach().nan_to_num(0.0, 0.0, 0.0)
+        self.finite_losses += finite
+        self.metric.update(logits.detach(), y)
+        self.images += y.shape[0]
+        return finite
+
+    def loss_pair(self):
+        return torch.stack([self.loss_sum, self.finite_losses.to(self.loss_sum.dtype)])
+
+    def result(self, health, hw):
+        synchronize(hw)  # CUDA runs asynchronously: wait for the last kernel before reading the clock
+        elapsed = time.perf_counter() - self.start
+        scores = self.metric.all_reduce().compute()
+        all_reduce_(self.loss_sum), all_reduce_(self.finite_losses)
+        images = self.images * DIST.world
+        return {"loss": self.loss_sum.item() / max(1, self.finite_losses.item()), "iou": scores["iou"],
+                "dice": scores["dice"], "time": elapsed, "images_per_s": images / elapsed if elapsed else 0.0,
+                "stats": health.stats()}
+
+
 def load_class_names(cfg):
     """Class names, one per line, class 0 first (VOC/labelme convention); indices when there is no file.
 
@@ -3308,6 +3335,49 @@ class NonFiniteStreak(Exception):
     def __init__(self, step, batch):
         super().__init__(f"non-finite loss or gradients for several steps up to step {step}")
         self.step, self.batch = step, batch
+
+
+class StepGuard:
+    """The training loop's numerical safety as one object: each accumulation group's BatchNorm
+    snapshot, the epoch's gradient health, and the streak of bad steps that ends in a fallback.
+    With nan_guard off the snapshot does nothing and no step is bad (step_if_finite), so the streak
+    never grows; gradient health is recorded either way."""
+
+    def __init__(self, model, cfg, device, streak=0):
+        self.snapshot = BatchNormSnapshot(model, enabled=cfg["nan_guard"])
+        self.health = GradHealth(device, streak)
+        self.patience = cfg["nan_patience"]
+
+    def start_group(self):
+        self.snapshot.save()
+
+    def count_zeros_now(self):
+        return self.health.sample_zeros()
+
+    def after_step(self, step, step_number, batch):
+        if step.loss_bad:  # its forward poisoned BatchNorm's running statistics
+            self.snapshot.restore()
+        self.health.record(step)
+        if self.health.bad_streak >= self.patience:
+            raise NonFiniteStreak(step_number, batch)
+
+
+def step_if_finite(optimizer, scaler, cfg, loss_ok, result):
+    """The guard: step unless a loss of the group or the gradient norm is non-finite (a non-finite
+    gradient makes the norm so, so the norm is the whole gradient check). With nan_guard on, the one
+    host sync per optimizer step reads these flags (never per micro-batch); with it off there is none
+    (fp16's GradScaler.step then makes its own, as in any PyTorch loop)."""
+    if scaler is not None:
+        scaler_step(optimizer, scaler, cfg, loss_ok, result)
+    elif cfg["nan_guard"]:
+        loss_fine, norm_value = host_flags(loss_ok.to(result.norm.dtype), result.norm)
+        grads_fine = math.isfinite(norm_value)
+        result.applied, result.loss_bad = bool(loss_fine) and grads_fine, not loss_fine
+        result.bad = not result.applied
+        if result.applied:
+            optimizer.step()
+    else:  # plain PyTorch behaviour: no check, no sync
+        optimizer.step()
 
 
 @dataclass
@@ -3445,12 +3515,12 @@ class BatchNormSnapshot:
     A NaN batch poisons them during its forward pass, even though its step is skipped: save()
     copies the floating-point buffers with one grouped copy per dtype (no per-buffer ops), and
     restore() puts them back only when a group's loss was non-finite. (num_batches_tracked, an
-    integer count of forward passes, cannot be poisoned.)
+    integer count of forward passes, cannot be poisoned.) enabled=False: holds nothing, does nothing.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, enabled=True):
         groups = {}
-        for buffer in (b for b in model.buffers() if b.is_floating_point()):
+        for buffer in (b for b in model.buffers() if b.is_floating_point() and enabled):
             groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
         self.live = list(groups.values())
         self.saved = [[b.detach().clone() for b in group] for group in self.live]
@@ -3462,6 +3532,11 @@ class BatchNormSnapshot:
     def restore(self):
         for live, saved in zip(self.live, self.saved):
             torch._foreach_copy_(live, saved)
+
+
+def rollback_point(run, cfg):
+    """The state to roll back to when a precision goes non-finite (nan_guard): a CPU copy, once per epoch."""
+    return to_cpu(run.state(cfg)) if cfg["nan_guard"] else None
 
 
 def to_cpu(obj):
@@ -3478,12 +3553,13 @@ def to_cpu(obj):
 SAFETY_ORDER = ("fp16", "bf16", "fp32")  # a fallback only ever moves right
 
 
-def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
+def fall_back(run, bad, snapshot, hw, cfg, epoch):
     """nan_patience bad steps in a row: roll back and continue in a safer precision, or stop in fp32."""
+    run.logger.flush_steps("rolled_back")  # the steps that went bad stay visible
     nxt = safer_precision(run.prec, hw)
     ckpt = Path(cfg["checkpoint_dir"]) / "last.pt"
     if nxt is None:
-        where = diagnose_nonfinite(unwrap(run.model), bad.batch, loss_fn)
+        where = diagnose_nonfinite(unwrap(run.model), bad.batch, run.loss_fn)
         kept = f"{ckpt} (epoch {run.epoch}) is intact" if run.epoch else "no checkpoint was written yet"
         raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): "
                         f"{where}; likely causes: learning_rate={cfg['learning_rate']} "
@@ -3503,9 +3579,9 @@ def fall_back(run, bad, snapshot, hw, cfg, loss_fn, epoch):
 def safer_precision(prec, hw):
     """fp16 -> bf16 where native, else fp32; bf16 -> fp32; fp32 -> None (nothing safer)."""
     if prec.dtype == torch.float16 and hw.bf16:
-        return Precision(torch.bfloat16, False, "fallback from fp16 (non-finite)")
+        return Precision.of(torch.bfloat16, "fallback from fp16 (non-finite)")
     if prec.amp:
-        return Precision(torch.float32, False, f"fallback from {prec.name} (non-finite)")
+        return Precision.of(torch.float32, f"fallback from {prec.name} (non-finite)")
     return None
 
 
@@ -3520,12 +3596,23 @@ def keep_safer_precision(prec, state, hw):
     why = f"this run fell back to {name} ({state['fallbacks'][-1]['event']})"
     if safer != name:
         why += f"; {name} is not native on {hw.device}, so {safer}"
-    return Precision(DTYPES[safer], safer == "fp16", f"kept from the checkpoint: {why}")
+    return Precision.of(DTYPES[safer], f"kept from the checkpoint: {why}")
 
 
 def banner_line(text):
     rule = "!" * 78
     print(f"{rule}\n{text}\n{rule}", flush=True)
+
+
+# Some zero gradients are normal (dead ReLUs: ~5-7% here in fp32); under fp16 a high share is the sign of
+# gradients underflowing below fp16's smallest values.
+FP16_UNDERFLOW_WARN_PCT = 5
+
+
+def warn_fp16_underflow(row):
+    if row["precision"] == "fp16" and row["zero_grad_pct"] > FP16_UNDERFLOW_WARN_PCT:
+        print(f"warning: {row['zero_grad_pct']:.1f}% of gradient entries were exactly zero: fp16 underflow? "
+              f"Compare with a bf16/fp32 run; try amp_dtype=bfloat16 or a larger init_scale")
 
 
 def diagnose_nonfinite(model, batch, loss_fn):
@@ -3674,6 +3761,22 @@ def write_history(path, history):
     atomic_write(path, write)
 
 
+def history_row(run, epoch, trained, validated, val_time, hw):
+    """One epoch's row of history.csv (and of the checkpoint's history)."""
+    mem, mem_kind = peak_memory_mb(hw)
+    stats = trained["stats"]
+    events = [f["event"] for f in run.fallbacks if f["epoch"] == epoch]
+    return {"epoch": epoch, "train_loss": trained["loss"], "val_loss": validated["loss"],
+            "train_iou": trained["iou"], "train_dice": trained["dice"], "val_iou": validated["iou"],
+            "val_dice": validated["dice"], "lr": run.scheduler.get_last_lr()[0], "epoch_time_s": trained["time"],
+            "val_time_s": val_time, "images_per_s": trained["images_per_s"], "peak_mem_mb": mem,
+            "peak_mem_kind": mem_kind, "precision": run.prec.name, "grad_norm": stats.grad_norm,
+            "grad_norm_max": stats.grad_norm_max, "zero_grad_pct": stats.zero_grad_pct,
+            "scaler_scale": run.scaler.get_scale() if run.scaler else None,
+            "optimizer_steps": stats.optimizer_steps, "skipped_steps": stats.skipped_steps,
+            "fallback": "; ".join(events), **per_class_columns(validated, run.class_names or [])}
+
+
 def write_json(path, data):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
@@ -3702,16 +3805,34 @@ def archive_previous_run(ckpt_dir, names=RUN_FILES):
 # ----------------------------------------------------------------------------------------------------
 # III.11 Logging: progress bars, peak memory, TensorBoard (rank 0, one host transfer per epoch).
 # ----------------------------------------------------------------------------------------------------
-def show_progress(bar, loss_pair, metric, seen, start):
-    """Loss, IoU so far and images/s on a tqdm bar; one device->host copy per refresh, and callers
-    refresh at most twice a second (none with progress=False). Returns the time of this refresh."""
-    host = torch.cat([loss_pair.cpu().double(), metric.flat.cpu().double()])  # float64 on the host: MPS has none
-    loss_sum, count = host[:2].tolist()
-    loss = loss_sum / max(1.0, count)
-    now = time.perf_counter()
-    iou = metric.with_counts(host[2:]).compute()["iou"]
-    bar.set_postfix(loss=f"{loss:.4f}", iou=f"{iou:.3f}", img_s=f"{seen / (now - start):.1f}")
-    return now
+PROGRESS_REFRESH_S = 0.5  # a progress bar's figures cost one device->host copy: at most 2 a second
+
+
+class Progress:
+    """A tqdm bar over `loader` showing loss, IoU so far and images/s; with progress=False it only
+    iterates. refresh() reads the device at most every PROGRESS_REFRESH_S seconds."""
+
+    def __init__(self, loader, desc, cfg):
+        self.on = cfg["progress"]
+        self.bar = tqdm(loader, desc=desc, leave=False, disable=not self.on, dynamic_ncols=True)
+        self.start, self.last = time.perf_counter(), 0.0
+
+    def __iter__(self):
+        return iter(self.bar)
+
+    def refresh(self, loss_pair, metric, seen):
+        """loss_pair(): a device (loss sum, count) pair, called only when the bar is redrawn."""
+        if not self.on or time.perf_counter() - self.last <= PROGRESS_REFRESH_S:
+            return
+        host = torch.cat([loss_pair().cpu().double(), metric.flat.cpu().double()])  # float64 on the host: MPS has none
+        loss_sum, count = host[:2].tolist()
+        self.last = time.perf_counter()
+        iou = metric.with_counts(host[2:]).compute()["iou"]
+        self.bar.set_postfix(loss=f"{loss_sum / max(1.0, count):.4f}", iou=f"{iou:.3f}",
+                             img_s=f"{seen / (self.last - self.start):.1f}")
+
+    def close(self):
+        self.bar.close()
 
 
 def peak_memory_mb(hw):
@@ -4144,8 +4265,9 @@ def batch_trial(model, optimizer, loss_fn, scaler, prec, hw, cfg, n):
     y = torch.randint(0, max(2, cfg["num_classes"]), (n, size, size), device=hw.device)
     if cfg["channels_last"]:
         x = x.contiguous(memory_format=torch.channels_last)
-    forward_backward(model, x, y, loss_fn, scaler, prec, hw, 1, True)  # a group of one micro-batch
-    optimizer_step(model, optimizer, scaler, cfg, torch.ones((), dtype=torch.bool, device=hw.device))
+    run = Run(model, model, optimizer, None, scaler, prec, loss_fn=loss_fn)
+    forward_backward(run, x, y, hw, 1)  # a group of one micro-batch
+    optimizer_step(run, cfg, torch.ones((), dtype=torch.bool, device=hw.device))
     synchronize(hw)
 
 
@@ -4219,7 +4341,7 @@ def run_benchmark(args=()):
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
     # every training row runs in its own process with its own setting.
-    apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision(torch.float32, False, "benchmark"))
+    apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision.of(torch.float32, "benchmark"))
     print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
           f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
     bare = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
@@ -4241,6 +4363,12 @@ def run_benchmark(args=()):
               "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
+    print_benchmark_summary(rows, bare, hw, opts)
+    return result
+
+
+def print_benchmark_summary(rows, bare, hw, opts):
+    """The table, the bare loop's speeds, and what each column means."""
     print(format_benchmark_table(rows))
     if bare:
         print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16{'' if hw.bf16 else ' (not native)'} "
@@ -4256,7 +4384,6 @@ def run_benchmark(args=()):
           "against a bare loop over the same loader, same precision, layout and batch; vs held batch: against the "
           f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
           f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
-    return result
 
 
 def parse_benchmark_args(args):
@@ -4291,8 +4418,8 @@ def benchmark_overrides(name, base):
 def skip_reason(name, base, hw):
     """Why a configuration cannot run as named on this hardware (None = it can)."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
-    if name == "tf32" and (hw.kind != "cuda" or hw.capability < (8, 0)):
-        return "TF32 needs a CUDA GPU of compute capability >= 8.0"
+    if name == "tf32" and (hw.kind != "cuda" or hw.capability < AMPERE):
+        return f"TF32 needs a CUDA GPU of compute capability >= {capability_text(AMPERE)}"
     prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     return prec.warning and f"amp_dtype={cfg['amp_dtype']} {missing_support(hw, cfg['amp_dtype'])}"
 
@@ -4308,7 +4435,7 @@ def probe_instead(name, base, hw):
 def probe_row(name, base, hw, steps, fp32_times):
     """A bf16 configuration timed for a few bare steps against fp32 at the same batch (emulated bf16)."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
-    layout, _ = decide_channels_last(cfg, hw, Precision(torch.bfloat16, False, "probe"))
+    layout, _ = decide_channels_last(cfg, hw, Precision.of(torch.bfloat16, "probe"))
     if cfg["batch_size"] not in fp32_times:
         fp32_times[cfg["batch_size"]] = time_train_steps(cfg, hw, torch.float32, False, steps)
     bf16 = time_train_steps(cfg, hw, torch.bfloat16, layout, steps)
@@ -4574,8 +4701,8 @@ def step_runners(cfg, hw, prec):
         scheduler = build_scheduler(optimizer, cfg, 10**6)
         scaler, loss_fn = build_scaler(prec, hw, cfg), SegLoss(cfg["num_classes"], cfg["loss"])
         if kind == "trainer":
-            def run(n, batches=None, m=model, o=optimizer, s=scheduler, sc=scaler, lf=loss_fn):
-                train_one_epoch(m, [(x, y)] * (n * k) if batches is None else batches, lf, o, s, sc, prec, hw, cfg)
+            def run(n, batches=None, r=Run(model, model, optimizer, scheduler, scaler, prec, loss_fn=loss_fn)):
+                train_one_epoch(r, [(x, y)] * (n * k) if batches is None else batches, cfg, hw)
         else:
             def run(n, batches=None, m=model, o=optimizer, sc=scaler, lf=loss_fn):
                 for group in bare_groups(n, batches, (x, y), k):

@@ -201,8 +201,8 @@ def test_nothing_float64_on_mps(make_cfg, fake_mps, amp, nan_guard):
         scheduler = train_unet.build_scheduler(optimizer, cfg, len(train_loader))
         logger = train_unet.RunLogger()
         logger.writer = Writer()
-        out = train_unet.train_one_epoch(model, train_loader, loss_fn, optimizer, scheduler, scaler, prec, hw,
-                                         cfg, logger=logger)
+        run = train_unet.Run(model, model, optimizer, scheduler, scaler, prec, logger=logger, loss_fn=loss_fn)
+        out = train_unet.train_one_epoch(run, train_loader, cfg, hw)
         logger.flush_steps()
         val = train_unet.evaluate(model, val_loader, loss_fn, prec, hw, cfg)
     assert mode.tagged, "the fake saw no MPS tensor: it tested nothing"

@@ -56,3 +56,13 @@ def test_reading_from_main_to_backward_never_jumps_backwards():
     assert all(section_of(line).startswith("II.") for line in lines)
     body = ast.get_source_segment(SOURCE, next(n for n in TREE.body if getattr(n, "name", "") == "forward_backward"))
     assert ".backward()" in body
+
+
+def test_no_function_is_longer_than_50_lines():
+    long = []
+    for node in ast.walk(TREE):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - min([node.lineno] + [d.lineno for d in node.decorator_list]) + 1
+            if length > 50:
+                long.append((node.name, length))
+    assert not long

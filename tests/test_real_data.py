@@ -472,8 +472,10 @@ def grads_after(model, batches, loss_fn, k):
     hw = train_unet.detect_hardware("cpu")
     fp32 = train_unet.Precision(torch.float32, False, "test")
     model.zero_grad(set_to_none=True)
-    for i, (x, y, group_valid) in enumerate(train_unet.accumulation_groups(batches, k, "cpu")):
-        train_unet.forward_backward(model, x, y, loss_fn, None, fp32, hw, k, (i + 1) % k == 0, group_valid)
+    run = train_unet.Run(model, model, None, None, None, fp32, loss_fn=loss_fn)
+    for group, group_valid in train_unet.accumulation_groups(batches, k, "cpu"):
+        for x, y in group:
+            train_unet.forward_backward(run, x, y, hw, len(group), group_valid)
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -506,7 +508,8 @@ def test_train_one_epoch_accumulation_matches_one_batch_with_padding():
         cfg = dict(train_unet.CONFIG, num_classes=1, progress=False, channels_last=False,
                    grad_clip_norm=None, accumulation_steps=k)
         loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
-        train_unet.train_one_epoch(model, loader, SegLoss(1, "ce"), optimizer, scheduler, None, fp32, hw, cfg)
+        run = train_unet.Run(model, model, optimizer, scheduler, None, fp32, loss_fn=SegLoss(1, "ce"))
+        train_unet.train_one_epoch(run, loader, cfg, hw)
         results.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*results):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)

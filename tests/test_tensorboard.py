@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.data import DataLoader, TensorDataset
 
 import train_unet
-from train_unet import RunLogger, SegLoss, UserError, decide_precision, train, train_one_epoch
+from train_unet import Run, RunLogger, SegLoss, UserError, decide_precision, train, train_one_epoch
 
 # The LR schedule steps on skipped steps too (fp16's scaler may skip the first): expected, see train_unet.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
@@ -125,8 +125,8 @@ def test_logging_adds_no_host_sync_per_step(tmp_path, cpu_hw, monkeypatch):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
         counter = SyncCounter(monkeypatch)
-        train_one_epoch(model, DataLoader(data, batch_size=2), SegLoss(1, "ce"), opt, sched, None, prec, cpu_hw,
-                        cfg, logger=logger)
+        run = Run(model, model, opt, sched, None, prec, logger=logger or RunLogger(), loss_fn=SegLoss(1, "ce"))
+        train_one_epoch(run, DataLoader(data, batch_size=2), cfg, cpu_hw)
         monkeypatch.undo()
         return counter.count
 

@@ -41,7 +41,8 @@ def loop_cfg(**overrides):
 def run_epoch(model, loader, cfg, hw, prec, scaler=None, lr=0.5):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    return train_one_epoch(model, loader, SegLoss(1, "ce"), optimizer, scheduler, scaler, prec, hw, cfg)
+    run = train_unet.Run(model, model, optimizer, scheduler, scaler, prec, loss_fn=SegLoss(1, "ce"))
+    return train_one_epoch(run, loader, cfg, hw)
 
 
 def weights(model):
