@@ -36,7 +36,6 @@ section header below; tests/test_layout.py keeps this list and the headers the s
       IV.1 Predict
       IV.2 batch_size=auto
       IV.3 Benchmark
-      IV.4 Trainer overhead
 
 The script imports cleanly as a module; tests, tools and the notebooks use its functions.
 """
@@ -1630,7 +1629,7 @@ def bare_step_runners(base, hw, dtypes, channels_last):
     x, y = random_batch(base, hw)
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.contiguous(memory_format=torch.channels_last)
-    # The same bare step as the overhead columns' (clipping, the run's optimizer); no GradScaler: fp32/bf16
+    # The same bare step as tools/overhead.py's (clipping, the run's optimizer); no GradScaler: fp32/bf16
     opt, loss_fn = build_optimizer(model, base), SegLoss(base["num_classes"])
 
     def runner(prec):
@@ -4292,9 +4291,7 @@ def search_batch_size(fits, start=2, cap=AUTO_BATCH_CAP):
 BENCHMARK_CONFIG = {
     "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS
     "output": "checkpoints/benchmark",
-    "bare_steps": 6,        # timed steps of the bare reference loops, and per overhead round (0 = skip them
-                            # and the overhead columns)
-    "overhead_rounds": 5,   # trainer vs bare loop: timed rounds of bare_steps steps each, alternating
+    "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them)
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
 }
 
@@ -4322,10 +4319,7 @@ BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patie
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
                     "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
-                    "nonfinite_steps", "scaler_skipped_steps", "ops_per_step", "bare_ops_per_step", "ops_vs_bare",
-                    "trainer_images_per_s", "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
-                    "images_per_s_vs_held_batch", "epochs", "status",
-                    "slowdown_vs_fp32")
+                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status", "slowdown_vs_fp32")
 
 
 def run_benchmark(args=()):
@@ -4337,7 +4331,7 @@ def run_benchmark(args=()):
     moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, names))
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
-    pairs = prepare_data(base)  # writes the embedded data set once, before the runs start
+    prepare_data(base)  # writes the embedded data set once, before the runs start
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
     # every training row runs in its own process with its own setting.
@@ -4356,18 +4350,18 @@ def run_benchmark(args=()):
             print(f"[benchmark] {name}: skipped: {reason}", flush=True)
             continue
         row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(add_overhead(row, name, base, hw, opts, pairs))
+        rows.append(row)
     add_speedups(rows)
     result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
               "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
-    print_benchmark_summary(rows, bare, hw, opts)
+    print_benchmark_summary(rows, bare, hw)
     return result
 
 
-def print_benchmark_summary(rows, bare, hw, opts):
+def print_benchmark_summary(rows, bare, hw):
     """The table, the bare loop's speeds, and what each column means."""
     print(format_benchmark_table(rows))
     if bare:
@@ -4379,11 +4373,6 @@ def print_benchmark_summary(rows, bare, hw, opts):
           "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.\n"
           f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
           f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
-    print("Ops/step vs bare: aten ops per optimizer step, trainer (nan_guard, clipping, gradient health) over "
-          "a bare loop that also clips; img/s vs bare: the trainer's training pass over the run's own loader "
-          "against a bare loop over the same loader, same precision, layout and batch; vs held batch: against the "
-          f"bare loop on a batch held on the device (no data loading). {opts['overhead_rounds']} alternating rounds "
-          f"of {opts['bare_steps']} steps, median of the rounds' ratios.")
 
 
 def parse_benchmark_args(args):
@@ -4395,9 +4384,8 @@ def parse_benchmark_args(args):
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
             raise UserError(f"{key} is set by the benchmark itself (results go to output=...): leave it out")
-    if opts["probe_steps"] < 1 or opts["bare_steps"] < 0 or opts["overhead_rounds"] < 1:
-        raise UserError(f"probe_steps={opts['probe_steps']} and overhead_rounds={opts['overhead_rounds']} must "
-                        f"be >= 1, bare_steps={opts['bare_steps']} >= 0")
+    if opts["probe_steps"] < 1 or opts["bare_steps"] < 0:
+        raise UserError(f"probe_steps={opts['probe_steps']} must be >= 1, bare_steps={opts['bare_steps']} >= 0")
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
     if unknown or not names:
@@ -4547,29 +4535,29 @@ def add_speedups(rows):
 
 
 def format_benchmark_table(rows):
-    header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU",
-              "Ops/step vs bare", "img/s vs bare", "vs held batch", "Note")
+    header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU", "Note")
     lines = [header]
     for r in rows:
         if r.get("status", "").startswith("probe"):
             lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
-                          "-", "-", "-", "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
+                          "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
             continue
         if r.get("status") != "ok":
-            lines.append((r["config"], "-", "-", "-", "-", "-", "-", "-", "-", "-", r.get("status", "")))
+            lines.append((r["config"], "-", "-", "-", "-", "-", "-", r.get("status", "")))
             continue
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
-        ops = (f"{r['ops_vs_bare']:.2f}x ({r['ops_per_step']:.0f}/{r['bare_ops_per_step']:.0f})"
-               if r.get("ops_vs_bare") else "-")
-        vs_bare, vs_held = (f"{r[key]:.2f}x" if r.get(key) else "-"
-                            for key in ("images_per_s_vs_bare", "images_per_s_vs_held_batch"))
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", ops, vs_bare, vs_held,
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}",
                       f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
+    return markdown_table(lines)
+
+
+def markdown_table(lines):
+    """Rows of strings (the first is the header) as a Markdown table with aligned columns."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    cells = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(lines[0]), rule] + [fmt(line) for line in lines[1:]])
+    return "\n".join([cells(lines[0]), rule] + [cells(line) for line in lines[1:]])
 
 
 BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
@@ -4606,132 +4594,6 @@ def write_rows_csv(path, rows):
         writer = csv.DictWriter(f, fieldnames=BENCHMARK_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
-
-
-# ----------------------------------------------------------------------------------------------------
-# IV.4 Trainer overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
-# ----------------------------------------------------------------------------------------------------
-def add_overhead(row, name, base, hw, opts, pairs):
-    """The row's trainer-vs-bare columns, measured here at the row's precision, layout and batch
-    (not for compiled rows: ops are counted eagerly, and the bare loop is not compiled)."""
-    row.update({key: None for key in ("ops_per_step", "bare_ops_per_step", "ops_vs_bare", "trainer_images_per_s",
-                                      "bare_images_per_s", "images_per_s_vs_bare", "held_batch_images_per_s",
-                                      "images_per_s_vs_held_batch")})
-    if row.get("status") != "ok" or opts["bare_steps"] < 1 or row["compile"]:
-        return row
-    cfg = parse_overrides(benchmark_overrides(name, base), base=base)
-    cfg = {**cfg, "channels_last": row["channels_last"]}  # as the run resolved "auto"
-    prec = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    print(f"[benchmark] {name}: ops per step, and {opts['overhead_rounds']} timed rounds of {opts['bare_steps']} "
-          f"steps, trainer vs bare loop", flush=True)
-    row.update(measure_overhead(cfg, hw, prec, opts["bare_steps"], opts["overhead_rounds"], pairs))
-    return row
-
-
-def measure_overhead(cfg, hw, prec, steps, rounds, pairs):
-    """Trainer vs bare loop at one configuration.
-
-    Ops: aten ops per optimizer step, counted on one held batch (the zero-gradient sampling averaged
-    in). Speed: `steps` optimizer steps each of the trainer and of the bare loop, both over the run's
-    own loader (its workers, decoding and augmentation), and of the bare loop on a batch held on the
-    device (no data loading at all), timed in alternating rounds. img/s vs bare (and vs held batch) is
-    the median of the rounds' ratios: side by side, so the machine's drift in speed falls on all alike.
-    """
-    trainer, bare = step_runners(cfg, hw, prec)
-    ops, _ = count_ops_per_step(trainer, steps=ZERO_GRAD_EVERY)
-    bare_ops, _ = count_ops_per_step(bare)
-    loader = timing_loader(cfg, hw, steps, pairs)  # alternate_timings' untimed round starts its workers
-    times = alternate_timings({"trainer": lambda: trainer(steps, loader), "bare": lambda: bare(steps, loader),
-                               "held": lambda: bare(steps)}, rounds, hw)
-    images = steps * cfg["batch_size"] * cfg["accumulation_steps"]
-    ratios = {name: [b / t for b, t in zip(times[name], times["trainer"])] for name in ("bare", "held")}
-    speed = {name: images / float(np.median(times[name])) for name in times}
-    return {"ops_per_step": ops, "bare_ops_per_step": bare_ops, "ops_vs_bare": ops / bare_ops,
-            "trainer_images_per_s": speed["trainer"], "bare_images_per_s": speed["bare"],
-            "held_batch_images_per_s": speed["held"], "images_per_s_vs_bare": float(np.median(ratios["bare"])),
-            "images_per_s_vs_held_batch": float(np.median(ratios["held"])),
-            "round_ratios": ratios["bare"], "held_round_ratios": ratios["held"]}
-
-
-# Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
-def count_ops_per_step(run_steps, steps=2):
-    """Aten ops dispatched per optimizer step by `run_steps(n)`, a function that runs n steps.
-
-    After a warm-up call, counted with a TorchDispatchMode as (ops of 1 + steps) - (ops of 1 step),
-    over `steps`: per-epoch set-up and wrap-up cancel out. On a GPU every op is at least one kernel
-    launch. Returns (ops per step, {op: extra per step} for the ops whose count differs).
-    """
-    from collections import Counter
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
-    run_steps(1)
-    counts = []
-    for n in (1, 1 + steps):
-        with Count() as counter:
-            run_steps(n)
-        counts.append(counter.ops)
-    per_op = {op: (counts[1][op] - counts[0][op]) / steps for op in counts[1] | counts[0]}
-    return (sum(counts[1].values()) - sum(counts[0].values())) / steps, {k: v for k, v in per_op.items() if v}
-
-
-def step_runners(cfg, hw, prec):
-    """(trainer, bare): functions that run n optimizer steps on one random batch held on the device,
-    through train_one_epoch and through bare_training_step: same model, optimizer, loss, batch,
-    precision, layout and clipping. run(n, loader) trains one pass over a real loader instead."""
-    cfg = {**cfg, "progress": False}
-    size, batch, k = cfg["image_size"], cfg["batch_size"], cfg["accumulation_steps"]
-    g = torch.Generator().manual_seed(cfg["seed"])
-    x = torch.randn(batch, cfg["in_channels"], size, size, generator=g).to(hw.device)
-    y = torch.randint(0, max(2, cfg["num_classes"]), (batch, size, size), generator=g).to(hw.device)
-    x = x.contiguous(memory_format=torch.channels_last) if cfg["channels_last"] else x
-    runners = []
-    for kind in ("trainer", "bare"):
-        torch.manual_seed(cfg["seed"])
-        model = prepare_model(cfg, hw)
-        optimizer = build_optimizer(model, cfg)
-        scheduler = build_scheduler(optimizer, cfg, 10**6)
-        scaler, loss_fn = build_scaler(prec, hw, cfg), SegLoss(cfg["num_classes"], cfg["loss"])
-        if kind == "trainer":
-            def run(n, batches=None, r=Run(model, model, optimizer, scheduler, scaler, prec, loss_fn=loss_fn)):
-                train_one_epoch(r, [(x, y)] * (n * k) if batches is None else batches, cfg, hw)
-        else:
-            def run(n, batches=None, m=model, o=optimizer, sc=scaler, lf=loss_fn):
-                for group in bare_groups(n, batches, (x, y), k):
-                    group = [to_device(*xy, hw, cfg["channels_last"]) for xy in group]
-                    bare_training_step(m, group, lf, o, sc, prec, hw, cfg["grad_clip_norm"])
-        runners.append(run)
-    return runners
-
-
-def bare_groups(n, batches, held, k):
-    """The bare loop's micro-batch groups: n groups of the held batch, or a loader's batches k at a
-    time, as a plain loop over a DataLoader reads them."""
-    if batches is None:
-        yield from ([held] * k for _ in range(n))
-        return
-    batches = iter(batches)
-    while group := list(itertools.islice(batches, k)):
-        yield group
-
-
-def timing_loader(cfg, hw, steps, pairs):
-    """The run's training loader (same data set, transforms and worker settings) over `pairs`
-    (prepare_data's), cut to `steps` optimizer steps: its first samples, repeated if the set is
-    smaller, in a fixed order."""
-    train_pairs, val_pairs = pairs
-    train_set, _ = build_datasets(train_pairs, val_pairs[:1], cfg)
-    need = steps * cfg["batch_size"] * cfg["accumulation_steps"]
-    subset = torch.utils.data.Subset(train_set, [i % len(train_set) for i in range(need)])
-    return DataLoader(subset, cfg["batch_size"], drop_last=True, **loader_options(cfg, hw))
 
 
 if __name__ == "__main__":

@@ -5,12 +5,17 @@ Nothing here is timed: the machine is shared and noisy. Ops and conversions are 
 """
 import contextlib
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import train_unet
-from train_unet import count_ops_per_step, decide_precision, step_runners
+from train_unet import decide_precision
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import overhead  # noqa: E402  (tools/overhead.py: the trainer's and the bare loop's runners, the op count)
+from overhead import count_ops_per_step, step_runners  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 
@@ -149,7 +154,7 @@ def test_bare_loop_over_a_loader_steps_every_k_batches_in_the_runs_layout(cpu_hw
     cfg = tiny(accumulation_steps=2, channels_last=True)
     _, bare = step_runners(cfg, cpu_hw, precision(cpu_hw, "fp32"))
     groups = []
-    monkeypatch.setattr(train_unet, "bare_training_step", lambda model, group, *args: groups.append(group))
+    monkeypatch.setattr(overhead, "bare_training_step", lambda model, group, *args: groups.append(group))
     batches = [(torch.full((2, 3, 32, 32), float(i)), torch.zeros(2, 32, 32, dtype=torch.long)) for i in range(5)]
     bare(3, batches)
     assert [[x[0, 0, 0, 0].item() for x, _ in g] for g in groups] == [[0, 1], [2, 3], [4]]
@@ -241,3 +246,50 @@ def test_optimizer_is_fused_and_steps_like_adamw():
 def param_names(model, optimizer):
     ids = {id(p): n for n, p in model.named_parameters()}
     return [[ids[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+
+
+@pytest.fixture(scope="module")
+def overhead_rows(tmp_path_factory):
+    data = train_unet.generate_shapes_dataset(tmp_path_factory.mktemp("overhead") / "data", count=12, size=32)
+    return overhead.run(["configs=fp32,bf16,fp16", "steps=1", "rounds=3", "image_size=32", "batch_size=2",
+                         "encoder_name=resnet18", "max_train_images=8", "cpu_probe=False", f"data_dir={data}"])
+
+
+def test_overhead_tool_counts_and_times_trainer_against_a_bare_loop(overhead_rows, capsys):
+    """tools/overhead.py: per configuration, ops per optimizer step counted for the trainer and a bare
+    loop, and the trainer's images/s over the bare loop's (over the run's own loader) and over a held
+    batch's, at the configuration's precision, layout and batch: the median of alternating rounds."""
+    rows, hw = overhead_rows, train_unet.detect_hardware("cpu")
+    assert rows["fp32"]["status"] == "ok" and rows["fp32"]["precision"] == "fp32"
+    assert rows["bf16"]["status"] == ("ok" if hw.bf16 else rows["bf16"]["status"])
+    assert rows["fp16"]["status"].startswith("skipped:")  # no fast fp16 on a CPU
+    for row in [r for r in rows.values() if r["status"] == "ok"]:
+        assert row["ops_per_step"] > row["bare_ops_per_step"] > 100
+        assert row["ops_vs_bare"] == pytest.approx(row["ops_per_step"] / row["bare_ops_per_step"])
+        assert row["ops_vs_bare"] <= 1.05
+        assert row["bare_images_per_s"] > 0 and row["trainer_images_per_s"] > 0 and row["held_batch_images_per_s"] > 0
+        assert len(row["round_ratios"]) == len(row["held_round_ratios"]) == 3
+        assert row["images_per_s_vs_bare"] == pytest.approx(sorted(row["round_ratios"])[1])
+        assert row["images_per_s_vs_held_batch"] == pytest.approx(sorted(row["held_round_ratios"])[1])
+    table = overhead.format_table(rows)
+    assert table.splitlines()[0].split("|")[5].strip() == "Ops/step vs bare"
+    assert f"{rows['fp32']['ops_vs_bare']:.2f}x" in table and "skipped:" in table
+
+
+def test_overhead_tool_refuses_unknown_and_compiled_configurations(capsys):
+    assert overhead.main(["configs=fp32,bf16_compile"]) == 2
+    assert "bf16_compile" in capsys.readouterr().err
+
+
+def test_overhead_is_timed_over_the_runs_own_loader(tmp_path):
+    """The trainer's timed pass reads the run's data through its own loader settings (workers,
+    augmentation), cut to bare_steps steps; a set smaller than that is repeated."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=5, size=32)
+    cfg = train_unet.parse_overrides([f"data_dir={data}", "image_size=32", "batch_size=2", "num_workers=1",
+                                      "val_fraction=0.2"])
+    hw = train_unet.detect_hardware("cpu")
+    loader = overhead.timing_loader(cfg, hw, 3, train_unet.prepare_data(cfg))
+    batches = list(loader)
+    assert len(loader) == 3 and [tuple(x.shape) for x, _ in batches] == [(2, 3, 32, 32)] * 3
+    assert loader.num_workers == 1 and loader.persistent_workers
+    assert loader.worker_init_fn is train_unet.one_opencv_thread

@@ -20,7 +20,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+import overhead  # noqa: E402  (tools/overhead.py: the trainer's and the bare loop's runners)
 import train_unet  # noqa: E402
 
 FRAMES = Path(__file__).resolve().parents[1] / "data" / "frames_1100x700"
@@ -93,11 +94,11 @@ def main(args):
     pairs = train_unet.prepare_data(cfg)
     print("CPU ms per training sample, one thread: " + ", ".join(
         f"{name} {value:.2f}" for name, value in sample_cpu_ms(cfg, pairs).items()), flush=True)
-    trainer, bare = train_unet.step_runners(cfg, hw, prec)
+    trainer, bare = overhead.step_runners(cfg, hw, prec)
     runs = {}
     for cache in (True, False):
         for w in (0, 1, 2):
-            loader = train_unet.timing_loader({**cfg, "num_workers": w, "cache_images": cache}, hw, STEPS, pairs)
+            loader = overhead.timing_loader({**cfg, "num_workers": w, "cache_images": cache}, hw, STEPS, pairs)
             runs[f"num_workers={w} cache_images={cache}"] = partial(trainer, STEPS, loader)
     runs["held batch (no loading)"] = partial(bare, STEPS)
     print(f"{train_unet.describe(hw)}; {prec.dtype}, channels_last={cfg['channels_last']}, "
