@@ -298,24 +298,23 @@ def set_up_training(cfg, explicit):
     return cfg, hw, run, loaders
 
 
-def stop_early(run, epoch, cfg):
-    """early_stopping_patience epochs without a better val IoU (never after the last epoch)."""
-    patience = cfg["early_stopping_patience"]
-    if patience is None or run.since_best < patience or epoch >= cfg["epochs"]:
-        return False
-    print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
-    return True
-
-
-def finish_run(run, hw, cfg):
-    run.logger.close()
-    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {cfg['checkpoint_dir']}/ (best.pt, last.pt, "
-          f"history.csv)")
-    table = end_of_run_table(run)
-    if table:
-        print(table)
-    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(cfg["checkpoint_dir"]),
-            "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
+def resume_state(cfg, ckpt_dir):
+    path = ckpt_dir / "last.pt"
+    if not path.is_file():
+        raise UserError(f"resume=True but {path} does not exist: start without resume, or set "
+                        f"checkpoint_dir to the run you want to continue")
+    state = load_checkpoint(path)
+    for key in RESUME_KEYS:
+        if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
+            continue
+        if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
+            raise UserError(f"cannot resume exactly: {path} was trained with {key}="
+                            f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
+                            f"the same value, or start a new run in another checkpoint_dir")
+    if state["epoch"] >= cfg["epochs"]:
+        raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
+                        f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
+    return state
 
 
 def setup_precision(cfg, state=None):
@@ -335,25 +334,6 @@ def setup_precision(cfg, state=None):
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
     return hw, prec, notes
-
-
-def resume_state(cfg, ckpt_dir):
-    path = ckpt_dir / "last.pt"
-    if not path.is_file():
-        raise UserError(f"resume=True but {path} does not exist: start without resume, or set "
-                        f"checkpoint_dir to the run you want to continue")
-    state = load_checkpoint(path)
-    for key in RESUME_KEYS:
-        if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
-            continue
-        if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
-            raise UserError(f"cannot resume exactly: {path} was trained with {key}="
-                            f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
-                            f"the same value, or start a new run in another checkpoint_dir")
-    if state["epoch"] >= cfg["epochs"]:
-        raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
-                        f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
-    return state
 
 
 def run_intensity_range(cfg, state, train_pairs):
@@ -489,6 +469,33 @@ def announce_run(cfg, hw, run, sizes, extra):
                     "device": describe(hw), "world_size": DIST.world, **extra})
 
 
+def stop_early(run, epoch, cfg):
+    """early_stopping_patience epochs without a better val IoU (never after the last epoch)."""
+    patience = cfg["early_stopping_patience"]
+    if patience is None or run.since_best < patience or epoch >= cfg["epochs"]:
+        return False
+    print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
+    return True
+
+
+def finish_run(run, hw, cfg):
+    run.logger.close()
+    ckpt_dir = Path(cfg["checkpoint_dir"])
+    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
+    table = end_of_run_table(run)
+    if table:
+        print(table)
+    return {"history": run.history, "best_iou": run.best_iou, "checkpoint_dir": str(ckpt_dir),
+            "precision": run.prec.name, "fallbacks": run.fallbacks, "device": describe(hw)}
+
+
+def end_of_run_table(run):
+    """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
+    best = max(run.history, key=lambda r: r["val_iou"], default=None)
+    table = best and per_class_table(best, run.class_names or [])
+    return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
+
+
 # ----------------------------------------------------------------------------------------------------
 # II.3 One epoch: train, validate, checkpoint, report.
 # ----------------------------------------------------------------------------------------------------
@@ -533,13 +540,6 @@ def epoch_summary(row, cfg, improved):
             f"Dice {row['val_dice']:.4f} | lr {row['lr']:.2e} | {row['epoch_time_s']:.1f}s "
             f"{row['images_per_s']:.1f} img/s | peak {row['peak_mem_mb']:.0f} MB | {row['precision']}"
             f" | grad {row['grad_norm']:.2f}{scale}{skipped}{' | best' if improved else ''}")
-
-
-def end_of_run_table(run):
-    """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
-    best = max(run.history, key=lambda r: r["val_iou"], default=None)
-    table = best and per_class_table(best, run.class_names or [])
-    return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
 
 
 # ----------------------------------------------------------------------------------------------------
