@@ -1,10 +1,22 @@
-"""The README is the front door: it must document every CONFIG key and the two set-up commands."""
+"""The README is the front door: it must document every CONFIG key (in CONFIG's order, with CONFIG's
+default) and the two set-up commands, and its links must lead somewhere. BENCHMARKS.md holds the
+measured figures, each section naming its machine, date and command."""
+import ast
 import re
 from pathlib import Path
 
 import train_unet
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+BENCHMARKS = (ROOT / "BENCHMARKS.md").read_text()
+CONFIG_ROW = re.compile(r"^\| `(\w+)` \| `?(.*?)`? \|", re.M)
+
+
+def config_rows():
+    """(key, default as written) of the README's config table, in its order."""
+    section = README.split("\n## Config\n", 1)[1].split("\n## ", 1)[0]
+    return CONFIG_ROW.findall(section)
 
 
 def test_every_config_key_is_in_the_readme_table():
@@ -12,7 +24,46 @@ def test_every_config_key_is_in_the_readme_table():
     assert set(train_unet.CONFIG) <= documented, set(train_unet.CONFIG) - documented
 
 
+def test_config_table_follows_config_order_and_defaults():
+    rows = config_rows()
+    assert [key for key, _ in rows] == list(train_unet.CONFIG)
+    wrong = {key: written for key, written in rows if ast.literal_eval(written) != train_unet.CONFIG[key]}
+    assert not wrong, f"README defaults that differ from CONFIG: {wrong}"
+
+
 def test_readme_gives_the_two_setup_commands_that_ci_runs():
     assert "make train" in README and "make test" in README
-    ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+def anchor(heading):
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped (but - and _), spaces to -."""
+    text = re.sub(r"[`*]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(text):
+    return {anchor(h) for h in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_links_within_and_between_readme_and_benchmarks_resolve():
+    docs = {"README.md": README, "BENCHMARKS.md": BENCHMARKS}
+    targets = {name: anchors(text) for name, text in docs.items()}
+    broken = []
+    for name, text in docs.items():
+        for target, frag in re.findall(r"\]\(((?:README|BENCHMARKS)\.md)?(?:#([^)]*))?\)", text):
+            where = target or name
+            if frag and frag not in targets[where]:
+                broken.append(f"{name}: {target}#{frag}")
+    assert not broken, broken
+
+
+def test_every_benchmarks_section_names_a_machine_and_a_date():
+    machines = re.findall(r"^\| \*\*(.+?)\*\* \|", BENCHMARKS.split("\n## ", 2)[1], re.M)
+    assert machines, "BENCHMARKS.md has no machine table"
+    named = re.compile("|".join(re.escape(m) for m in machines) + r"|2-core CPU")
+    sections = [s for s in re.split(r"(?m)^## ", BENCHMARKS)[1:] if not s.startswith("Machines")]
+    undated = [s.splitlines()[0] for s in sections if not re.search(r"\b20\d\d-\d\d-\d\d\b", s)]
+    unnamed = [s.splitlines()[0] for s in sections if not named.search(s)]
+    assert not undated and not unnamed, f"without a date: {undated}; without a machine: {unnamed}"
