@@ -135,7 +135,7 @@ CONFIG = {
     "channels_last": "auto",       # NHWC memory layout: "auto" (on where it is faster), True, False
     "cpu_probe": True,             # CPU: amp_dtype/channels_last "auto" confirmed by a short timed probe
                                    # (cached per machine and setting); False = the feature-flag rule only
-    "compile_model": False,        # torch.compile: pays off on GPUs; 30-70 s compile, slower on CPU
+    "compile_model": False,        # torch.compile: for GPUs; a CPU pays 30-70 s for little or no gain
     "sync_batchnorm": False,       # under torchrun: BatchNorm statistics over all GPUs (CUDA only)
     "tf32_matmul_precision": None, # None | "highest" | "high" | "medium" (fp32 matmuls on Ampere+)
     # GradScaler (used only with float16)
@@ -1104,6 +1104,13 @@ def broadcast_buffers(model):
 # ----------------------------------------------------------------------------------------------------
 # III.3 Precision: what the hardware really supports, and the one decision made from it.
 # ----------------------------------------------------------------------------------------------------
+# What the CPU rules rest on, measured side by side (BENCHMARKS.md "Precision on a CPU": machines, dates,
+# commands): fp16 autocast is CPU_FP16_SLOWDOWN slower than fp32, even on a CPU with AVX512-FP16; bf16
+# where oneDNN emulates it is 2.3x slower on AVX512 without AVX512-BF16 and 33x on an AVX2-only Zen 3;
+# native bf16 can still lose to fp32 (0.75-0.79x on a Xeon with AVX512-BF16), hence the CPU probe (III.4).
+CPU_FP16_SLOWDOWN = "33-188x"
+
+
 @dataclass(frozen=True)
 class Hardware:
     device: str                   # "cpu", "cuda:0", "mps"
@@ -1176,7 +1183,7 @@ def cpu_flags():
 def cpu_bf16_feature():
     """(native, feature or reason). Native only with real bf16 instructions: AMX or AVX512-BF16 on x86,
     the BF16 extension on arm64. Not mkldnn._is_mkldnn_bf16_supported(): that is true on any AVX512 CPU
-    (Skylake to Ice Lake), where oneDNN emulates bf16, ~30x slower than fp32."""
+    (Skylake to Ice Lake), where oneDNN emulates bf16, slower than fp32 (measured: see this section's top)."""
     if os.environ.get(HIDE_NATIVE_BF16_ENV, "") not in ("", "0"):
         return False, f"native bf16 hidden by {HIDE_NATIVE_BF16_ENV}=1"
     probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())
@@ -1234,8 +1241,8 @@ def detect_hardware(device="auto"):
                         bf16_feature="macOS 14+" if bf16 else "needs macOS 14+")
     if kind != "cpu":
         raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda, cuda:N or mps")
-    # CPU fp16 autocast is never treated as native: measured ~70x slower than fp32 here, on a CPU
-    # that even advertises avx512_fp16, because PyTorch's CPU convolutions have no fast fp16 path.
+    # CPU fp16 autocast is never treated as native: CPU_FP16_SLOWDOWN slower than fp32, even on a CPU
+    # that advertises avx512_fp16, because PyTorch's CPU convolutions have no fast fp16 path.
     bf16, feature = cpu_bf16_feature()
     return Hardware("cpu", "cpu", cpu_name(), None, bf16=bf16, fp16=False, bf16_feature=feature)
 
@@ -1277,8 +1284,8 @@ def missing_support(hw, amp_dtype):
         need = capability_text(AMPERE if amp_dtype == "bfloat16" else VOLTA)
         return f"needs compute capability >= {need}, {hw.device} has {capability_text(hw.capability)}"
     if hw.kind == "cpu" and amp_dtype == "float16":
-        # 188x slower measured on a Xeon that advertises AVX512-FP16 (issue 21); ~70x on another
-        return "has no fast CPU kernels (fp16 autocast runs 70-190x slower than fp32 there, even with AVX512-FP16)"
+        return (f"has no fast CPU kernels (fp16 autocast measured {CPU_FP16_SLOWDOWN} slower than fp32, even with "
+                f"AVX512-FP16)")
     return f"is not native on {hw.device} ({hw.bf16_feature})" if amp_dtype == "bfloat16" and hw.bf16_feature \
         else f"is not native on {hw.device}"
 
@@ -1378,7 +1385,7 @@ def banner(hw, prec, cfg, notes=(), layout=None):
 # ----------------------------------------------------------------------------------------------------
 # bf16 is kept only if its fastest layout beats fp32's by this factor: fp32 is the safer mode (no
 # autocast rounding), so a gain within the probe's noise is not worth it. Noise measured on a shared
-# 2-core Xeon (README "CPU probe"): the same mode probed 4 times differed by up to 7% (fp32 0.332-0.355
+# 2-core Xeon (BENCHMARKS.md "The CPU probe"): the same mode probed 4 times differed by up to 7% (fp32 0.332-0.355
 # s/step at the default run), the bf16/fp32 ratio by 4%; 1.15x is twice the worst spread.
 CPU_PROBE_BF16_MARGIN = 1.15
 
@@ -1387,7 +1394,7 @@ CPU_PROBE_BF16_MARGIN = 1.15
 CPU_PROBE_LAYOUT_MARGIN = 1.08
 
 # Timed steps per mode, after one untimed warm-up step each, in alternating rounds (alternate_timings;
-# the median of 3 shrugs off one disturbed step): 7 s, ~5% of the default run on 2 cores (README).
+# the median of 3 shrugs off one disturbed step): 7 s, ~5% of the default run on 2 cores (BENCHMARKS.md).
 CPU_PROBE_ROUNDS = 3
 
 CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label: (precision, NHWC),
@@ -2183,7 +2190,7 @@ def learnt_intensity_range(pairs, cfg):
     """scale_image's range for integer images wider than 8 bits: [min, max] over the training images
     (12-bit data in 16-bit files -> about [0, 4095]). Any gain and offset of the encoding drop out:
     12-bit, 16-bit and offset copies of one data set give the network the same values, those of an
-    8-bit copy that spans 0..255. Chosen by measurement (README "Bit depths"): on a camera-like copy
+    8-bit copy that spans 0..255. Chosen by measurement (BENCHMARKS.md "Bit depths"): on a camera-like copy
     with a dark offset, [min, max] trained to a 0.02 higher IoU than the range rounded out to whole bits
     (0..4095), and percentiles, which clip, did not beat it. None: no such images (8-bit and float
     files have their own rules) or all of one value. From the data check's cache: no decoding."""
@@ -2553,7 +2560,7 @@ def cache_bytes(pairs, cfg, sizes=None):
 class ResizedImages:
     """cache_images (fit mode): each image and mask decoded and resized once per run, then read back from
     a .npy file (DecodedImages), where decoding a large PNG or TIFF every epoch would cost the model's
-    CPU time (README "Data loading"). The result is the same to the bit: the resize draws no random
+    CPU time (BENCHMARKS.md "Data loading"). The result is the same to the bit: the resize draws no random
     numbers, so the augmentation that follows draws the same ones."""
 
     def __init__(self, cfg):
@@ -2689,7 +2696,7 @@ def worker_count(cfg, hw):
     return min(8, max(1, cores // 2))
 
 
-CPU_WORKERS = 1  # num_workers=None on a CPU with 2+ cores per process (measured: README, data loading)
+CPU_WORKERS = 1  # num_workers=None on a CPU with 2+ cores per process (measured: BENCHMARKS.md "Data loading")
 
 
 def loader_options(cfg, hw):
@@ -2704,7 +2711,7 @@ def loader_options(cfg, hw):
 def one_opencv_thread(worker_id):
     """In a DataLoader worker (PyTorch already gives each one torch thread): OpenCV would start a
     thread per core in every worker; on a CPU those take cores from the model's threads (measured:
-    1.76 ms of CPU time per augmented image with OpenCV's pool, 0.99 ms without; README "Data
+    1.76 ms of CPU time per augmented image with OpenCV's pool, 0.99 ms without; BENCHMARKS.md "Data
     loading"). 0 = run on the calling thread; setNumThreads(1) hangs in a worker forked from a
     process whose OpenCV pool had started."""
     cv2.setNumThreads(0)
@@ -2848,7 +2855,7 @@ class PatchDataset(SegDataset):
         """Image j scaled by patch_scale and its mask as memory maps (decoded once: DecodedImages), and
         its foreground index (found once per process). Each map holds a file descriptor, so only the
         open_limit images used last stay open (opening one again: 0.2-0.5 ms of a patch's ~1.4 ms on
-        1100x700 frames, README "Large images")."""
+        1100x700 frames, BENCHMARKS.md "Large images")."""
         if j in self.maps:
             self.maps[j] = self.maps.pop(j)  # the dict keeps use order: the least recent first
         else:
@@ -4413,8 +4420,9 @@ def skip_reason(name, base, hw):
 
 
 def probe_instead(name, base, hw):
-    """bf16 where it is not native: a short timed probe answers "how much slower?" (a full run would
-    take ~30x as long). Compiled runs are not probed: their first epoch is the compile."""
+    """bf16 where it is not native: a short timed probe answers "how much slower?" (a full run would take
+    2.3-33x as long as fp32's: measured, see III.3's note). Compiled runs are not probed: their first
+    epoch is the compile."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
     return (cfg["use_amp"] and cfg["amp_dtype"] == "bfloat16" and not hw.bf16 and not cfg["compile_model"]
             and hw.kind == "cpu")

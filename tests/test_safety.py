@@ -2,8 +2,8 @@
 
 Every failure here is real, not a mock of the guard: fp16 overflow from scaled-up weights, a NaN
 written into an input image, an inf gradient from a tensor hook. Runs are tiny (32x32 images,
-4 training images in batches of 2 = 2 optimizer steps per epoch) so fp16 autocast, ~70x slower
-than fp32 on a CPU, stays affordable, and so does bf16 on a CPU without native bf16: the runs force
+4 training images in batches of 2 = 2 optimizer steps per epoch) so fp16 autocast, many times slower
+than fp32 on a CPU (BENCHMARKS.md), stays affordable, and so does bf16 on a CPU without native bf16: the runs force
 the dtype they test (force_amp_dtype=True), and where a path depends on the hardware (fp16 -> bf16 or
 -> fp32), the hardware is faked both ways, so every path runs on every machine.
 """

@@ -1,4 +1,4 @@
-"""The bit-depth measurement's data (README "Bit depths"): one real labelled image at several depths.
+"""The bit-depth measurement's data (BENCHMARKS.md "Bit depths"): one real labelled image at several depths.
 
     pip download --no-deps stardist -d /tmp/sd && unzip -q /tmp/sd/stardist-*.whl -d /tmp/sd
     python tools/depth_sets.py /tmp/sd/stardist/data/images data/depths
