@@ -429,6 +429,7 @@ class Run:
     lr_schedule: dict | None = None      # the LR schedule's shape (extend_schedule), kept for resume
     logger: RunLogger = field(default_factory=lambda: RunLogger())  # TensorBoard (rank 0), or a no-op
     class_names: list | None = None      # for the per-class history columns
+    confusion: list | None = None        # the last validation's confusion matrix (counts, rows = true class)
     loss_fn: nn.Module | None = None     # SegLoss
 
     def __post_init__(self):
@@ -511,6 +512,7 @@ def run_epoch(run, epoch, train_loader, val_loader, hw, cfg):
     val_start = time.perf_counter()
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     validated = evaluate(run.eval_model, val_loader, run.loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
+    run.confusion = validated["confusion"]
     return history_row(run, epoch, trained, validated, time.perf_counter() - val_start, hw)
 
 
@@ -526,10 +528,12 @@ def finish_epoch(run, row, cfg):
         save_checkpoint(ckpt_dir / "last.pt", state)
         if improved:
             save_checkpoint(ckpt_dir / "best.pt", state)
+            save_confusion(ckpt_dir, run.confusion, run.class_names or [])
         write_history(ckpt_dir / "history.csv", run.history)
     print(epoch_summary(row, cfg, improved))
     warn_fp16_underflow(row)
     run.logger.log_epoch(row)
+    run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
 
 
 def epoch_summary(row, cfg, improved):
@@ -3231,7 +3235,8 @@ class SegMetric:
 
     def compute(self):
         # The rates in float64 on the host: the exact counts go there anyway, and MPS has no float64.
-        tp, fp, fn = (c.double() for c in self.with_counts(self.flat.cpu()).counts())
+        host = self.with_counts(self.flat.cpu())
+        tp, fp, fn = (c.double() for c in host.counts())
         union = tp + fp + fn
         iou = torch.where(union > 0, tp / union.clamp(min=1), torch.nan)
         dice = torch.where(union > 0, 2 * tp / (2 * tp + fp + fn).clamp(min=1), torch.nan)
@@ -3241,7 +3246,7 @@ class SegMetric:
         mean_iou = iou[present].mean().item() if present.any() else 1.0
         mean_dice = dice[present].mean().item() if present.any() else 1.0
         return {"iou": mean_iou, "dice": mean_dice, "per_class_iou": iou.tolist(),
-                "per_class_dice": dice.tolist()}
+                "per_class_dice": dice.tolist(), "confusion": host.matrix.tolist()}
 
 
 class EpochTally:
@@ -3330,6 +3335,51 @@ def per_class_table(row, names):
         lines.append(f"  {name:<{width}}  {cells}")
     lines.append(f"  {'mean':<{width}}  {row['val_iou']:.4f}  {row['val_dice']:.4f}")
     return "\n".join(lines)
+
+
+CONFUSION_FILES = ("confusion_matrix.csv", "confusion_counts.csv")  # normalised per true class; counts
+
+
+def save_confusion(ckpt_dir, counts, names):
+    """Multi-class runs, at the best epoch: the validation confusion matrix, rows = true class, columns =
+    predicted class, with class names: the share of each true class's pixels (CONFUSION_FILES[0]; a
+    class absent from the set has an empty row) and the pixel counts (CONFUSION_FILES[1])."""
+    if counts is None or len(names) < 2:
+        return
+    for name, values in zip(CONFUSION_FILES, (confusion_shares(counts), counts)):
+        rows = [["true \\ predicted", *names]] + [[true, *row] for true, row in zip(names, values)]
+        atomic_write(Path(ckpt_dir) / name, lambda tmp, rows=rows: write_csv_rows(tmp, rows))
+
+
+def confusion_shares(counts):
+    """Each row of a counts matrix divided by its sum (None where the true class has no pixels)."""
+    return [[c / sum(row) if sum(row) else None for c in row] for row in counts]
+
+
+def write_csv_rows(path, rows):
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+
+
+def confusion_figure(counts, names):
+    """The confusion matrix normalised per true class, as a matplotlib figure (TensorBoard, notebook)."""
+    from matplotlib.figure import Figure
+
+    shares = np.array([[math.nan if v is None else v for v in row] for row in confusion_shares(counts)])
+    size = 1.2 + 0.5 * len(names)
+    fig = Figure(figsize=(size + 1.5, size))
+    ax = fig.add_subplot()
+    image = ax.imshow(shares, vmin=0, vmax=1, cmap="Blues")
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    for (i, j), share in np.ndenumerate(shares):
+        if not math.isnan(share):
+            ax.text(j, i, f"{share:.2f}", ha="center", va="center", color="white" if share > 0.5 else "black")
+    fig.colorbar(image, ax=ax, label="share of the true class's pixels")
+    fig.tight_layout()
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -3787,7 +3837,8 @@ def write_json(path, data):
     atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2, default=str) + "\n"))
 
 
-RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard")  # what a run writes
+RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard",  # what a run writes
+             "confusion_matrix.csv", "confusion_counts.csv")
 
 
 def archive_previous_run(ckpt_dir, names=RUN_FILES):
@@ -3926,6 +3977,13 @@ class RunLogger:
         self.writer.add_text("precision", f"epoch {epoch}: {row['precision']}", epoch)
         if row.get("fallback"):
             self.writer.add_text("fallback", row["fallback"], epoch)
+        self.writer.flush()
+
+    def log_confusion(self, counts, names, epoch):
+        """Multi-class runs: the epoch's validation confusion matrix as a figure (confusion_figure)."""
+        if self.writer is None or counts is None or len(names) < 2:
+            return
+        self.writer.add_figure("class/confusion_matrix", confusion_figure(counts, names), epoch)
         self.writer.flush()
 
     def close(self):

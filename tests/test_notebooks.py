@@ -49,8 +49,9 @@ def tiny_run(tmp_path_factory):
 
 def test_run_notebook_plots_the_run_in_run_dir(tiny_run):
     outputs, text = execute("my_run.ipynb", {"RUN_DIR": str(tiny_run)})
-    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # curves, health, steps, predictions
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 5  # curves, health, steps, confusion, predictions
     assert f"run: {tiny_run}" in text and "2 epoch(s)" in text
+    assert "confusion matrix at epoch" in text and "3 classes" in text
     assert "precision per epoch: 1: fp32, 2: fp32" in text
     assert "optimizer steps logged" in text and f"model: {tiny_run / 'best.pt'}" in text
 
