@@ -4158,9 +4158,10 @@ def predict(opts):
 def load_model(checkpoint, hw):
     """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg)."""
     state = load_checkpoint(checkpoint)
-    # intensity_range: a checkpoint from before ranges were learnt trained on the dtype's range (None),
-    # whatever the edited CONFIG says now.
-    saved = {"intensity_range": None, **{k: v for k, v in state["config"].items() if k in CONFIG}}
+    # intensity_range, class_weights: a checkpoint from before them trained on the dtype's range and
+    # without weights (None), whatever the edited CONFIG says now.
+    saved = {"intensity_range": None, "class_weights": None,
+             **{k: v for k, v in state["config"].items() if k in CONFIG}}
     cfg = validate_config({**CONFIG, **saved})
     model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
     try:
