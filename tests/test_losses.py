@@ -11,6 +11,7 @@ import pytest
 import segmentation_models_pytorch as smp
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_unet
 from train_unet import IGNORE_INDEX, SegLoss, UserError
@@ -108,6 +109,53 @@ def test_focal_masks_ignored_pixels_exactly_as_smps_ignore_index(num_classes):
         assert ours / real > 0
 
 
+class RecordOps(TorchDispatchMode):
+    """Every aten op dispatched, with whether it took a boolean index (a data-dependent shape: on a GPU
+    the host waits for the device to learn it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.bool_indexed = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        flat = [a for arg in args for a in (arg if isinstance(arg, (list, tuple)) else [arg])]
+        if "index" in str(func) and any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in flat):
+            self.bool_indexed.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("num_classes", [1, 3])
+def test_no_term_but_lovasz_makes_the_host_wait_for_the_device(num_classes, monkeypatch):
+    """CE, Dice, Tversky and focal, weighted or not, run without boolean indexing (smp's focal with
+    ignore_index uses it), nonzero or a tensor->Python conversion; Lovasz (smp's, sorting every pixel)
+    does, which the README says."""
+    conversions = []
+
+    def counted(name, real):
+        def conversion(self, *args):
+            conversions.append(name)
+            return real(self, *args)
+        return conversion
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    logits, target = batch(num_classes)
+    weights = [0.5, 3.0, 1.5][:max(2, num_classes)]
+    for kind in ("ce+dice+tversky+focal", "lovasz"):
+        conversions.clear()
+        logits.requires_grad_()
+        with RecordOps() as seen:
+            SegLoss(num_classes, kind, weights)(logits, target).backward()
+        blocking = seen.bool_indexed + [op for op in seen.ops if "nonzero" in op or "masked_select" in op]
+        if kind == "lovasz":
+            assert blocking or conversions
+        else:
+            assert not blocking and not conversions, (blocking, conversions)
+    with RecordOps() as seen:  # the test sees what it must: smp's own ignore_index indexes by a mask
+        smp_term("focal", num_classes)(logits, target.unsqueeze(1) if num_classes == 1 else target)
+    assert seen.bool_indexed
+
+
 # ----------------------------------------------------------------------------------------------------
 # fp32 under any autocast: smp #463 (a Dice sum over 512^2 overflows fp16)
 # ----------------------------------------------------------------------------------------------------
@@ -176,14 +224,16 @@ def test_class_weights_weight_each_pixel_of_ce_by_its_class(num_classes):
     real = target != IGNORE_INDEX
     w = torch.tensor(weights)[target.clamp(max=max(1, num_classes - 1)) * real]  # each real pixel's weight
     if num_classes == 1:
-        per_pixel = nn.functional.binary_cross_entropy_with_logits(logits[:, 0], (target == 1).float(), reduction="none")
+        per_pixel = nn.functional.binary_cross_entropy_with_logits(logits[:, 0], (target == 1).float(),
+                                                                   reduction="none")
     else:
         per_pixel = nn.functional.cross_entropy(logits, target.clamp(max=2), reduction="none")
     expected = (w * per_pixel)[real].sum() / real.sum()  # weighted sum over the real pixels / their count
     torch.testing.assert_close(SegLoss(num_classes, "ce", weights)(logits, target), expected)
     for kind in LOSSES:  # equal weights are no weights, for every term
         ones = [1.0] * max(2, num_classes)
-        torch.testing.assert_close(SegLoss(num_classes, kind, ones)(logits, target), SegLoss(num_classes, kind)(logits, target))
+        torch.testing.assert_close(SegLoss(num_classes, kind, ones)(logits, target),
+                                   SegLoss(num_classes, kind)(logits, target))
 
 
 def write_masks(root, masks):
@@ -226,7 +276,8 @@ def test_class_weights_auto_is_the_inverse_class_frequency_of_the_training_masks
 
 
 def test_absent_classes_get_weight_one():
-    assert train_unet.inverse_frequency_weights([30, 0, 10]) == pytest.approx([1 / (2 * 0.75), 1.0, 1 / (2 * 0.25)], rel=1e-3)
+    expected = [1 / (2 * 0.75), 1.0, 1 / (2 * 0.25)]  # 2 classes present, with shares 75% and 25%
+    assert train_unet.inverse_frequency_weights([30, 0, 10]) == pytest.approx(expected, rel=1e-3)
 
 
 def test_the_data_check_records_mask_counts_and_rechecks_an_entry_without_them(make_cfg, data_dir):
