@@ -116,8 +116,8 @@ CONFIG = {
     "encoder_name": "resnet18",
     "encoder_weights": None,       # None = random init, fully offline; "imagenet" downloads weights
     "loss": "dice+ce",             # terms joined by +: ce (BCE when binary), dice, focal, lovasz, tversky
-    "class_weights": None,         # CE/focal weights: None, "auto" (median frequency of the training masks)
-                                   # or one per class ([background, foreground] when binary); in checkpoints
+    "class_weights": None,         # CE/focal weights: None, "auto" (inverse class frequency of the training
+                                   # masks) or one per class ([background, foreground] when binary); in checkpoints
     # optimisation
     "epochs": 10,
     "batch_size": 8,               # or "auto" (CUDA): the largest batch that fits, minus headroom
@@ -3133,8 +3133,9 @@ def focal_term(mode, class_weights, weights):
 
 class LovaszTerm(nn.Module):
     """smp's LovaszLoss, 0 for a batch of ignored pixels only (where smp's multi-class one returns an
-    empty tensor). It sorts every pixel's error and skips absent classes by a host check: unlike the
-    other terms, it syncs with a GPU (once per class per batch)."""
+    empty tensor). Unlike the other terms it makes the host wait for a GPU: it drops ignored pixels by
+    boolean indexing and (multi-class) skips absent classes by a host check, once per class per batch;
+    and it sorts every pixel's error."""
 
     def __init__(self, mode):
         super().__init__()
