@@ -115,7 +115,9 @@ CONFIG = {
     "arch": "Unet",                # any segmentation_models_pytorch architecture
     "encoder_name": "resnet18",
     "encoder_weights": None,       # None = random init, fully offline; "imagenet" downloads weights
-    "loss": "dice+ce",             # "dice+ce", "ce" (BCE when binary) or "dice"
+    "loss": "dice+ce",             # terms joined by +: ce (BCE when binary), dice, focal, lovasz, tversky
+    "class_weights": None,         # CE/focal weights: None, "auto" (inverse class frequency of the training
+                                   # masks) or one per class ([background, foreground] when binary); in checkpoints
     # optimisation
     "epochs": 10,
     "batch_size": 8,               # or "auto" (CUDA): the largest batch that fits, minus headroom
@@ -278,9 +280,10 @@ def set_up_training(cfg, explicit):
     hw, prec, notes = setup_precision(cfg, state)
     notes.insert(0, preset_line and ("preset", preset_line))
     seed_everything(cfg["seed"])
-    # 3. The data: checked and split; its intensity range (saved with the model) and class names.
+    # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
-    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs)}
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs),
+           "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
     # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
     cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
@@ -290,7 +293,7 @@ def set_up_training(cfg, explicit):
     steps_per_epoch = optimizer_steps_per_epoch(len(loaders[0]), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
     run.class_names, run.logger = class_names, RunLogger.create(cfg)
-    run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"])
+    run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
     # 6. Say what was decided, and why.
     print(banner(hw, run.prec, cfg, notes, layout))
     announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch),
@@ -305,7 +308,7 @@ def resume_state(cfg, ckpt_dir):
                         f"checkpoint_dir to the run you want to continue")
     state = load_checkpoint(path)
     for key in RESUME_KEYS:
-        if key in AUTO_KEYS and cfg[key] == "auto":  # resolved from the checkpoint (resolve_batch_size)
+        if key in AUTO_KEYS and cfg[key] == "auto":  # from the checkpoint (resolve_batch_size, run_class_weights)
             continue
         if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
             raise UserError(f"cannot resume exactly: {path} was trained with {key}="
@@ -601,14 +604,14 @@ def to_device(x, y, hw, channels_last):
 
 def forward_backward(run, x, y, hw, group_len, group_valid=None):
     """Forward under autocast, fp32 loss outside it, backward (scaled for fp16) of the group's share:
-    CE summed here / the group's real pixels (`group_valid`, accumulation_groups), Dice / group size;
-    group_valid=None: the group is this one micro-batch, whose share is its own loss.
-    Returns (logits, this micro-batch's own loss)."""
+    per-pixel terms (CE, focal) summed here / the group's real pixels (`group_valid`,
+    accumulation_groups), region terms (Dice, Tversky, Lovasz) / group size; group_valid=None: the
+    group is this one micro-batch, whose share is its own loss. Returns (logits, this micro-batch's own loss)."""
     with torch.autocast(hw.kind, dtype=run.prec.dtype, enabled=run.prec.amp):
         logits = run.run_model(x)
-    ce_sum, dice = run.loss_fn.parts(logits, y)
-    loss = ce_sum / valid_pixels(y).clamp(min=1) + dice
-    share = loss if group_valid is None else ce_sum / group_valid + dice / group_len
+    pixel_sum, region = run.loss_fn.parts(logits, y)
+    loss = pixel_sum / valid_pixels(y).clamp(min=1) + region
+    share = loss if group_valid is None else pixel_sum / group_valid + region / group_len
     (run.scaler.scale(share) if run.scaler is not None else share).backward()
     return logits, loss
 
@@ -763,7 +766,6 @@ CHOICES = {
     "amp_dtype": ("auto", "bfloat16", "float16"),
     "tf32_matmul_precision": (None, "highest", "high", "medium"),
     "channels_last": ("auto", True, False),
-    "loss": ("dice+ce", "ce", "dice"),
     "in_channels": (1, 3),
     "preset": (None, "", "fast", "stable", "low_memory", "debug"),
     "logger": ("auto", "tensorboard", "csv", "none"),
@@ -776,7 +778,7 @@ NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
     "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
     "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
-    "intensity_range": list,
+    "intensity_range": list, "class_weights": list,
 }
 
 
@@ -788,13 +790,13 @@ MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 
 # ... and those that define the data and the optimisation: a resume continues exactly only if they
 # are unchanged (epochs may grow; precision, speed and output settings may change).
-RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "batch_size",
-                            "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "seed",
-                            "data_mode", "patch_scale", "patch_foreground", "patches_per_image")
+RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "class_weights",
+                            "batch_size", "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction",
+                            "seed", "data_mode", "patch_scale", "patch_foreground", "patches_per_image")
 
 
 # Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
-AUTO_KEYS = ("batch_size",)
+AUTO_KEYS = ("batch_size", "class_weights")
 
 
 def parse_value(key, text, default):
@@ -877,8 +879,11 @@ def check_types(cfg, defaults):
               isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
               if kind is float else isinstance(value, kind) and not isinstance(value, bool))
         if not ok:
-            none = " or None" if key in NONE_DEFAULT_TYPES or defaults[key] is None else ""
-            raise UserError(f"{key}={value!r} must be a {names.get(kind, kind.__name__)}{none}")
+            alternatives = [names.get(kind, kind.__name__)] + ["auto"] * (key in AUTO_KEYS and defaults is CONFIG) \
+                + ["None"] * (key in NONE_DEFAULT_TYPES or defaults[key] is None)
+            allowed = " or ".join([", ".join(alternatives[:-1]), alternatives[-1]] if len(alternatives) > 1
+                                  else alternatives)
+            raise UserError(f"{key}={value!r} must be a {allowed}")
 
 
 def validate_config(cfg):
@@ -941,6 +946,12 @@ def value_rules(cfg):
          "must be >= 1, or None for as many as tile each image once"),
         ("intensity_range", cfg["intensity_range"] is None or valid_range(cfg["intensity_range"]),
          "must be [low, high] with low < high (the values mapped to 0 and 1), or None to learn it"),
+        ("loss", loss_terms(cfg["loss"]) is not None,
+         f"is not allowed: use terms from {', '.join(LOSS_TERMS)}, each once, joined by +, e.g. focal+dice"),
+        ("class_weights", valid_class_weights(cfg["class_weights"], cfg["num_classes"]),
+         f"must be None, auto, or {max(2, cfg['num_classes'])} weights >= 0, one per class"
+         f"{' [background, foreground]' if cfg['num_classes'] == 1 else ''}, not all 0, e.g. "
+         f"class_weights={','.join(['1'] + ['5'] * max(1, cfg['num_classes'] - 1))}"),
         *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
         ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // MODEL_STRIDE) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
@@ -965,6 +976,15 @@ def valid_range(value):
         return False
     with np.errstate(over="ignore"):  # scale_image divides by high - low in float32: it must be finite
         return bool(np.isfinite(np.float32(value[1]) - np.float32(value[0])))
+
+
+def valid_class_weights(weights, num_classes):
+    """None, "auto", or one finite weight >= 0 per class (binary: 2), not all 0."""
+    if weights is None or weights == "auto":
+        return True
+    return (isinstance(weights, list) and len(weights) == max(2, num_classes)
+            and all(isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w < math.inf for w in weights)
+            and sum(weights) > 0)
 
 
 def valid_device(device):
@@ -2114,7 +2134,8 @@ def mask_hint(path, dtype, values):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 3  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts)
+CHECK_CACHE_VERSION = 4  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+                         # 4: masks' pixel count per value (class_pixel_counts)
 
 
 def check_pairs(pairs, cfg):
@@ -2156,7 +2177,9 @@ def checked_facts(paths, cfg, write, share=False):
     def check(path):
         if path in masks:
             mask = decode_mask(path)
-            return {"hw": list(mask.shape[:2]), "values": np.unique(mask).tolist(), "dtype": str(mask.dtype)}
+            values, counts = np.unique(mask, return_counts=True)
+            return {"hw": list(mask.shape[:2]), "values": values.tolist(), "counts": counts.tolist(),
+                    "dtype": str(mask.dtype)}
         return image_facts(path, cfg["in_channels"])
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
         for path, found in zip(todo, pool.map(check, todo)):
@@ -2207,6 +2230,21 @@ def learnt_intensity_range(pairs, cfg):
     return [low, high] if high > low else None
 
 
+def class_pixel_counts(pairs, cfg):
+    """Pixels of each class in the training masks, void left out (binary: [background, foreground]):
+    class_weights=auto's frequencies. From the data check's facts: no decoding."""
+    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    counts = np.zeros(max(2, cfg["num_classes"]), np.int64)
+    for _, mask in pairs:
+        entry = facts[os.path.abspath(mask)]
+        for value, n in zip(entry["values"], entry["counts"]):
+            if cfg["num_classes"] == 1:
+                counts[int(value > 0)] += n  # 0/1 or 0/255
+            elif value != IGNORE_INDEX:
+                counts[int(value)] += n
+    return counts
+
+
 def file_stamp(path):
     """What tells a file's present state from the one checked: size and mtime, which copies that keep
     times (cp -p, rsync -a, tar) carry over, and ctime, which every write, copy, rename and os.utime
@@ -2243,8 +2281,10 @@ def entry_valid(entry, mask):
         span = entry.get("range")
         return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
                                 and span[0] <= span[1])
-    values = entry.get("values")
-    return isinstance(values, list) and bool(values) and all(isinstance(v, (int, float)) for v in values)
+    values, counts = entry.get("values"), entry.get("counts")
+    return (isinstance(values, list) and bool(values) and all(isinstance(v, (int, float)) for v in values)
+            and isinstance(counts, list) and len(counts) == len(values)
+            and all(isinstance(n, int) and n > 0 for n in counts))
 
 
 def valid_dtype(name):
@@ -3008,38 +3048,150 @@ def build_model(cfg):
                         f"{cfg['encoder_weights']!r}): {str(exc)[:200]}") from None
 
 
-class SegLoss(nn.Module):
-    """Cross-entropy (BCE for binary) + Dice from smp, always evaluated in fp32; padding ignored."""
+# The loss terms (loss="focal+dice", ...): smp's own implementations, summed with equal weights.
+LOSS_TERMS = ("ce", "dice", "focal", "lovasz", "tversky")
+FOCAL_GAMMA = 2.0                       # smp's default, Lin et al. 2017: well-classified pixels count less
+TVERSKY_ALPHA, TVERSKY_BETA = 0.3, 0.7  # false positives, false negatives (Salehi et al. 2017): missed
+                                        # foreground costs more; 0.5/0.5 would be Dice
+SURE_LOGIT = 1e4  # focal: an ignored pixel becomes a certain, correct prediction, which focal scores as 0
 
-    def __init__(self, num_classes, kind="dice+ce"):
+
+def loss_terms(text):
+    """'focal+dice' -> ('focal', 'dice'); None unless it is LOSS_TERMS joined by +, each at most once."""
+    terms = tuple(t.strip().lower() for t in text.split("+")) if isinstance(text, str) else ()
+    return terms if terms and set(terms) <= set(LOSS_TERMS) and len(set(terms)) == len(terms) else None
+
+
+class SegLoss(nn.Module):
+    """The loss's terms from smp (CE is torch's), summed; always evaluated in fp32 with autocast off, and
+    with padding and void (IGNORE_INDEX) ignored by every term. Per-pixel terms (CE, focal) are summed
+    over the real pixels, region terms (Dice, Tversky, Lovasz) are batch means: parts() keeps the two
+    apart, since accumulation divides them differently (forward_backward). class_weights (a list, one
+    per class; binary: [background, foreground]) weight the CE and focal terms only."""
+
+    def __init__(self, num_classes, kind="dice+ce", class_weights=None, device=None):
         super().__init__()
         import segmentation_models_pytorch as smp
 
+        terms = loss_terms(kind)
+        assert terms is not None and class_weights != "auto", (kind, class_weights)  # validated, resolved before
         self.binary = num_classes == 1
         mode = "binary" if self.binary else "multiclass"
-        self.dice = smp.losses.DiceLoss(mode, from_logits=True, ignore_index=IGNORE_INDEX) \
-            if "dice" in kind else None
-        self.ce = "ce" in kind
+        self.weights = None if class_weights is None else torch.tensor(
+            class_weights, dtype=torch.float32, device=device)  # on the device: no copy per step
+        self.ce = "ce" in terms
+        self.focal, self.focal_scale = (focal_term(mode, class_weights, self.weights) if "focal" in terms
+                                        else (None, None))
+        region = {"dice": lambda: smp.losses.DiceLoss(mode, from_logits=True, ignore_index=IGNORE_INDEX),
+                  "tversky": lambda: smp.losses.TverskyLoss(mode, from_logits=True, ignore_index=IGNORE_INDEX,
+                                                            alpha=TVERSKY_ALPHA, beta=TVERSKY_BETA),
+                  "lovasz": lambda: LovaszTerm(mode)}
+        self.region = nn.ModuleList(region[t]() for t in terms if t in region)
 
     def forward(self, logits, target):
-        """CE averaged over this batch's real (not ignored) pixels, plus Dice."""
-        ce_sum, dice = self.parts(logits, target)
-        return ce_sum / valid_pixels(target).clamp(min=1) + dice
+        """The batch's loss: per-pixel terms averaged over its real (not ignored) pixels, plus region terms."""
+        pixel_sum, region = self.parts(logits, target)
+        return pixel_sum / valid_pixels(target).clamp(min=1) + region
 
     def parts(self, logits, target):
-        """(CE summed over the real pixels, Dice): accumulation divides the sum by its group's count."""
-        logits = logits.float()
-        ce_sum = dice = logits.new_zeros(())
-        if self.ce and self.binary:
-            valid = (target != IGNORE_INDEX).unsqueeze(1).float()
-            bce = nn.functional.binary_cross_entropy_with_logits(
-                logits, (target.unsqueeze(1) == 1).float(), reduction="none")
-            ce_sum = (bce * valid).sum()
-        elif self.ce:
-            ce_sum = nn.functional.cross_entropy(logits, target, ignore_index=IGNORE_INDEX, reduction="sum")
-        if self.dice is not None:
-            dice = self.dice(logits, target.unsqueeze(1) if self.binary else target)
-        return ce_sum, dice
+        """(per-pixel terms summed over the real pixels, region terms' batch means), both in fp32:
+        accumulation divides the sum by its group's real pixels and the means by the group's size."""
+        with torch.autocast(logits.device.type, enabled=False):  # smp #463: a Dice sum over 512^2 in fp16
+            logits = logits.float()
+            pixel = [self.ce_sum(logits, target)] if self.ce else []
+            if self.focal is not None:
+                pixel.append(self.focal_sum(logits, target))
+            y = target.unsqueeze(1) if self.binary else target
+            region = [term(logits, y) for term in self.region]
+            return total(pixel, logits), total(region, logits)
+
+    def ce_sum(self, logits, target):
+        """Cross-entropy (binary: BCE) summed over the real pixels, each weighted by its class's weight."""
+        if not self.binary:
+            return nn.functional.cross_entropy(logits, target, weight=self.weights, ignore_index=IGNORE_INDEX,
+                                               reduction="sum")
+        weight = (target != IGNORE_INDEX).unsqueeze(1).float()
+        if self.weights is not None:
+            weight = weight * self.weights[(target == 1).long()].unsqueeze(1)
+        return nn.functional.binary_cross_entropy_with_logits(logits, (target.unsqueeze(1) == 1).float(), weight,
+                                                              reduction="sum")
+
+    def focal_sum(self, logits, target):
+        """smp's focal loss summed over the real pixels. smp's own ignore_index drops ignored pixels by
+        boolean indexing, a device sync per class on a GPU; here they become class 0, predicted with
+        certainty (SURE_LOGIT), which the focal term scores as exactly 0, with zero gradient."""
+        real = target != IGNORE_INDEX
+        sure = logits.new_full((logits.shape[1],), -SURE_LOGIT)
+        if not self.binary:
+            sure[0] = SURE_LOGIT  # one-vs-rest per class: class 0 certain, every other class certainly not
+        loss = self.focal(torch.where(real.unsqueeze(1), logits, sure.view(1, -1, 1, 1)), torch.where(real, target, 0))
+        return loss if self.focal_scale is None else loss * self.focal_scale
+
+
+def focal_term(mode, class_weights, weights):
+    """(smp's FocalLoss summed over the pixels, a factor for it or None). Class weights: multi-class,
+    smp's class_weights (the per-class one-vs-rest terms' weighted mean); binary, where smp takes none,
+    its alpha = w_fg / (w_bg + w_fg) times (w_bg + w_fg): each pixel weighted by its class's weight, as
+    in the binary CE. Equal weights are no weights in both."""
+    import segmentation_models_pytorch as smp
+
+    if class_weights is None or mode == "multiclass":
+        return smp.losses.FocalLoss(mode, gamma=FOCAL_GAMMA, reduction="sum", class_weights=weights), None
+    background, foreground = class_weights
+    alpha = foreground / (background + foreground)
+    return smp.losses.FocalLoss(mode, alpha=alpha, gamma=FOCAL_GAMMA, reduction="sum"), background + foreground
+
+
+class LovaszTerm(nn.Module):
+    """smp's LovaszLoss, 0 for a batch of ignored pixels only (where smp's multi-class one returns an
+    empty tensor). Unlike the other terms it makes the host wait for a GPU: it drops ignored pixels by
+    boolean indexing and (multi-class) skips absent classes by a host check, once per class per batch;
+    and it sorts every pixel's error."""
+
+    def __init__(self, mode):
+        super().__init__()
+        import segmentation_models_pytorch as smp
+
+        self.loss = smp.losses.LovaszLoss(mode, ignore_index=IGNORE_INDEX)
+
+    def forward(self, logits, target):
+        return self.loss(logits, target).sum()
+
+
+def total(values, like):
+    """The sum of a list of scalar tensors; 0 for none."""
+    return functools.reduce(torch.add, values) if values else like.new_zeros(())
+
+
+def run_class_weights(cfg, state, train_pairs, notes):
+    """class_weights as this run uses them, saved with its config: "auto" is a resumed run's list, else
+    inverse_frequency_weights of the training masks' pixels (class_pixel_counts)."""
+    if cfg["class_weights"] != "auto":
+        return cfg["class_weights"]
+    if state is not None:
+        saved = state["config"].get("class_weights")
+        if saved is None:
+            raise UserError("cannot resume exactly: the run was trained without class_weights, this run has "
+                            "class_weights=auto: resume with class_weights=None, or start a new run in another "
+                            "checkpoint_dir")
+        return saved
+    counts = class_pixel_counts(train_pairs, cfg)
+    weights = inverse_frequency_weights(counts)
+    shares = " / ".join(f"{n / max(1, counts.sum()):.1%}" for n in counts)
+    notes.append(("loss", f"{cfg['loss']}; class_weights=auto -> {weights} (inverse class frequency, mean pixel "
+                          f"weight 1; the training masks' classes: {shares})"))
+    return weights
+
+
+def inverse_frequency_weights(counts):
+    """class_weights=auto: w_c = 1 / (K f_c) for the K classes present with pixel shares f_c, absent
+    classes 1. The ratios are median-frequency balancing's (SegNet); this scale makes the average
+    training pixel weigh 1, so the weighted CE keeps the unweighted one's size next to the region terms
+    and under the same learning rate (median frequency shrinks it as classes are added: x0.15 for
+    shares 90/5/5%). Binary: both rules give 0.5 / f_c. Rounded to 4 significant digits."""
+    shares = np.asarray(counts, np.float64) / max(1, int(np.sum(counts)))
+    present = int(np.count_nonzero(shares))
+    return [float(f"{1 / (present * f):.4g}") if f > 0 else 1.0 for f in shares]
 
 
 def valid_pixels(target):
@@ -4072,9 +4224,10 @@ def predict(opts):
 def load_model(checkpoint, hw):
     """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg)."""
     state = load_checkpoint(checkpoint)
-    # intensity_range: a checkpoint from before ranges were learnt trained on the dtype's range (None),
-    # whatever the edited CONFIG says now.
-    saved = {"intensity_range": None, **{k: v for k, v in state["config"].items() if k in CONFIG}}
+    # intensity_range, class_weights: a checkpoint from before them trained on the dtype's range and
+    # without weights (None), whatever the edited CONFIG says now.
+    saved = {"intensity_range": None, "class_weights": None,
+             **{k: v for k, v in state["config"].items() if k in CONFIG}}
     cfg = validate_config({**CONFIG, **saved})
     model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
     try:
