@@ -1715,6 +1715,24 @@ def prepare_data(cfg):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
         write_embedded_dataset(root)
     barrier()  # the other ranks wait until rank 0 has written it
+    train, val = split_pairs(cfg)
+    check_pairs(train + val, cfg)
+    samples = training_samples(train, cfg)
+    if samples // DIST.world < cfg["batch_size"]:
+        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
+            f"{samples} patch(es) per epoch from {len(train)} image(s)"
+        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
+        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
+        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
+                        f"lower batch_size or {more}")
+    return train, val
+
+
+def split_pairs(cfg):
+    """(train_pairs, val_pairs) of data_dir: its train/ and val/ folders, else a seeded val_fraction
+    split; the first max_train_images of train. Files are matched, not read (export finds the val
+    images here too)."""
+    root = Path(cfg["data_dir"])
     if not root.is_dir():
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
                         f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
@@ -1734,15 +1752,6 @@ def prepare_data(cfg):
         val = [pairs[i] for i in sorted(order[:n_val])]
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
-    check_pairs(train + val, cfg)
-    samples = training_samples(train, cfg)
-    if samples // DIST.world < cfg["batch_size"]:
-        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
-            f"{samples} patch(es) per epoch from {len(train)} image(s)"
-        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
-        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
-        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
-                        f"lower batch_size or {more}")
     return train, val
 
 
