@@ -5,6 +5,8 @@ unet-amp: train a U-Net segmentation model with mixed precision done right.
     python train_unet.py batch_size=2 epochs=3        # override any CONFIG key
     python train_unet.py resume=True epochs=20        # continue checkpoints/last.pt exactly
     python train_unet.py predict checkpoint=checkpoints/best.pt input=photos/ output=masks/
+    python train_unet.py export checkpoint=checkpoints/best.pt  # model.onnx + model.json, checked in onnxruntime
+    python train_unet.py predict backend=onnxruntime checkpoint=model.onnx input=photos/ output=masks/
     python train_unet.py benchmark                    # FP32 vs BF16 (and more), one process each
     torchrun --nproc_per_node=8 train_unet.py         # several GPUs
 
@@ -36,6 +38,7 @@ section header below; tests/test_layout.py keeps this list and the headers the s
       IV.1 Predict
       IV.2 batch_size=auto
       IV.3 Benchmark
+      IV.4 Export
 
 The script imports cleanly as a module; tests, tools and the notebooks use its functions.
 """
@@ -48,6 +51,7 @@ import datetime
 import difflib
 import errno
 import functools
+import hashlib
 import itertools
 import json
 import math
@@ -215,7 +219,7 @@ def main(argv=None):
 
 
 def run_command(command, args):
-    """train, predict or benchmark: the exit code."""
+    """train, predict, benchmark or export: the exit code."""
     if command == "train":
         train_main(parse_overrides(args), explicit_keys(args))
         return 0
@@ -224,7 +228,10 @@ def run_command(command, args):
     if command == "benchmark":
         rows = run_benchmark(args)["rows"]
         return 1 if any(r["status"].startswith("failed") for r in rows) else 0
-    raise UserError(f"unknown command {command!r}: use train (the default), predict or benchmark, "
+    if command == "export":
+        export(parse_overrides(args, defaults=EXPORT_CONFIG))
+        return 0
+    raise UserError(f"unknown command {command!r}: use train (the default), predict, benchmark or export, "
                     f"followed by key=value settings")
 
 
@@ -886,8 +893,9 @@ def check_types(cfg, defaults):
             raise UserError(f"{key}={value!r} must be a {allowed}")
 
 
-def validate_config(cfg):
-    """Stop early, with a one-line message, on values that cannot be right."""
+def validate_config(cfg, model_names=True):
+    """Stop early, with a one-line message, on values that cannot be right. model_names=False leaves out
+    the check of arch and encoder_name against smp's lists (an exported model runs without smp)."""
     for key in cfg:
         check_known_key(key)
     cfg = {**CONFIG, **cfg}
@@ -900,7 +908,8 @@ def validate_config(cfg):
     for key, ok, rule in value_rules(cfg):
         if not ok:
             raise UserError(f"{key}={cfg[key]!r} {rule}")
-    check_model_names(cfg)
+    if model_names:
+        check_model_names(cfg)
     return cfg
 
 
@@ -1735,6 +1744,24 @@ def prepare_data(cfg):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
         write_embedded_dataset(root)
     barrier()  # the other ranks wait until rank 0 has written it
+    train, val = split_pairs(cfg)
+    check_pairs(train + val, cfg)
+    samples = training_samples(train, cfg)
+    if samples // DIST.world < cfg["batch_size"]:
+        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
+            f"{samples} patch(es) per epoch from {len(train)} image(s)"
+        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
+        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
+        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
+                        f"lower batch_size or {more}")
+    return train, val
+
+
+def split_pairs(cfg):
+    """(train_pairs, val_pairs) of data_dir: its train/ and val/ folders, else a seeded val_fraction
+    split; the first max_train_images of train. Files are matched, not read (export finds the val
+    images here too)."""
+    root = Path(cfg["data_dir"])
     if not root.is_dir():
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
                         f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
@@ -1754,15 +1781,6 @@ def prepare_data(cfg):
         val = [pairs[i] for i in sorted(order[:n_val])]
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
-    check_pairs(train + val, cfg)
-    samples = training_samples(train, cfg)
-    if samples // DIST.world < cfg["batch_size"]:
-        what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
-            f"{samples} patch(es) per epoch from {len(train)} image(s)"
-        per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
-        more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
-        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
-                        f"lower batch_size or {more}")
     return train, val
 
 
@@ -4167,7 +4185,12 @@ PREDICT_CONFIG = {
     "progress": True,
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
+    "backend": "torch",             # "torch" | "onnxruntime": checkpoint= an exported model.onnx (`export`)
 }
+
+# What runs the model: the checkpoint's torch module, or an exported model in onnxruntime (IV.4) with the
+# settings it fixes: its fp32 graph (torch's autocast and the CPU probe time torch), the contiguous layout.
+PREDICT_BACKENDS = {"torch": {}, "onnxruntime": {"use_amp": False, "cpu_probe": False, "channels_last": False}}
 
 
 def predict(opts):
@@ -4175,7 +4198,7 @@ def predict(opts):
     opts = validate_predict({**PREDICT_CONFIG, **opts})
     hw = detect_hardware(opts["device"])
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
-    model, cfg = load_model(opts["checkpoint"], hw)
+    model, cfg = load_predictor(opts, hw)
     tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
@@ -4219,6 +4242,17 @@ def predict(opts):
         print(f"  failed: {reason}")
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir)}
+
+
+def load_predictor(opts, hw):
+    """(model, cfg) for predict's backend: the torch module of a checkpoint, or an exported model in
+    onnxruntime (load_exported, IV.4), called alike by the same predict code."""
+    if opts["backend"] == "onnxruntime":
+        return load_exported(opts["checkpoint"], hw)
+    if Path(opts["checkpoint"]).suffix.lower() in (".onnx", ".json"):
+        raise UserError(f"checkpoint={opts['checkpoint']} is an exported model: add backend=onnxruntime, or "
+                        f"give the PyTorch checkpoint (.pt) it was exported from")
+    return load_model(opts["checkpoint"], hw)
 
 
 def load_model(checkpoint, hw):
@@ -4332,7 +4366,9 @@ def validate_predict(opts):
     for key, (ok, rule) in TILE_RULES.items():
         if opts[key] is not None and not ok(opts[key]):
             raise UserError(f"{key}={opts[key]!r} {rule}")
-    return opts
+    if opts["backend"] not in PREDICT_BACKENDS:
+        raise UserError(f"backend={opts['backend']!r} is not allowed: use one of {', '.join(PREDICT_BACKENDS)}")
+    return {**opts, **PREDICT_BACKENDS[opts["backend"]]}
 
 
 def output_paths(paths, out_dir):
@@ -4385,10 +4421,10 @@ def save_prediction(path, image, done):
 def predict_setting(cfg, opts):
     """The checkpoint's cfg as predict runs it: its batch of images, or of tiles in patch mode, layout
     "auto" (the checkpoint's layout was a speed choice of the machine that trained it), predict's
-    precision options."""
+    precision options and what its backend fixes (PREDICT_BACKENDS)."""
     batch = cfg["tile_batch_size"] if cfg["data_mode"] == "patch" else opts["batch_size"]
     return {**cfg, "channels_last": "auto", "batch_size": batch,
-            **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe") if k in opts}}
+            **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe", "channels_last") if k in opts}}
 
 
 def predict_modes(cfg, opts, hw, prec, notes, images=None):
@@ -4813,6 +4849,267 @@ def write_rows_csv(path, rows):
         writer = csv.DictWriter(f, fieldnames=BENCHMARK_FIELDS, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+# ----------------------------------------------------------------------------------------------------
+# IV.4 Export: the model as ONNX, what predict needs beside it in a sidecar JSON, checked in onnxruntime.
+# ----------------------------------------------------------------------------------------------------
+EXPORT_CONFIG = {
+    "checkpoint": "checkpoints/best.pt",
+    "output": "model.onnx",         # the ONNX file; its sidecar is <name>.json beside it. A folder: <folder>/model.onnx
+}
+
+ONNX_OPSET = 17  # opset of the graph: run by onnxruntime >= 1.14, TensorRT >= 8.6, OpenVINO >= 2023.0
+
+EXPORT_FORMAT = ("unet-amp export", 1)  # the sidecar's "format" and "version": predict reads these (or older)
+
+# The run's config keys the sidecar carries: all that predict reads to prepare, tile and decide.
+EXPORT_KEYS = ("arch", "encoder_name", "in_channels", "num_classes", "image_size", "intensity_range",
+               "data_mode", "patch_scale", "tile_overlap", "tile_batch_size")
+
+CHECK_IMAGES = 4                 # the export check's batch: the run's first val images (else synthetic)
+CHECK_SIZES = ((3, 5), (7, 2))   # its odd sizes in MODEL_STRIDE units (96x160, 224x64), beside image_size²
+
+# The check's tolerance, fp32 on both sides: |onnxruntime - PyTorch| <= ATOL + RTOL * max |PyTorch logit|.
+# Two correct fp32 runs differ by rounding (other convolution algorithms, other summation orders): about
+# 1e-5 on Unet/resnet18. A wrong export (a weight lost, a size-dependent step traced as a constant)
+# differs by 0.1 to 1. The bound sits two orders of magnitude from each.
+LOGIT_ATOL = 1e-3
+LOGIT_RTOL = 1e-4
+
+
+def export(opts):
+    """The `export` command: a checkpoint -> <output>.onnx and its sidecar <output>.json, written only
+    if onnxruntime's logits match PyTorch's (check_export). Returns {'onnx', 'sidecar', 'check'}."""
+    check_types(opts, EXPORT_CONFIG)
+    onnx_modules("onnxruntime", "onnx")
+    hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides
+    model, cfg = load_model(opts["checkpoint"], hw)
+    path = Path(opts["output"]) if opts["output"].lower().endswith(".onnx") else Path(opts["output"]) / "model.onnx"
+    check_writable(path.parent)
+    print(f"export: {opts['checkpoint']} ({cfg['arch']}/{cfg['encoder_name']}, {cfg['in_channels']} channel(s), "
+          f"{cfg['num_classes']} class(es), data_mode={cfg['data_mode']}) -> {path}: fp32, opset {ONNX_OPSET}, "
+          f"dynamic batch, height and width (multiples of {MODEL_STRIDE})")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        export_onnx(model, cfg, tmp)
+        check = check_export(model, onnx_session(tmp, hw), cfg)
+        write_json(path.with_suffix(".json"), sidecar(cfg, tmp, path.name, opts["checkpoint"], check))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {path} ({size_text(path.stat().st_size)}) and {path.with_suffix('.json')}; predict with it: "
+          f"python train_unet.py predict backend=onnxruntime checkpoint={path} input=...")
+    return {"onnx": path, "sidecar": path.with_suffix(".json"), "check": check}
+
+
+def onnx_modules(*names):
+    """onnxruntime (and onnx): imported here only, so training never needs them."""
+    import importlib
+
+    try:
+        return [importlib.import_module(name) for name in names]
+    except ImportError:
+        raise UserError(f"{' and '.join(names)} not installed (export and backend=onnxruntime need them, "
+                        f"training does not): pip install onnxruntime onnx") from None
+
+
+def export_onnx(model, cfg, path):
+    """torch.onnx's TorchScript exporter (dynamo=False), fp32: it traces Unet at image_size and marks
+    batch, height and width dynamic (any multiple of MODEL_STRIDE runs). Where it cannot export an
+    architecture it says so here; where it traces one wrongly, check_export says so."""
+    import onnx
+
+    x = torch.zeros(2, cfg["in_channels"], cfg["image_size"], cfg["image_size"])
+    dims = {0: "batch", 2: "height", 3: "width"}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its deprecation notice and tracer warnings: the check judges
+            torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=ONNX_OPSET,
+                              input_names=["image"], output_names=["logits"],
+                              dynamic_axes={"image": dims, "logits": dims})
+        onnx.checker.check_model(str(path), full_check=True)  # valid ONNX for other runtimes too
+    except Exception as exc:  # the exporter's and the checker's errors share no base class
+        raise UserError(f"torch.onnx cannot export arch={cfg['arch']} with encoder {cfg['encoder_name']} for "
+                        f"any height and width ({type(exc).__name__}: {first_line(exc)}): Unet, UnetPlusPlus, "
+                        f"FPN, Linknet, MAnet, DeepLabV3(Plus) and Segformer export") from None
+
+
+@torch.inference_mode()
+def check_export(model, session, cfg):
+    """The exported model in onnxruntime against the checkpoint's in PyTorch, both fp32 on the CPU, on
+    check_batches: the max |logit difference| and the share of pixels whose mask agrees. Raises a
+    UserError past the tolerance (LOGIT_ATOL, LOGIT_RTOL); NaN fails too."""
+    batches, source = check_batches(cfg)
+    exported, diffs, scale, same, pixels = OnnxModel(session), [], 0.0, 0, 0
+    for x in batches:
+        want = model(x).float()
+        try:
+            got = exported(x)
+        except Exception as exc:  # onnxruntime's run errors (InvalidArgument, Fail, ...) share no base class
+            raise UserError(f"onnxruntime cannot run the exported model on a {tuple(x.shape)} batch "
+                            f"({type(exc).__name__}: {first_line(exc)}): nothing written") from None
+        if got.shape != want.shape:
+            raise UserError(f"the exported model gives logits of shape {tuple(got.shape)} for input "
+                            f"{tuple(x.shape)}, PyTorch {tuple(want.shape)}: this architecture does not export")
+        diffs.append((got - want).abs().max().item())
+        scale = max(scale, want.abs().max().item())
+        for a, b in zip(want, got):
+            same += int((logits_to_mask(a, cfg["num_classes"]) == logits_to_mask(b, cfg["num_classes"])).sum())
+            pixels += a[0].numel()
+    worst, tolerance = float(np.max(diffs)), LOGIT_ATOL + LOGIT_RTOL * scale
+    sizes = ", ".join(f"{x.shape[2]}x{x.shape[3]}" for x in batches)
+    check = {"inputs": f"{len(batches[0])} {source} at {sizes}", "max_abs_logit_difference": worst,
+             "tolerance": tolerance, "mask_agreement": same / pixels, "pixels": pixels}
+    print(f"check: onnxruntime vs PyTorch, fp32 on the CPU, {check['inputs']}: max |logit difference| "
+          f"{worst:.2e} (tolerance {tolerance:.1e}), masks agree on {same / pixels:.4%} of {pixels:,} pixels")
+    if not worst <= tolerance:
+        raise UserError(f"the exported model does not match {cfg['arch']}/{cfg['encoder_name']} in PyTorch: max "
+                        f"|logit difference| {worst:.3g} > {tolerance:.1e} (masks agree on {same / pixels:.2%}); "
+                        f"nothing written: this architecture does not export correctly, train a Unet")
+    return check
+
+
+def check_batches(cfg):
+    """The check's inputs, as predict prepares them (read_image, normalizer): up to CHECK_IMAGES images
+    resized to image_size² and to each of CHECK_SIZES, one batch per size; and where they came from."""
+    images, source = check_images(cfg)
+    normalize = normalizer(cfg)
+    sizes = [(cfg["image_size"],) * 2] + [(h * MODEL_STRIDE, w * MODEL_STRIDE) for h, w in CHECK_SIZES]
+    return [torch.stack([image_tensor(normalize(cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA)))
+                         for image in images]) for h, w in sizes], source
+
+
+def check_images(cfg):
+    """The run's first val images (split_pairs), read as predict reads them; synthetic shapes where its
+    data_dir cannot be read from here."""
+    try:
+        pairs = split_pairs(cfg)[1][:CHECK_IMAGES]
+        images = [read_image(image, cfg["in_channels"], cfg["intensity_range"]) for image, _ in pairs]
+        return images, f"val image(s) of {cfg['data_dir']}"
+    except (UserError, OSError):
+        rng = np.random.default_rng(cfg["seed"])
+        images = [draw_shapes(rng, cfg["image_size"], cfg["num_classes"])[0] for _ in range(CHECK_IMAGES)]
+        return [to_channels(image, cfg["in_channels"], "synthetic") for image in images], \
+            f"synthetic image(s) ({cfg['data_dir']} not readable here)"
+
+
+def sidecar(cfg, onnx_file, name, checkpoint, check):
+    """The sidecar JSON: what predict needs beside the graph (the run's EXPORT_KEYS, the preprocessing,
+    the mask rule, class names), which .onnx it belongs to (SHA-256), and how the export was checked."""
+    import onnxruntime
+
+    binary = cfg["num_classes"] == 1
+    return {"format": EXPORT_FORMAT[0], "version": EXPORT_FORMAT[1], "onnx": name,
+            "onnx_sha256": file_sha256(onnx_file),
+            "input": {"name": "image", "dtype": "float32", "shape": ["batch", cfg["in_channels"], "height", "width"],
+                      "height_width": f"any multiples of {MODEL_STRIDE}"},
+            "output": {"name": "logits", "dtype": "float32", "shape": ["batch", cfg["num_classes"], "height", "width"]},
+            "mask": {"rule": "threshold", "logit": 0.0, "values": [0, 255]} if binary else
+                    {"rule": "argmax", "axis": 1, "values": "class indices"},
+            "class_names": load_class_names(cfg), "preprocessing": preprocessing(cfg),
+            "config": {key: cfg[key] for key in EXPORT_KEYS}, "check": check,
+            "exported_from": str(checkpoint), "exported": datetime.datetime.now().isoformat(timespec="seconds"),
+            "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
+
+
+def preprocessing(cfg):
+    """How predict turns an image file into the model's input, for other runtimes: the numbers are those
+    of the functions predict calls (normalizer's, the run's intensity_range); tests check them against
+    read_image and normalizer."""
+    normalize = normalizer(cfg).by_dtype[np.dtype(np.uint8)]
+    size = cfg["image_size"]
+    geometry = ({"mode": "fit", "resize": f"longest side to {size} (bilinear), then pad bottom and right with "
+                                          f"0 to {size}x{size}",
+                 "back": "crop the image's area from the logits, resize them bilinearly to the image's size"}
+                if cfg["data_mode"] == "fit" else
+                {"mode": "patch", "resize": f"by patch_scale ({cfg['patch_scale']:g})",
+                 "tiles": f"{size}x{size}, overlap tile_overlap ({cfg['tile_overlap']:g}), blended with Gaussian "
+                          f"weights (sigma = tile / 8); an image smaller than a tile is padded bottom/right",
+                 "back": "resize the logits bilinearly to the image's size"})
+    return {"channels": "RGB" if cfg["in_channels"] == 3 else "gray (RGB averaged by luminance)",
+            "to_unit_range": {"uint8": [0, normalize.max_pixel_value],
+                              "wider integers": cfg["intensity_range"] or "the dtype's [min, max]",
+                              "float": "each image's own [min, max]"},
+            "normalize": {"mean": list(normalize.mean), "std": list(normalize.std)}, "geometry": geometry}
+
+
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def load_exported(path, hw):
+    """predict backend=onnxruntime: (OnnxModel, the run's cfg from the sidecar). Neither the .pt nor
+    segmentation_models_pytorch is needed."""
+    ort, = onnx_modules("onnxruntime")
+    onnx_path, meta = read_sidecar(Path(path))
+    saved = {key: value for key, value in meta["config"].items() if key in CONFIG}
+    cfg = validate_config({**CONFIG, **saved}, model_names=False)
+    model = OnnxModel(onnx_session(onnx_path, hw))
+    where = ", ".join(model.session.get_providers())
+    if hw.kind == "cuda" and "CUDAExecutionProvider" not in where:
+        where += " (this onnxruntime has no CUDA provider: pip install onnxruntime-gpu for the GPU)"
+    print(f"onnxruntime {ort.__version__} on {where}: {onnx_path}, exported from {meta.get('exported_from')}")
+    return model, cfg
+
+
+def read_sidecar(path):
+    """(the .onnx file, its sidecar) from either path; refuses a sidecar of another model."""
+    if path.suffix.lower() not in (".onnx", ".json"):
+        raise UserError(f"backend=onnxruntime runs an exported model: give checkpoint=model.onnx (python "
+                        f"train_unet.py export checkpoint={path} writes it)")
+    sidecar_path = path.with_suffix(".json")
+    if not sidecar_path.is_file():
+        raise UserError(f"{sidecar_path} not found: export writes it beside {path.with_suffix('.onnx').name}, "
+                        f"and predict needs the preprocessing it holds; export again")
+    try:
+        meta = json.loads(sidecar_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UserError(f"{sidecar_path} is not readable JSON ({type(exc).__name__}): export again") from None
+    meta = meta if isinstance(meta, dict) else {}
+    version = meta.get("version")
+    if meta.get("format") != EXPORT_FORMAT[0] or not isinstance(version, int) or version > EXPORT_FORMAT[1] \
+            or not isinstance(meta.get("config"), dict):
+        raise UserError(f"{sidecar_path} is not a sidecar this version of train_unet.py reads: export again")
+    onnx_path = path if path.suffix.lower() == ".onnx" else sidecar_path.parent / str(meta.get("onnx"))
+    if not onnx_path.is_file():
+        raise UserError(f"exported model {onnx_path} not found")
+    if file_sha256(onnx_path) != meta.get("onnx_sha256"):
+        raise UserError(f"{sidecar_path} belongs to another {onnx_path.name} (its SHA-256 differs): keep the "
+                        f"two files of one export together, or export again")
+    return onnx_path, meta
+
+
+def onnx_session(path, hw):
+    """An onnxruntime session of an .onnx file: the CUDA provider where hw is a GPU and this onnxruntime
+    has one (the onnxruntime-gpu package), else the CPU; as many threads as torch uses."""
+    ort, = onnx_modules("onnxruntime")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    cuda = hw.kind == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
+    try:
+        return ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"] * cuda
+                                    + ["CPUExecutionProvider"])
+    except Exception as exc:  # onnxruntime's load errors (InvalidProtobuf, Fail, ...) share no base class
+        raise UserError(f"onnxruntime cannot load {path} ({type(exc).__name__}: {first_line(exc)}): "
+                        f"export it again") from None
+
+
+class OnnxModel:
+    """An exported model, called where predict calls the torch module: a float32 NCHW batch in, its
+    fp32 logits out, on the batch's device (the same predict code runs either backend)."""
+
+    def __init__(self, session):
+        self.session = session
+        self.input, self.output = session.get_inputs()[0].name, session.get_outputs()[0].name
+
+    def __call__(self, x):
+        logits = self.session.run([self.output], {self.input: x.detach().float().cpu().numpy()})[0]
+        return torch.from_numpy(logits).to(x.device)
 
 
 if __name__ == "__main__":

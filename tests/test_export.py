@@ -1,0 +1,361 @@
+"""`export`: a checkpoint as ONNX + a sidecar JSON, checked in onnxruntime; `predict backend=onnxruntime`.
+
+Two tiny models are trained once for the module (32 px tiles, 1 epoch, fp32) and exported once: a binary
+RGB fit-mode one, and a 3-class grayscale patch-mode one (predicted through the sliding window). Their
+segmentation heads are re-centred first (centred_checkpoint), so their masks hold both answers: "masks
+equal" is then not the vacuous all-background.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import train_unet  # noqa: E402
+
+SIZE = 32
+ODD_SIZES = ((96, 160), (224, 64))  # multiples of MODEL_STRIDE, neither square nor the training size
+
+
+def train_tiny(root, image_size=SIZE, **overrides):
+    data = train_unet.generate_shapes_dataset(root / "data", count=10, size=overrides.pop("data_size", SIZE),
+                                              num_classes=overrides.get("num_classes", 1))
+    cfg = dict(data_dir=str(data), checkpoint_dir=str(root / "ckpt"), image_size=image_size, epochs=1,
+               max_train_images=8, batch_size=2, use_amp=False, encoder_name="resnet18", encoder_weights=None,
+               device="cpu", progress=False, num_workers=0, cpu_probe=False, logger="none")
+    cfg.update(overrides)
+    train_unet.train(cfg)
+    return centred_checkpoint(root / "ckpt" / "last.pt", data), data
+
+
+def centred_checkpoint(ckpt, data):
+    """The checkpoint with its head's bias shifted by the median logit on its own images (per class), so
+    a 1-epoch model's masks hold both sides of the threshold; saved as centred.pt."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    model, cfg = train_unet.load_model(ckpt, train_unet.detect_hardware("cpu"))
+    images = [train_unet.read_image(p, cfg["in_channels"]) for p, _ in train_unet.find_pairs(data)[:4]]
+    normalize = train_unet.normalizer(cfg)
+    x = torch.stack([train_unet.image_tensor(normalize(cv2.resize(im, (SIZE, SIZE)))) for im in images])
+    with torch.no_grad():
+        logits = model(x)
+        model.segmentation_head[0].bias -= logits.transpose(0, 1).flatten(1).median(dim=1).values
+    state["model"] = model.state_dict()
+    out = ckpt.with_name("centred.pt")
+    torch.save(state, out)
+    return out
+
+
+def export(ckpt, output, **kw):
+    return train_unet.export({**train_unet.EXPORT_CONFIG, "checkpoint": str(ckpt), "output": str(output), **kw})
+
+
+@pytest.fixture(scope="module")
+def binary(tmp_path_factory):
+    """{ckpt, data, onnx, sidecar, check} of a binary RGB fit-mode model."""
+    root = tmp_path_factory.mktemp("binary")
+    ckpt, data = train_tiny(root)
+    return {"ckpt": ckpt, "data": data, **export(ckpt, root / "export" / "model.onnx")}
+
+
+@pytest.fixture(scope="module")
+def patch(tmp_path_factory):
+    """The same for a 3-class grayscale patch-mode model (64 px images, 32 px tiles)."""
+    root = tmp_path_factory.mktemp("patch")
+    ckpt, data = train_tiny(root, data_size=64, num_classes=3, in_channels=1, data_mode="patch")
+    return {"ckpt": ckpt, "data": data, **export(ckpt, root / "export")}  # a folder: <folder>/model.onnx
+
+
+@pytest.fixture(scope="module")
+def hw():
+    return train_unet.detect_hardware("cpu")
+
+
+def predict_opts(ckpt, inp, out, **kw):
+    return {**train_unet.PREDICT_CONFIG, "checkpoint": str(ckpt), "input": str(inp), "output": str(out),
+            "device": "cpu", "use_amp": False, "progress": False, **kw}
+
+
+def write_odd_images(folder, data, sizes):
+    """The data set's images resized to awkward sizes: [(path, (h, w))]."""
+    folder.mkdir(parents=True, exist_ok=True)
+    sources = sorted((Path(data) / "images").glob("*.png"))
+    written = []
+    for i, (h, w) in enumerate(sizes):
+        image = cv2.resize(cv2.imread(str(sources[i % len(sources)])), (w, h), interpolation=cv2.INTER_LINEAR)
+        assert cv2.imwrite(str(folder / f"odd_{h}x{w}.png"), image)
+        written.append((folder / f"odd_{h}x{w}.png", (h, w)))
+    return written
+
+
+def read_masks(folder):
+    return {p.name: cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in sorted(Path(folder).glob("*.png"))}
+
+
+# ---------------------------------------------------------------------------------------------------
+# a. the exported graph computes the checkpoint's logits, at any multiple of the stride
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["binary", "patch"])
+def test_onnx_logits_match_pytorch_at_odd_sizes(which, request, hw):
+    exported = request.getfixturevalue(which)
+    model, cfg = train_unet.load_model(exported["ckpt"], hw)
+    onnx_model = train_unet.OnnxModel(train_unet.onnx_session(exported["onnx"], hw))
+    images = [train_unet.read_image(p, cfg["in_channels"]) for p, _ in train_unet.find_pairs(exported["data"])[:3]]
+    normalize = train_unet.normalizer(cfg)
+    for h, w in ODD_SIZES:
+        x = torch.stack([train_unet.image_tensor(normalize(cv2.resize(im, (w, h)))) for im in images])
+        with torch.no_grad():
+            want = model(x)
+        got = onnx_model(x)
+        assert got.shape == want.shape == (3, cfg["num_classes"], h, w)
+        tolerance = train_unet.LOGIT_ATOL + train_unet.LOGIT_RTOL * want.abs().max().item()
+        assert (got - want).abs().max().item() <= tolerance
+
+
+def test_the_export_command_checked_itself_on_the_val_images(binary):
+    check = binary["check"]
+    assert "val image(s)" in check["inputs"] and "96x160" in check["inputs"] and "224x64" in check["inputs"]
+    assert check["max_abs_logit_difference"] <= check["tolerance"] < 0.01
+    assert check["mask_agreement"] >= 0.999
+
+
+# ---------------------------------------------------------------------------------------------------
+# b. predict backend=onnxruntime: the same predict code, the same masks
+# ---------------------------------------------------------------------------------------------------
+def test_onnxruntime_predict_masks_equal_torch_fit_mode(binary, tmp_path):
+    images = write_odd_images(tmp_path / "in", binary["data"], [(45, 77), (100, 50), (32, 32), (131, 33)])
+    torch_out = train_unet.predict(predict_opts(binary["ckpt"], tmp_path / "in", tmp_path / "torch"))
+    onnx_out = train_unet.predict(predict_opts(binary["onnx"], tmp_path / "in", tmp_path / "onnx",
+                                               backend="onnxruntime"))
+    assert torch_out["predicted"] == onnx_out["predicted"] == len(images) and onnx_out["precision"] == "fp32"
+    want, got = read_masks(tmp_path / "torch"), read_masks(tmp_path / "onnx")
+    assert set(got) == set(want) == {p.name for p, _ in images}
+    for name in want:
+        assert got[name].shape == want[name].shape
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+    assert set(np.unique(np.concatenate([m.ravel() for m in want.values()]))) == {0, 255}, \
+        "test setup: the centred model's masks should hold both values"
+
+
+def test_onnxruntime_predict_masks_equal_torch_through_the_sliding_window(patch, tmp_path):
+    images = write_odd_images(tmp_path / "in", patch["data"], [(70, 90), (64, 64), (40, 100)])
+    results = {backend: train_unet.predict(predict_opts(patch["onnx" if backend == "onnxruntime" else "ckpt"],
+                                                        tmp_path / "in", tmp_path / backend, backend=backend))
+               for backend in ("torch", "onnxruntime")}
+    assert all(r["predicted"] == len(images) for r in results.values())
+    want, got = read_masks(tmp_path / "torch"), read_masks(tmp_path / "onnxruntime")
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+    assert len(np.unique(np.concatenate([m.ravel() for m in want.values()]))) >= 2
+
+
+def test_onnxruntime_predict_needs_neither_the_checkpoint_nor_smp(binary, tmp_path, monkeypatch):
+    """Deployment: the two exported files alone, moved elsewhere, with segmentation_models_pytorch
+    unimportable, give the torch backend's masks."""
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    for path in (binary["onnx"], binary["sidecar"]):
+        shutil.copy(path, deploy / path.name)
+    images = write_odd_images(tmp_path / "in", binary["data"], [(50, 70), (32, 96)])
+    train_unet.predict(predict_opts(binary["ckpt"], tmp_path / "in", tmp_path / "torch"))
+    monkeypatch.setitem(sys.modules, "segmentation_models_pytorch", None)  # import now raises ImportError
+    with pytest.raises(ImportError):
+        train_unet.build_model(train_unet.CONFIG)
+    result = train_unet.predict(predict_opts(deploy / "model.json", tmp_path / "in", tmp_path / "onnx",
+                                             backend="onnxruntime"))
+    assert result["predicted"] == len(images)
+    want, got = read_masks(tmp_path / "torch"), read_masks(tmp_path / "onnx")
+    assert all(np.array_equal(got[name], want[name]) for name in want)
+
+
+def test_main_predict_with_onnxruntime_returns_0(binary, tmp_path, capsys):
+    code = train_unet.main(["predict", "backend=onnxruntime", f"checkpoint={binary['onnx']}",
+                            f"input={binary['data'] / 'images'}", f"output={tmp_path / 'out'}", "progress=False",
+                            "device=cpu"])
+    assert code == 0
+    assert "onnxruntime" in capsys.readouterr().out
+    assert len(list((tmp_path / "out").glob("*.png"))) == len(list((binary["data"] / "images").glob("*.png")))
+
+
+# ---------------------------------------------------------------------------------------------------
+# c. the sidecar holds what predict needs, and its numbers are predict's
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["binary", "patch"])
+def test_sidecar_holds_the_fields_predict_needs(which, request, hw):
+    exported = request.getfixturevalue(which)
+    meta = json.loads(exported["sidecar"].read_text())
+    _, cfg = train_unet.load_model(exported["ckpt"], hw)
+    assert exported["sidecar"] == exported["onnx"].with_suffix(".json")
+    assert meta["onnx"] == exported["onnx"].name and meta["onnx_sha256"] == train_unet.file_sha256(exported["onnx"])
+    for key in ("in_channels", "num_classes", "image_size", "intensity_range", "data_mode", "patch_scale",
+                "tile_overlap", "tile_batch_size", "arch", "encoder_name"):
+        assert meta["config"][key] == cfg[key], key
+    assert meta["class_names"] == train_unet.load_class_names(cfg)
+    assert meta["input"]["shape"] == ["batch", cfg["in_channels"], "height", "width"]
+    assert meta["output"]["shape"] == ["batch", cfg["num_classes"], "height", "width"]
+    assert meta["mask"]["rule"] == ("threshold" if cfg["num_classes"] == 1 else "argmax")
+    assert meta["preprocessing"]["geometry"]["mode"] == cfg["data_mode"]
+    assert meta["check"]["max_abs_logit_difference"] <= meta["check"]["tolerance"]
+    assert meta["exported_from"] == str(exported["ckpt"])
+
+
+def sidecar_input(image, spec):
+    """The model's input from the sidecar's numbers alone (what a deployment in another language does)."""
+    scale = spec["to_unit_range"]
+    if image.dtype == np.uint8:
+        low, high = scale["uint8"]
+    elif np.issubdtype(image.dtype, np.integer):
+        low, high = scale["wider integers"]
+    else:
+        low, high = float(image.min()), float(image.max())
+    unit = (image.astype(np.float64) - low) / (high - low)
+    return ((unit - np.array(spec["normalize"]["mean"])) / np.array(spec["normalize"]["std"])).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["uint8", "uint16", "float32"])
+def test_sidecar_preprocessing_gives_predicts_input(kind, tmp_path, make_cfg):
+    """The sidecar's scaling and normalisation numbers, applied by hand, give what read_image and
+    normalizer give predict: the sidecar describes the one scaling rule, it does not restate another."""
+    cfg = make_cfg(intensity_range=[100, 4000] if kind == "uint16" else None)
+    rng = np.random.default_rng(0)
+    image = {"uint8": lambda: rng.integers(0, 256, (20, 30, 3)).astype(np.uint8),
+             "uint16": lambda: rng.integers(100, 4001, (20, 30, 3)).astype(np.uint16),
+             "float32": lambda: rng.normal(5, 2, (20, 30, 3)).astype(np.float32)}[kind]()
+    path = tmp_path / "image.tif"
+    tifffile.imwrite(path, image, photometric="rgb")
+    spec = json.loads(json.dumps(train_unet.preprocessing(cfg)))  # as read back from the JSON file
+    want = train_unet.normalizer(cfg)(train_unet.read_image(path, 3, cfg["intensity_range"]))
+    np.testing.assert_allclose(sidecar_input(image, spec), want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# d. it fails loudly: a model that differs, a bad checkpoint, a bad sidecar, missing packages
+# ---------------------------------------------------------------------------------------------------
+def test_the_check_fails_loudly_when_the_exported_model_differs(binary, tmp_path, monkeypatch, capsys):
+    """A weight changed after the graph was written: the check sees it, the command exits non-zero with
+    one line, and nothing is left behind."""
+    real = train_unet.export_onnx
+
+    def export_then_change(model, cfg, path):
+        real(model, cfg, path)
+        with torch.no_grad():
+            model.segmentation_head[0].bias += 0.5
+    monkeypatch.setattr(train_unet, "export_onnx", export_then_change)
+    out = tmp_path / "out"
+    code = train_unet.main(["export", f"checkpoint={binary['ckpt']}", f"output={out}"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "max |logit difference| 5.00e-01" in captured.out
+    assert captured.err.startswith("error: the exported model does not match") and captured.err.count("\n") == 1
+    assert not list(out.iterdir()), "a failed export leaves no file"
+
+
+def fail_to_run(self, x):
+    raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions\nsecond line")
+
+
+@pytest.mark.parametrize("case", ["nan", "runtime_error"])
+def test_the_check_fails_on_nan_and_on_a_graph_that_cannot_run(case, binary, tmp_path, monkeypatch):
+    real = train_unet.OnnxModel.__call__
+    wrong = (lambda self, x: real(self, x) * float("nan")) if case == "nan" else fail_to_run
+    monkeypatch.setattr(train_unet.OnnxModel, "__call__", wrong)
+    match = "does not match" if case == "nan" else "onnxruntime cannot run the exported model"
+    with pytest.raises(train_unet.UserError, match=match) as info:
+        export(binary["ckpt"], tmp_path / "model.onnx")
+    assert "\n" not in str(info.value)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case", ["missing", "garbage", "foreign"])
+def test_export_of_a_bad_checkpoint_is_one_line(case, tmp_path, capsys):
+    path = tmp_path / "best.pt"
+    if case == "garbage":
+        path.write_bytes(b"not a checkpoint\x00\x01" * 20)
+    elif case == "foreign":
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    code = train_unet.main(["export", f"checkpoint={path}", f"output={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1 and str(path) in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_architecture_the_exporter_cannot_trace_is_one_line(tmp_path, make_cfg):
+    cfg = make_cfg(arch="PSPNet")
+    model = train_unet.build_model(cfg).eval()
+    with pytest.raises(train_unet.UserError, match="cannot export arch=PSPNet") as info:
+        train_unet.export_onnx(model, cfg, tmp_path / "model.onnx")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["no_sidecar", "not_json", "other_format", "other_model", "a_pt_file"])
+def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
+    folder = tmp_path / "export"
+    folder.mkdir()
+    onnx, sidecar = (shutil.copy(p, folder / p.name) for p in (binary["onnx"], binary["sidecar"]))
+    onnx, sidecar, given = Path(onnx), Path(sidecar), Path(onnx)
+    meta = json.loads(sidecar.read_text())
+    if case == "no_sidecar":
+        sidecar.unlink()
+    elif case == "not_json":
+        sidecar.write_text("{ not json")
+    elif case == "other_format":
+        sidecar.write_text(json.dumps({**meta, "version": 99}))
+    elif case == "other_model":
+        onnx.write_bytes(onnx.read_bytes()[:-1] + b"\x00")
+    else:
+        given = binary["ckpt"]
+    match = {"no_sidecar": "not found", "not_json": "not readable JSON", "other_format": "not a sidecar",
+             "other_model": "belongs to another", "a_pt_file": "runs an exported model"}[case]
+    with pytest.raises(train_unet.UserError, match=match) as info:
+        train_unet.predict(predict_opts(given, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
+    assert "\n" not in str(info.value)
+
+
+def test_a_corrupt_onnx_file_is_one_line(binary, tmp_path, hw):
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"\x08\x07garbage" * 50)
+    with pytest.raises(train_unet.UserError, match="onnxruntime cannot load") as info:
+        train_unet.onnx_session(bad, hw)
+    assert "\n" not in str(info.value)
+
+
+def test_the_torch_backend_given_an_exported_model_says_which_backend(binary, tmp_path):
+    with pytest.raises(train_unet.UserError, match="add backend=onnxruntime"):
+        train_unet.predict(predict_opts(binary["onnx"], binary["data"] / "images", tmp_path / "out"))
+    with pytest.raises(train_unet.UserError, match="backend='tensorrt' is not allowed"):
+        train_unet.predict(predict_opts(binary["onnx"], binary["data"] / "images", tmp_path / "out",
+                                        backend="tensorrt"))
+
+
+@pytest.mark.parametrize("missing", ["onnxruntime", "onnx"])
+def test_without_onnxruntime_export_and_its_predict_say_what_to_install(missing, binary, tmp_path, monkeypatch,
+                                                                         capsys):
+    monkeypatch.setitem(sys.modules, missing, None)
+    code = train_unet.main(["export", f"checkpoint={binary['ckpt']}", f"output={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "pip install onnxruntime onnx" in err and err.count("\n") == 1
+    if missing == "onnxruntime":
+        with pytest.raises(train_unet.UserError, match="pip install onnxruntime"):
+            train_unet.predict(predict_opts(binary["onnx"], binary["data"] / "images", tmp_path / "o",
+                                            backend="onnxruntime"))
+
+
+def test_the_trainer_imports_and_trains_without_onnx_packages(tmp_path, make_cfg, monkeypatch):
+    blocked = "import sys; sys.modules.update(onnx=None, onnxruntime=None); import train_unet; print('ok')"
+    done = subprocess.run([sys.executable, "-c", blocked], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    monkeypatch.setitem(sys.modules, "onnx", None)
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    result = train_unet.train(make_cfg(max_train_images=4, image_size=32, batch_size=2))
+    assert len(result["history"]) == 1
