@@ -138,6 +138,7 @@ CONFIG = {
     "amp_dtype": "auto",           # "auto" | "bfloat16" | "float16"
     "force_amp_dtype": False,      # True = use amp_dtype even where it has no fast kernels (slow; tests)
     "eval_amp": False,             # False = validate in fp32, so fp32 and bf16 runs are judged alike
+    "tta": "none",                 # validation's test-time augmentation: "none" | "flip" (4 views) | "d4" (8)
     "channels_last": "auto",       # NHWC memory layout: "auto" (on where it is faster), True, False
     "cpu_probe": True,             # CPU: amp_dtype/channels_last "auto" confirmed by a short timed probe
                                    # (cached per machine and setting); False = the feature-flag rule only
@@ -777,6 +778,7 @@ CHOICES = {
     "preset": (None, "", "fast", "stable", "low_memory", "debug"),
     "logger": ("auto", "tensorboard", "csv", "none"),
     "data_mode": ("fit", "patch"),
+    "tta": ("none", "flip", "d4"),  # the views of each: TTA_VIEWS (III.6)
 }
 
 
@@ -1399,7 +1401,7 @@ def banner(hw, prec, cfg, notes=(), layout=None):
         f"device       {describe(hw)}  native bf16: {'yes' if hw.bf16 else 'no'} ({hw.bf16_feature}), "
         f"native fp16: {'yes' if hw.fp16 else 'no'}",
         f"precision    {prec.name} ({prec.reason}); GradScaler {'on' if prec.use_scaler else 'off'}",
-        f"validation   {prec.name if cfg['eval_amp'] and prec.amp else 'fp32'}",
+        f"validation   {prec.name if cfg['eval_amp'] and prec.amp else 'fp32'}{tta_summary(cfg['tta'])}",
         f"fp32 means   {fp32}{tf32_detail}; tf32_matmul_precision "
         f"{cfg['tf32_matmul_precision'] or 'not set (PyTorch default)'}",
         f"layout       {'channels_last (NHWC)' if layout else 'contiguous (NCHW)'} ({why}); "
@@ -1685,7 +1687,7 @@ def bare_inference_runners(base, hw, dtypes, channels_last):
     model = build_model({**base, "encoder_weights": None}).to(hw.device).eval()
     model = model.to(memory_format=torch.channels_last) if channels_last else model
     x, _ = random_batch(base, hw)
-    layout = {"channels_last": channels_last}
+    layout = {"channels_last": channels_last, "tta": "none"}  # base's batch is a forward's, views included
 
     def runner(prec):
         def forward():
@@ -2783,6 +2785,7 @@ def one_opencv_thread(worker_id):
 # III.6 Large images: data_mode="patch".
 # Training on image_size patches cut at patch_scale (1.0 = native resolution); validation and predict run
 # whole images through one blended sliding window (predict_logits), so the val IoU is the IoU predict gives.
+# eval_forward is the one inference forward of validation and predict, with test-time augmentation (TTA).
 # ----------------------------------------------------------------------------------------------------
 def scaled_size(hw, scale):
     """(height, width) after patch_scale: the one rounding rule for patches, tiles and patch counts."""
@@ -3029,12 +3032,71 @@ def sliding_window(model, image, cfg, prec, hw):
 
 
 def eval_forward(model, x, cfg, prec, hw):
-    """Inference forward of a batch in the run's layout, under autocast when prec says so."""
-    x = x.to(hw.device, non_blocking=True)
+    """Inference forward of a batch in the run's layout, under autocast when prec says so: the one
+    forward of validation (fit and sliding window) and predict. With test-time augmentation (cfg["tta"])
+    the batch's views go through the model together, and their logits come back mapped to the input's
+    orientation and averaged in fp32 (TTA); tta="none" adds no op."""
+    views = TTA(cfg["tta"])
+    x = views.expand(x.to(hw.device, non_blocking=True))
     if cfg["channels_last"] is True:  # resolved before: train() and predict_layout() decide it
         x = x.contiguous(memory_format=torch.channels_last)
     with torch.autocast(hw.kind, dtype=prec.dtype, enabled=prec.amp):
-        return model(x)
+        logits = model(x)
+    return views.merge(logits)
+
+
+# Test-time augmentation: each view is (quarter turns, mirrored), applied as a left-right mirror, then
+# the turns (torch.rot90 over height and width). "flip" is the four mirror images nnU-Net averages in 2-D
+# (none, left-right, up-down, both = half a turn); "d4" all eight symmetries of the square.
+TTA_VIEWS = {
+    "none": ((0, False),),
+    "flip": ((0, False), (0, True), (2, True), (2, False)),
+    "d4": tuple((turns, mirrored) for mirrored in (False, True) for turns in range(4)),
+}
+
+
+class TTA:
+    """The views of a batch under test-time augmentation: expand stacks them into one batch (view-major:
+    view v of image i is row v * B + i), merge maps each view's logits back and averages them as fp32
+    logits. With one view ("none") both return their input unchanged: no op, no copy."""
+
+    def __init__(self, name):
+        self.name, self.views = name, TTA_VIEWS[name]
+
+    def __len__(self):
+        return len(self.views)
+
+    def expand(self, x):
+        if len(self.views) == 1:
+            return x
+        if x.shape[-2] != x.shape[-1] and any(turns % 2 for turns, _ in self.views):
+            raise UserError(f"tta={self.name} turns images by quarter turns, which needs square inputs; got "
+                            f"{x.shape[-2]}x{x.shape[-1]}: use tta=flip (mirrors keep any shape)")
+        return torch.cat([to_view(x, turns, mirrored) for turns, mirrored in self.views])
+
+    def merge(self, logits):
+        if len(self.views) == 1:
+            return logits
+        parts = logits.float().chunk(len(self.views))
+        return torch.stack([from_view(part, *view) for part, view in zip(parts, self.views)]).mean(0)
+
+
+def tta_summary(name):
+    """A clause for the run's banner and predict's first line: empty for tta=none."""
+    views = len(TTA_VIEWS[name])
+    return "" if views == 1 else (f"; tta={name}: {views} views of each image in the same forward "
+                                  f"({views}x the images per forward), logits averaged")
+
+
+def to_view(x, turns, mirrored):
+    x = x.flip(-1) if mirrored else x
+    return x.rot90(turns, dims=(-2, -1)) if turns else x
+
+
+def from_view(y, turns, mirrored):
+    """to_view's inverse: turn back, then mirror back."""
+    y = y.rot90(-turns, dims=(-2, -1)) if turns else y
+    return y.flip(-1) if mirrored else y
 
 
 def patch_summary(cfg, patches):
@@ -4185,6 +4247,7 @@ PREDICT_CONFIG = {
     "progress": True,
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
+    "tta": "none",                  # test-time augmentation: "none" | "flip" (4 views) | "d4" (8 views)
     "backend": "torch",             # "torch" | "onnxruntime": checkpoint= an exported model.onnx (`export`)
 }
 
@@ -4203,7 +4266,7 @@ def predict(opts):
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
-    cfg, notes = {**cfg, **tiling}, []
+    cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
     paths = list_images(opts["input"])
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
@@ -4213,7 +4276,7 @@ def predict(opts):
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
     print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
-          + (f" ({prec.warning})" if prec.warning else "") + tiled)
+          + (f" ({prec.warning})" if prec.warning else "") + tiled + tta_summary(cfg["tta"]))
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
               f"probe {note}")
@@ -4361,8 +4424,9 @@ def validate_predict(opts):
         raise UserError(f"batch_size={opts['batch_size']} must be a whole number >= 1")
     if not valid_device(opts["device"]):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
-    if opts["amp_dtype"] not in CHOICES["amp_dtype"]:
-        raise UserError(f"amp_dtype={opts['amp_dtype']!r} is not allowed: use one of auto, bfloat16, float16")
+    for key in ("amp_dtype", "tta"):
+        if opts[key] not in CHOICES[key]:
+            raise UserError(f"{key}={opts[key]!r} is not allowed: use one of {', '.join(CHOICES[key])}")
     for key, (ok, rule) in TILE_RULES.items():
         if opts[key] is not None and not ok(opts[key]):
             raise UserError(f"{key}={opts[key]!r} {rule}")
@@ -4419,11 +4483,12 @@ def save_prediction(path, image, done):
 
 
 def predict_setting(cfg, opts):
-    """The checkpoint's cfg as predict runs it: its batch of images, or of tiles in patch mode, layout
-    "auto" (the checkpoint's layout was a speed choice of the machine that trained it), predict's
-    precision options and what its backend fixes (PREDICT_BACKENDS)."""
+    """The checkpoint's cfg as predict runs it: its batch of images, or of tiles in patch mode, times
+    the views of test-time augmentation (what one forward holds), layout "auto" (the checkpoint's layout
+    was a speed choice of the machine that trained it), predict's precision options and what its backend
+    fixes (PREDICT_BACKENDS)."""
     batch = cfg["tile_batch_size"] if cfg["data_mode"] == "patch" else opts["batch_size"]
-    return {**cfg, "channels_last": "auto", "batch_size": batch,
+    return {**cfg, "channels_last": "auto", "batch_size": batch * len(TTA(cfg["tta"])),
             **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe", "channels_last") if k in opts}}
 
 
@@ -4433,7 +4498,7 @@ def predict_modes(cfg, opts, hw, prec, notes, images=None):
     `images` that is fewer forwards than the probe is not probed (at least one forward per image in
     patch mode, where the tiles are counted only once read)."""
     setting = predict_setting(cfg, opts)
-    forwards = None if images is None else images if cfg["data_mode"] == "patch" else -(-images // setting["batch_size"])
+    forwards = None if images is None else images if cfg["data_mode"] == "patch" else -(-images // opts["batch_size"])
     return cpu_probe_decision(setting, hw, prec, notes, kind="predict", job_forwards=forwards)
 
 
