@@ -359,3 +359,23 @@ def test_the_trainer_imports_and_trains_without_onnx_packages(tmp_path, make_cfg
     monkeypatch.setitem(sys.modules, "onnxruntime", None)
     result = train_unet.train(make_cfg(max_train_images=4, image_size=32, batch_size=2))
     assert len(result["history"]) == 1
+
+
+def test_the_numpy_deployment_example_gives_predicts_masks_without_torch(binary, tmp_path):
+    """tools/onnx_predict.py (numpy, OpenCV, onnxruntime; torch unimportable) reads only the sidecar and
+    the graph, and writes the masks predict backend=onnxruntime writes: 8-bit RGB, gray and 16-bit images."""
+    images = write_odd_images(tmp_path / "in", binary["data"], [(45, 77), (100, 50), (131, 33), (7, 10)])
+    eight_bit = cv2.imread(str(images[0][0]))
+    cv2.imwrite(str(tmp_path / "in" / "gray_60x40.png"), cv2.cvtColor(cv2.resize(eight_bit, (40, 60)), cv2.COLOR_BGR2GRAY))
+    cv2.imwrite(str(tmp_path / "in" / "deep_50x90.png"), cv2.resize(eight_bit, (90, 50)).astype(np.uint16) * 257)
+    train_unet.predict(predict_opts(binary["onnx"], tmp_path / "in", tmp_path / "predict", backend="onnxruntime"))
+    run = ("import runpy, sys; sys.modules.update(torch=None, train_unet=None, segmentation_models_pytorch=None); "
+           f"sys.argv = ['onnx_predict.py'] + sys.argv[1:]; runpy.run_path({str(ROOT / 'tools' / 'onnx_predict.py')!r}, "
+           "run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", run, str(binary["sidecar"]), str(tmp_path / "in"),
+                           str(tmp_path / "numpy")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    want, got = read_masks(tmp_path / "predict"), read_masks(tmp_path / "numpy")
+    assert set(got) == set(want) and len(want) == 6
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"

@@ -1,0 +1,74 @@
+"""Deployment without the training stack: masks from an export (model.json + model.onnx) with numpy,
+OpenCV and onnxruntime alone; no torch, no train_unet.py. An example to port to another language or
+runtime: every number comes from the sidecar. tests/test_export.py checks that its masks equal
+`train_unet.py predict backend=onnxruntime`'s.
+
+    python tools/onnx_predict.py model.json photos/ masks/     # or a single image instead of photos/
+
+Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" says for 8-bit, wider
+integer and float images. Patch-mode models (the sliding window): use
+`python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
+"""
+import json
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import onnxruntime as ort
+
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
+
+
+def model_input(image, meta):
+    """An image as read (HxW or HxWx3 RGB, any depth) -> (1xCxSxS float32 input, the image's area rh, rw)."""
+    pre, size = meta["preprocessing"], meta["config"]["image_size"]
+    rule = pre["to_unit_range"]
+    if image.dtype != np.uint8:  # wider integers and floats go to [0, 1] first, uint8 after the resize
+        low, high = (rule["wider integers"] if isinstance(rule["wider integers"], list) else
+                     (np.iinfo(image.dtype).min, np.iinfo(image.dtype).max)) \
+            if np.issubdtype(image.dtype, np.integer) else (image.min(), image.max())
+        image = (image.astype(np.float32) - np.float32(low)) / np.float32(high - low) if high > low else \
+            np.zeros(image.shape, np.float32)
+    h, w = image.shape[:2]
+    rh, rw = max(1, round(h * size / max(h, w))), max(1, round(w * size / max(h, w)))  # longest side to size
+    x = np.zeros((size, size) + image.shape[2:], np.float32)                             # pad bottom/right with 0
+    x[:rh, :rw] = cv2.resize(image, (rw, rh), interpolation=cv2.INTER_LINEAR)
+    if image.dtype == np.uint8:
+        x = (x - rule["uint8"][0]) / (rule["uint8"][1] - rule["uint8"][0])
+    x = (x - np.float32(pre["normalize"]["mean"])) / np.float32(pre["normalize"]["std"])
+    return (x[None, None] if x.ndim == 2 else x.transpose(2, 0, 1)[None]).astype(np.float32), (rh, rw)
+
+
+def predict(session, meta, path):
+    gray = meta["config"]["in_channels"] == 1
+    image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
+    if image is None:
+        raise SystemExit(f"cannot read {path}")
+    image = image if gray else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    x, (rh, rw) = model_input(image, meta)
+    logits = session.run(None, {meta["input"]["name"]: x})[0][0][:, :rh, :rw]          # the image's area
+    h, w = image.shape[:2]
+    logits = np.stack([cv2.resize(c, (w, h), interpolation=cv2.INTER_LINEAR) for c in logits])  # back to h x w
+    if meta["mask"]["rule"] == "threshold":
+        return (logits[0] > meta["mask"]["logit"]).astype(np.uint8) * 255
+    return logits.argmax(0).astype(np.uint8)
+
+
+def main(sidecar, source, output):
+    meta = json.loads(Path(sidecar).read_text())
+    if meta["config"]["data_mode"] != "fit":
+        raise SystemExit("a patch-mode model: use python train_unet.py predict backend=onnxruntime")
+    session = ort.InferenceSession(str(Path(sidecar).with_name(meta["onnx"])), providers=["CPUExecutionProvider"])
+    source, output = Path(source), Path(output)
+    paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS)
+    output.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        cv2.imwrite(str(output / f"{path.stem}.png"), predict(session, meta, path))
+    print(f"{len(paths)} mask(s) -> {output}/")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__)
+    main(*sys.argv[1:])
