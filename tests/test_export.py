@@ -131,11 +131,13 @@ def test_the_export_command_checked_itself_on_the_val_images(binary):
 # ---------------------------------------------------------------------------------------------------
 # b. predict backend=onnxruntime: the same predict code, the same masks
 # ---------------------------------------------------------------------------------------------------
-def test_onnxruntime_predict_masks_equal_torch_fit_mode(binary, tmp_path):
+@pytest.mark.parametrize("tta", ["none", "d4"])
+def test_onnxruntime_predict_masks_equal_torch_fit_mode(tta, binary, tmp_path):
+    """Also with test-time augmentation: the exported graph takes the views' batch as the module does."""
     images = write_odd_images(tmp_path / "in", binary["data"], [(45, 77), (100, 50), (32, 32), (131, 33)])
-    torch_out = train_unet.predict(predict_opts(binary["ckpt"], tmp_path / "in", tmp_path / "torch"))
+    torch_out = train_unet.predict(predict_opts(binary["ckpt"], tmp_path / "in", tmp_path / "torch", tta=tta))
     onnx_out = train_unet.predict(predict_opts(binary["onnx"], tmp_path / "in", tmp_path / "onnx",
-                                               backend="onnxruntime"))
+                                               backend="onnxruntime", tta=tta))
     assert torch_out["predicted"] == onnx_out["predicted"] == len(images) and onnx_out["precision"] == "fp32"
     want, got = read_masks(tmp_path / "torch"), read_masks(tmp_path / "onnx")
     assert set(got) == set(want) == {p.name for p, _ in images}
