@@ -3251,11 +3251,11 @@ class WeightEMA:
         self.updates = saved["updates"] if saved else 0
 
     def note(self, state):
-        """The banner's line: what the EMA does in this run (None when off)."""
+        """The banner's line: what the EMA does in this run (off: None, unless a resumed EMA is dropped)."""
+        saved = state is not None and bool(state.get("ema"))
         if self.model is None:
-            return None
-        start = ("; last.pt holds no EMA: it starts from the resumed weights"
-                 if state is not None and not state.get("ema") else "")
+            return ("ema", "off (ema_decay=None): the EMA that last.pt holds is not carried on") if saved else None
+        start = "; last.pt holds no EMA: it starts from the resumed weights" if state is not None and not saved else ""
         return ("ema", f"decay {self.decay} (warm-up: min(decay, (1+n)/({EMA_WARMUP}+n)) at update n); "
                        f"validation, best.pt and predict use the EMA weights{start}")
 

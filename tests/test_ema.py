@@ -7,6 +7,7 @@ reference EMA is computed here in float64 from the live weights after each step.
 """
 import contextlib
 import io
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -347,6 +348,16 @@ def test_a_checkpoint_without_ema_loads_and_resumes(ema_run, tmp_path, decay):
         assert last["ema"] is None and "ema " not in log
     else:
         assert last["ema"]["updates"] == STEPS_PER_EPOCH and "last.pt holds no EMA" in log
+
+
+def test_resuming_with_ema_off_says_the_ema_is_dropped(ema_run, tmp_path):
+    cfg, *_ = ema_run
+    shutil.copytree(cfg["checkpoint_dir"], tmp_path / "ckpt")
+    result, log = train_logged({**cfg, "checkpoint_dir": str(tmp_path / "ckpt"), "resume": True, "epochs": 3,
+                                "ema_decay": None})
+    assert "the EMA that last.pt holds is not carried on" in log
+    assert load(tmp_path / "ckpt" / "last.pt")["ema"] is None
+    assert train_unet.load_model(tmp_path / "ckpt" / "last.pt", train_unet.detect_hardware("cpu"))[1]["ema_decay"] is None
 
 
 def test_a_precision_fallback_rolls_the_ema_back(ema_run, tmp_path, monkeypatch):
