@@ -29,7 +29,7 @@ section header below; tests/test_layout.py keeps this list and the headers the s
       III.4 CPU probe
       III.5 Data
       III.6 Large images
-      III.7 Model, loss, optimizer, schedule
+      III.7 Model, loss, optimizer, schedule, EMA
       III.8 Metrics
       III.9 Numerical safety
       III.10 Checkpoints and history
@@ -130,6 +130,7 @@ CONFIG = {
     "weight_decay": 1e-4,
     "warmup_fraction": 0.05,       # linear warm-up, then cosine decay, stepped per optimizer step
     "grad_clip_norm": 1.0,         # None = no clipping (the norm is still measured)
+    "ema_decay": None,             # None = off; e.g. 0.99: validation, best.pt and predict use an EMA of the weights
     "early_stopping_patience": 5,  # epochs without a better val IoU; None = off
     "seed": 42,
     # precision and speed
@@ -380,7 +381,9 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     schedule = lr_schedule(cfg) if state is None else resumed_schedule(state, cfg, steps_per_epoch, notes)
     start = (0, 0) if state is None else (state["scheduler"]["last_epoch"], state["epoch"])
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch, schedule, start)
-    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, lr_schedule=schedule)
+    run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, lr_schedule=schedule,
+              ema=WeightEMA(model, cfg["ema_decay"], cfg["compile_model"]))
+    notes.append(run.ema.note(state))
     if state is not None:
         run.load(state)
         set_rng_state(state["rng"])
@@ -442,6 +445,7 @@ class Run:
     class_names: list | None = None      # for the per-class history columns
     confusion: list | None = None        # the last validation's confusion matrix (counts, rows = true class)
     loss_fn: nn.Module | None = None     # SegLoss
+    ema: WeightEMA = field(default_factory=lambda: WeightEMA())  # ema_decay (III.7); off: does nothing
 
     def __post_init__(self):
         self.eval_model = self.model if self.eval_model is None else self.eval_model
@@ -452,7 +456,7 @@ class Run:
                 "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
                 "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
                 "config": cfg, "history": self.history, "precision": self.prec.name,
-                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule}
+                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state()}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
@@ -462,6 +466,7 @@ class Run:
             self.scaler.load_state_dict(state["scaler"])
         self.epoch, self.best_iou, self.since_best = state["epoch"], state["best_iou"], state["epochs_since_best"]
         self.history, self.fallbacks = list(state["history"]), list(state.get("fallbacks", []))
+        self.ema.load(state.get("ema"), self.model)
 
 
 def announce_run(cfg, hw, run, sizes, extra):
@@ -522,7 +527,8 @@ def run_epoch(run, epoch, train_loader, val_loader, hw, cfg):
     run.bad_streak = trained["stats"].bad_streak
     val_start = time.perf_counter()
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
-    validated = evaluate(run.eval_model, val_loader, run.loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
+    model = run.ema.evaluated(run.eval_model)  # the EMA weights when ema_decay is set
+    validated = evaluate(model, val_loader, run.loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
     run.confusion = validated["confusion"]
     return history_row(run, epoch, trained, validated, time.perf_counter() - val_start, hw)
 
@@ -578,6 +584,7 @@ def train_one_epoch(run, loader, cfg, hw, desc="train"):
             group_ok = finite if i == 0 else group_ok & finite
         # ---- the update: one per group; with nan_guard, the one host sync per optimizer step ----
         step = optimizer_step(run, cfg, agree(group_ok), guard.count_zeros_now())
+        run.ema.update(step.applied)  # weight EMA (III.7); off: no op
         run.logger.log_step(run.scheduler, tally.loss_sum, tally.finite_losses, step.norm, run.scaler)
         run.scheduler.step()
         guard.after_step(step, run.scheduler.last_epoch, (x, y))  # nan_patience bad steps: NonFiniteStreak
@@ -787,7 +794,7 @@ NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
     "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
     "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
-    "intensity_range": list, "class_weights": list,
+    "intensity_range": list, "class_weights": list, "ema_decay": float,
 }
 
 
@@ -942,6 +949,8 @@ def value_rules(cfg):
         ("warmup_fraction", 0 <= cfg["warmup_fraction"] < 1, "must be in [0, 1)"),
         ("grad_clip_norm", cfg["grad_clip_norm"] is None or cfg["grad_clip_norm"] > 0,
          "must be > 0, or None for no clipping"),
+        ("ema_decay", cfg["ema_decay"] is None or 0 < cfg["ema_decay"] < 1,
+         "must be in (0, 1), e.g. 0.99 (README: Weight EMA), or None for no EMA"),
         ("early_stopping_patience", cfg["early_stopping_patience"] is None
          or cfg["early_stopping_patience"] >= 1, "must be >= 1, or None to train every epoch"),
         ("num_workers", cfg["num_workers"] is None or cfg["num_workers"] >= 0, "must be >= 0 or None"),
@@ -3107,7 +3116,7 @@ def patch_summary(cfg, patches):
 
 
 # ----------------------------------------------------------------------------------------------------
-# III.7 Model, loss, optimizer, schedule.
+# III.7 Model, loss, optimizer, schedule, EMA.
 # ----------------------------------------------------------------------------------------------------
 def build_model(cfg):
     import segmentation_models_pytorch as smp
@@ -3406,6 +3415,98 @@ def unwrap(model):
             model = model._orig_mod
         else:
             return model
+
+
+# The EMA's warm-up (TensorFlow's ExponentialMovingAverage with num_updates; timm and ultralytics warm
+# theirs up too): the n-th applied update uses decay min(ema_decay, (1 + n) / (EMA_WARMUP + n)), so the
+# shadow averages about the last n/9 steps until ema_decay takes over (after (10 * ema_decay - 1) /
+# (1 - ema_decay) updates: 890 for 0.99) instead of keeping the random initialisation's weight
+# ema_decay**n (0.999**500 = 61 %) through a run that is short for its decay.
+EMA_WARMUP = 10
+
+
+class WeightEMA:
+    """An exponential moving average of the weights and BatchNorm statistics; ema_decay=None: off, holding
+    nothing and doing nothing (not one op).
+
+    The shadow `model` is an fp32 copy of the model in eval mode (`eval_model`: compiled when the run
+    compiles; never DDP-wrapped: every rank keeps its own, updated alike). update(step.applied) after each
+    optimizer step averages the parameters and floating-point buffers (running mean/var) in one grouped op
+    and copies the integer ones (num_batches_tracked), with no host sync:
+    - `applied` a host bool (nan_guard on, or no GradScaler): a skipped step returns before any op; the
+      decay is counted and computed on the host.
+    - a device bool (fp16 without nan_guard: the GradScaler decides on the device): the count and the decay
+      are on the device, and a skipped step's decay is 1 (no change).
+    """
+
+    def __init__(self, model=None, decay=None, compile_model=False):
+        self.decay, self.updates, self.model = decay, 0, None  # updates: applied ones (int, or device int)
+        self.eval_model = None
+        if decay is None:
+            return
+        live = unwrap(model)
+        self.model = copy.deepcopy(live).float().eval().requires_grad_(False)
+        self.eval_model = torch.compile(self.model) if compile_model else self.model
+        self.live, self.shadow = ema_tensors(live), ema_tensors(self.model)
+
+    def decay_at(self, n):
+        """The decay of the n-th applied update (n from 1, a number or a device tensor): the warm-up,
+        then ema_decay."""
+        warm = (1 + n) / (EMA_WARMUP + n)
+        return warm.clamp(max=self.decay) if isinstance(warm, torch.Tensor) else min(self.decay, warm)
+
+    @torch.no_grad()
+    def update(self, applied):
+        if self.model is None or applied is False:
+            return
+        (floats, ints), (live_floats, live_ints) = self.shadow, self.live
+        if isinstance(applied, torch.Tensor):
+            self.updates = self.updates + applied  # a device int from here on
+            decay = torch.where(applied, self.decay_at(self.updates.float()), 1.0)
+            torch._foreach_mul_(floats, decay)
+            torch._foreach_add_(floats, torch._foreach_mul(live_floats, 1 - decay))
+        else:
+            self.updates += 1
+            torch._foreach_lerp_(floats, live_floats, 1 - self.decay_at(self.updates))
+        if ints:
+            torch._foreach_copy_(ints, live_ints)
+
+    def evaluated(self, model):
+        """The model validation runs: the shadow when on (its BatchNorm statistics rank 0's, the ones its
+        checkpoint holds), else `model`."""
+        if self.model is None:
+            return model
+        broadcast_buffers(self.model)
+        return self.eval_model
+
+    def state(self):
+        """For checkpoints: None when off. Reading a device count back is one sync, at the epoch's end."""
+        if self.model is None:
+            return None
+        return {"model": self.model.state_dict(), "updates": int(self.updates), "decay": self.decay}
+
+    def load(self, saved, model):
+        """A checkpoint's EMA; where it has none (a run without EMA, or from before it), the EMA starts
+        from `model`'s weights (those just resumed) with its warm-up."""
+        if self.model is None:
+            return
+        self.model.load_state_dict(saved["model"] if saved else unwrap(model).state_dict())
+        self.updates = saved["updates"] if saved else 0
+
+    def note(self, state):
+        """The banner's line: what the EMA does in this run (off: None, unless a resumed EMA is dropped)."""
+        saved = state is not None and bool(state.get("ema"))
+        if self.model is None:
+            return ("ema", "off (ema_decay=None): the EMA that last.pt holds is not carried on") if saved else None
+        start = "; last.pt holds no EMA: it starts from the resumed weights" if state is not None and not saved else ""
+        return ("ema", f"decay {self.decay} (warm-up: min(decay, (1+n)/({EMA_WARMUP}+n)) at update n); "
+                       f"validation, best.pt and predict use the EMA weights{start}")
+
+
+def ema_tensors(model):
+    """(floating-point parameters and buffers, integer buffers) of a model, in a fixed order."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return [t for t in tensors if t.is_floating_point()], [t for t in tensors if not t.is_floating_point()]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -4275,7 +4376,8 @@ def predict(opts):
     check_writable(out_dir)
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
-    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']} on {describe(hw)} in {prec.name}"
+    weights = f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg["ema_decay"] is not None else ""
+    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']}{weights} on {describe(hw)} in {prec.name}"
           + (f" ({prec.warning})" if prec.warning else "") + tiled + tta_summary(cfg["tta"]))
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
@@ -4319,16 +4421,19 @@ def load_predictor(opts, hw):
 
 
 def load_model(checkpoint, hw):
-    """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg)."""
+    """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg).
+    The weights are the EMA's where the checkpoint has them (cfg["ema_decay"] then says its decay; else
+    None), as validation judged them."""
     state = load_checkpoint(checkpoint)
     # intensity_range, class_weights: a checkpoint from before them trained on the dtype's range and
     # without weights (None), whatever the edited CONFIG says now.
     saved = {"intensity_range": None, "class_weights": None,
              **{k: v for k, v in state["config"].items() if k in CONFIG}}
-    cfg = validate_config({**CONFIG, **saved})
+    ema = state.get("ema")
+    cfg = validate_config({**CONFIG, **saved, "ema_decay": ema["decay"] if ema else None})
     model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
     try:
-        model.load_state_dict(state["model"])
+        model.load_state_dict(ema["model"] if ema else state["model"])
     except RuntimeError as exc:
         raise UserError(f"{checkpoint} does not match the model its config describes: "
                         f"{first_line(exc)}") from None

@@ -31,7 +31,7 @@ from train_unet import (BENCHMARK_SETTINGS, STRICT_FP32, ZERO_GRAD_EVERY, Precis
                         build_datasets, build_optimizer, build_scaler, build_scheduler, decide_channels_last,
                         decide_precision, describe, detect_hardware, loader_options, markdown_table, normalize_key,
                         parse_overrides, prepare_data, prepare_model, setup_cudnn, skip_reason, to_device,
-                        train_one_epoch, user_message)
+                        train_one_epoch, user_message, WeightEMA)
 
 OVERHEAD_CONFIG = {
     "configs": "fp32,bf16,bf16_cl",  # names from BENCHMARK_SETTINGS (compiled ones are not counted)
@@ -168,7 +168,10 @@ def step_runners(cfg, hw, prec):
         scheduler = build_scheduler(optimizer, cfg, 10**6)
         scaler, loss_fn = build_scaler(prec, hw, cfg), SegLoss(cfg["num_classes"], cfg["loss"])
         if kind == "trainer":
-            def run(n, batches=None, r=Run(model, model, optimizer, scheduler, scaler, prec, loss_fn=loss_fn)):
+            r = Run(model, model, optimizer, scheduler, scaler, prec, loss_fn=loss_fn,
+                    ema=WeightEMA(model, cfg["ema_decay"]))  # as a run's: off unless ema_decay is set
+
+            def run(n, batches=None, r=r):
                 train_one_epoch(r, [(x, y)] * (n * k) if batches is None else batches, cfg, hw)
         else:
             def run(n, batches=None, m=model, o=optimizer, sc=scaler, lf=loss_fn):
