@@ -3009,26 +3009,91 @@ def coverage(starts, length, ramp):
 @torch.no_grad()
 def sliding_window(model, image, cfg, prec, hw):
     """fp32 logits (classes x H x W, on the CPU) of an image from read_image, by overlapping
-    image_size tiles, tile_batch_size at a time, blended with Gaussian weights.
-
-    Only one batch of tiles is ever on the device, so device memory does not grow with the image;
-    the full-size sum is kept in fp32 on the CPU whatever the autocast dtype.
-    """
+    image_size tiles, tile_batch_size at a time (tile_batches), blended with Gaussian weights (TileBlend).
+    Only one batch of tiles is ever on the device, plus the blended sum where it fits there, so device
+    memory does not grow with the image."""
     size, (h, w) = cfg["image_size"], image.shape[:2]
     padded = pad_to(image, size, size, 0)  # smaller than a tile: padded as in fit mode, cropped after
     ys, xs = (tile_starts(n, size, cfg["tile_overlap"]) for n in padded.shape[:2])
-    ramp, normalize = gaussian_ramp(size), normalizer(cfg)
-    weight = (ramp[:, None] * ramp[None, :]).to(hw.device)
-    total = torch.zeros(cfg["num_classes"], *padded.shape[:2])
-    tiles = [(y, x) for y in ys for x in xs]
-    for i in range(0, len(tiles), cfg["tile_batch_size"]):
-        batch = tiles[i:i + cfg["tile_batch_size"]]
-        x = torch.stack([image_tensor(normalize(padded[y:y + size, x:x + size])) for y, x in batch])
-        logits = (eval_forward(model, x, cfg, prec, hw).float() * weight).cpu()
-        for (y, x), tile in zip(batch, logits):
-            total[:, y:y + size, x:x + size] += tile
-    total.div_(coverage(ys, padded.shape[0], ramp)[None, :, None]).div_(coverage(xs, padded.shape[1], ramp)[None, None, :])
-    return total[:, :h, :w]
+    blend = TileBlend(cfg["num_classes"], padded.shape[:2], size, hw)
+    for batch, x in tile_batches(padded, [(y, x) for y in ys for x in xs], cfg, hw):
+        blend.add(batch, eval_forward(model, x, cfg, prec, hw))
+    return blend.result(ys, xs)[:, :h, :w]
+
+
+def tile_batches(image, tiles, cfg, hw):
+    """(tile positions, N x C x size x size model input) per tile_batch_size tiles: cut from the image as
+    read (uint8 or float32: 1-4 bytes a pixel), then normalised a batch at a time, one call for the batch
+    (the normalisation is per pixel: the values are those of each tile normalised alone). The input is
+    in the model's layout, page-locked on CUDA so that its copy to the device overlaps the model's work
+    (eval_forward's non_blocking copy; the caching host allocator keeps it until that copy is done)."""
+    size, step, normalize = cfg["image_size"], cfg["tile_batch_size"], normalizer(cfg)
+    for i in range(0, len(tiles), step):
+        batch = tiles[i:i + step]
+        cut = np.stack([image[y:y + size, x:x + size] for y, x in batch])
+        flat = normalize(cut.reshape(len(batch) * size, *cut.shape[2:]))  # one tall image
+        nchw = torch.from_numpy(flat).view(len(batch), size, size, -1).permute(0, 3, 1, 2)
+        # One copy into the model's layout with its standard strides (one channel's NHWC view passes for
+        # NCHW too, but convolutions read its strides as channels_last)
+        layout = torch.channels_last if cfg["channels_last"] is True else torch.contiguous_format
+        x = torch.empty(nchw.shape, memory_format=layout, pin_memory=hw.kind == "cuda")
+        yield batch, x.copy_(nchw)
+
+
+# A blended sum may take this share of the device's free memory; the rest is for the forwards.
+DEVICE_BLEND_SHARE = 0.5
+
+
+class TileBlend:
+    """The Gaussian-weighted sum of tile logits (fp32) and its division by the weights' sum.
+
+    On a CPU, and on CUDA where the sum fits in DEVICE_BLEND_SHARE of the free memory, the sum lives
+    on the device: a tile batch's logits never cross to the host, no sync per batch, one copy at the
+    end. Otherwise (CUDA) each batch's weighted logits go to page-locked host memory with a
+    non-blocking copy and are added one batch later, while the device computes the next: device memory
+    stays one tile batch whatever the image. (MPS: summed on the host, one copy per batch.)
+    The same adds in the same order on any device: the same logits to the bit.
+    """
+
+    def __init__(self, classes, shape, size, hw):
+        self.size, self.ramp, self.pending = size, gaussian_ramp(size), None
+        self.weight = (self.ramp[:, None] * self.ramp[None, :]).to(hw.device)
+        fits = hw.kind == "cpu" or (hw.kind == "cuda" and 4 * classes * shape[0] * shape[1]
+                                    < DEVICE_BLEND_SHARE * torch.cuda.mem_get_info(hw.device)[0])
+        self.total = torch.zeros(classes, *shape, device=hw.device if fits else "cpu")
+
+    def add(self, tiles, logits):
+        weighted = logits.float() * self.weight
+        if weighted.device == self.total.device:
+            return self.accumulate(tiles, weighted)
+        if weighted.device.type != "cuda":  # MPS: no events to wait on; a plain copy
+            return self.accumulate(tiles, weighted.cpu())
+        host = torch.empty(weighted.shape, pin_memory=True)
+        host.copy_(weighted, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.flush()  # the batch before this one: its copy had the whole forward above to finish
+        self.pending = (tiles, host, done)
+
+    def flush(self):
+        if self.pending is not None:
+            tiles, host, done = self.pending
+            done.synchronize()
+            self.pending = None
+            self.accumulate(tiles, host)
+
+    def accumulate(self, tiles, weighted):
+        size = self.size
+        for (y, x), tile in zip(tiles, weighted):
+            self.total[:, y:y + size, x:x + size] += tile
+
+    def result(self, ys, xs):
+        """The blended logits on the CPU (the classes x H x W sum divided by the weights' sum)."""
+        self.flush()
+        height, width = self.total.shape[1:]
+        rows = coverage(ys, height, self.ramp).to(self.total.device)
+        cols = coverage(xs, width, self.ramp).to(self.total.device)
+        return self.total.div_(rows[None, :, None]).div_(cols[None, None, :]).cpu()
 
 
 def eval_forward(model, x, cfg, prec, hw):
