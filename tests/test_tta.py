@@ -339,3 +339,13 @@ def test_a_bad_tta_value_is_a_one_line_error(command, capsys):
 def test_tta_none_on_the_command_line_is_the_word_not_python_none():
     assert train_unet.parse_overrides(["tta=none"])["tta"] == "none"
     assert train_unet.parse_overrides(["tta=d4"], defaults=train_unet.PREDICT_CONFIG)["tta"] == "d4"
+
+
+def test_the_measurement_tool_runs(fit_model, capsys):
+    """tools/tta_measure.py (the README's TTA figures): one round on the tiny checkpoint, a row per tta."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import tta_measure
+
+    assert tta_measure.main([f"checkpoint={fit_model[0]}", "rounds=1", "batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| `{name}`" in out for name in TTA_VIEWS) and "val IoU" in out
