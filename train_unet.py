@@ -4345,31 +4345,83 @@ def predict(opts):
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
               f"probe {note}")
-    failed, done, start = [], 0, time.perf_counter()
+    failed, start = [], time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    for i in range(0, len(paths), per_batch):
-        batch = []
-        for path in paths[i:i + per_batch]:
-            try:
-                batch.append((path, read_image(path, cfg["in_channels"], cfg["intensity_range"])))
-            except UserError as exc:
-                failed.append((str(path), str(exc)))
-        masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
-        for (path, image), mask in zip(batch, masks):
-            save_prediction(outputs[path], mask_to_png(mask, cfg["num_classes"]), done)
-            if opts["overlay"]:
-                save_prediction(out_dir / f"{path.stem}_overlay.png", overlay_image(image, mask), done)
-            done += 1
-        bar.update(len(paths[i:i + per_batch]))
+    with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
+        for batch, unreadable in read_ahead(paths, per_batch, cfg):
+            failed += unreadable
+            masks = predict_masks(model, [image for _, image in batch], cfg, prec, hw) if batch else []
+            for (path, image), mask in zip(batch, masks):
+                writer.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
+            bar.update(len(batch) + len(unreadable))
     bar.close()
-    seconds = time.perf_counter() - start
+    done, seconds = writer.written, time.perf_counter() - start
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
           f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
     for path, reason in failed:
         print(f"  failed: {reason}")
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir)}
+
+
+def read_ahead(paths, per_batch, cfg):
+    """([(path, image)], [(path, why unreadable)]) per per_batch paths, read on threads: the next batch's
+    images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works on this one."""
+    def read(path):
+        try:
+            return path, read_image(path, cfg["in_channels"], cfg["intensity_range"]), None
+        except UserError as exc:
+            return path, None, str(exc)
+
+    with ThreadPoolExecutor(max_workers=min(per_batch, PREDICT_READERS), thread_name_prefix="unet-amp-read") as pool:
+        batches = (pool.map(read, paths[i:i + per_batch]) for i in range(0, len(paths), per_batch))
+        current = next(batches, None)
+        while current is not None:
+            following = next(batches, None)  # its reads start before this batch is handed out
+            results = list(current)
+            yield ([(p, image) for p, image, why in results if why is None],
+                   [(str(p), why) for p, _, why in results if why is not None])
+            current = following
+
+
+PREDICT_READERS = 4  # threads decoding predict's next batch of images
+
+
+class MaskWriter:
+    """Writes predict's masks (and overlays) on a thread, in order, while the model works on the next
+    batch: the mask's copy to the host, the PNG encoding and the write are off the model's path. A
+    failed write stops predict with save_prediction's one-line error at the next write or at the end;
+    the masks written before it stay. At most MAX_PENDING_MASKS wait, so memory stays bounded."""
+
+    def __init__(self, num_classes, overlay):
+        self.num_classes, self.overlay, self.written, self.pending = num_classes, overlay, 0, []
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
+
+    def __enter__(self):
+        return self
+
+    def write(self, path, overlay_path, image, mask):
+        self.pending.append(self.pool.submit(self.save, path, overlay_path, image, mask))
+        while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
+            self.pending.pop(0).result()  # raises a failed write's UserError here, in predict
+
+    def save(self, path, overlay_path, image, mask):
+        mask = mask.cpu().numpy()  # on a GPU: waits for this mask's kernels, in this thread
+        save_prediction(path, mask_to_png(mask, self.num_classes), self.written)
+        if self.overlay:
+            save_prediction(overlay_path, overlay_image(image, mask), self.written)
+        self.written += 1
+
+    def __exit__(self, kind, *exc):
+        try:
+            while self.pending and kind is None:  # predict failed or was stopped: its error stands
+                self.pending.pop(0).result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+MAX_PENDING_MASKS = 16
 
 
 def load_predictor(opts, hw):
@@ -4445,25 +4497,35 @@ def original_size_logits(logits, sizes, cfg):
 @torch.inference_mode()
 def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
-    class indices (uint8) at the same sizes, the way the checkpoint's data_mode validated.
+    class indices (uint8 arrays) at the same sizes, the way the checkpoint's data_mode validated."""
+    return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)]
+
+
+@torch.inference_mode()
+def predict_masks(model, images, cfg, prec, hw):
+    """predict_batch's masks as uint8 tensors on the device (predict copies them back on its writer thread).
 
     fit: same preprocessing as validation; logits are cropped to the image's area and resized back
     (original_size_logits: validation scores these same logits).
     patch: each image through the sliding window (predict_logits).
     """
     if cfg["data_mode"] == "patch":
-        return [logits_to_mask(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
+        return [mask_tensor(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
     transform = build_transforms(cfg, train=False)  # what ValidationImages gives the model
     x = torch.stack([image_tensor(transform(image=image)["image"]) for image in images])
     logits = eval_forward(model, x, cfg, prec, hw)  # channels_last: predict() converts the model to match
     sizes = [image.shape[:2] for image in images]
-    return [logits_to_mask(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
+    return [mask_tensor(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
 
 
 def logits_to_mask(logits, num_classes):
-    """classes x H x W logits -> H x W class indices (uint8): binary at logit 0, else the argmax."""
-    mask = (logits[0] > 0) if num_classes == 1 else logits.argmax(0)
-    return mask.to(torch.uint8).cpu().numpy()
+    """classes x H x W logits -> H x W class indices (a uint8 array): binary at logit 0, else the argmax."""
+    return mask_tensor(logits, num_classes).cpu().numpy()
+
+
+def mask_tensor(logits, num_classes):
+    """logits_to_mask's mask as a uint8 tensor on the logits' device."""
+    return ((logits[0] > 0) if num_classes == 1 else logits.argmax(0)).to(torch.uint8)
 
 
 def mask_to_png(mask, num_classes):
