@@ -3085,7 +3085,7 @@ class TileBlend:
     def accumulate(self, tiles, weighted):
         size = self.size
         for (y, x), tile in zip(tiles, weighted):
-            self.total[:, y:y + size, x:x + size] += tile
+            self.total[:, y:y + size, x:x + size].add_(tile)  # add_: `+=` on a slice would copy it back
 
     def result(self, ys, xs):
         """The blended logits on the CPU (the classes x H x W sum divided by the weights' sum)."""
