@@ -4395,7 +4395,7 @@ class MaskWriter:
     the masks written before it stay. At most MAX_PENDING_MASKS wait, so memory stays bounded."""
 
     def __init__(self, num_classes, overlay):
-        self.num_classes, self.overlay, self.written, self.pending = num_classes, overlay, 0, []
+        self.num_classes, self.overlay, self.written, self.pending, self.failed = num_classes, overlay, 0, [], False
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
 
     def __enter__(self):
@@ -4407,10 +4407,16 @@ class MaskWriter:
             self.pending.pop(0).result()  # raises a failed write's UserError here, in predict
 
     def save(self, path, overlay_path, image, mask):
+        if self.failed:  # after a failed write nothing more is written: the error names what stands
+            return
         mask = mask.cpu().numpy()  # on a GPU: waits for this mask's kernels, in this thread
-        save_prediction(path, mask_to_png(mask, self.num_classes), self.written)
-        if self.overlay:
-            save_prediction(overlay_path, overlay_image(image, mask), self.written)
+        try:
+            save_prediction(path, mask_to_png(mask, self.num_classes), self.written)
+            if self.overlay:
+                save_prediction(overlay_path, overlay_image(image, mask), self.written)
+        except BaseException:
+            self.failed = True
+            raise
         self.written += 1
 
     def __exit__(self, kind, *exc):
