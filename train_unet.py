@@ -54,6 +54,7 @@ import functools
 import hashlib
 import itertools
 import json
+import io
 import math
 import multiprocessing
 import os
@@ -4309,6 +4310,7 @@ PREDICT_CONFIG = {
     "amp_dtype": "auto",
     "force_amp_dtype": False,
     "cpu_probe": True,              # CPU: precision and layout confirmed by a timed probe (cached)
+    "channels_last": "auto",        # NHWC layout: "auto" (the flag rule, or the CPU probe's answer), True, False
     "progress": True,
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
@@ -4557,6 +4559,8 @@ def validate_predict(opts):
         raise UserError(f"batch_size={opts['batch_size']} must be a whole number >= 1")
     if not valid_device(opts["device"]):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
+    if opts["channels_last"] not in ("auto", True, False):
+        raise UserError(f"channels_last={opts['channels_last']!r} is not allowed: use auto, True or False")
     for key in ("amp_dtype", "tta"):
         if opts[key] not in CHOICES[key]:
             raise UserError(f"{key}={opts[key]!r} is not allowed: use one of {', '.join(CHOICES[key])}")
@@ -4745,6 +4749,10 @@ BENCHMARK_CONFIG = {
     "output": "checkpoints/benchmark",
     "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them)
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
+    "inference": "fp32,fp32_cl,bf16,bf16_cl",  # the inference table's modes (CPU_PROBE_MODES names); "" = none
+    "inference_images": 32, # fit mode: a folder of this many of the data set's images, predicted
+    "inference_size": 2048, # patch mode: one generated image of this side, through the sliding window
+    "inference_rounds": 2,  # predict and the forward passes alone, timed in alternating rounds
 }
 
 
@@ -4810,6 +4818,8 @@ def run_benchmark(args=()):
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print_benchmark_summary(rows, bare, hw)
+    result["inference"] = inference_table(base, hw, opts, out_dir)
+    write_json(out_dir / "benchmark.json", result)
     return result
 
 
@@ -5011,6 +5021,125 @@ def markdown_table(lines):
     cells = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([cells(lines[0]), rule] + [cells(line) for line in lines[1:]])
+
+
+def inference_table(base, hw, opts, out_dir):
+    """Predict, timed against the forward passes alone over the same batches, per precision and layout:
+    fit mode over a folder of the data set's images, patch mode on one large generated image, each the
+    whole `predict` command (reading, writing, everything). The fp32 run's trained model if this benchmark
+    trained one, else a fresh one. Masks are compared with fp32's. Returns the rows (printed as a table)."""
+    modes = [m.strip() for m in opts["inference"].split(",") if m.strip()]
+    if not modes:
+        return []
+    folder = out_dir / "inference"
+    inputs = inference_inputs(base, opts, folder)
+    rows, reference = [], {}
+    for mode in modes:
+        for data_mode in ("fit", "patch"):
+            row = inference_row(mode, data_mode, base, hw, opts, folder, inputs)
+            masks = read_masks(folder / f"{data_mode}_{mode}")
+            reference.setdefault(data_mode, masks)
+            row["mask_agreement_vs_fp32"] = mask_agreement(masks, reference[data_mode]) if row["precision"] else None
+            rows.append(row)
+    write_json(folder / "inference.json", rows)
+    print(format_inference_table(rows))
+    return rows
+
+
+def inference_inputs(base, opts, folder):
+    """(fit images folder, patch image folder, the model's checkpoint): the data set's first images, one
+    generated large image (PNG), and the fp32 run's best.pt (else a fresh model's weights)."""
+    fit_dir, patch_dir = folder / "fit_images", folder / "patch_images"
+    for sub in (fit_dir, patch_dir):
+        sub.mkdir(parents=True, exist_ok=True)
+    train, val = split_pairs(base)
+    for image, _ in (val + train)[:opts["inference_images"]]:
+        shutil.copy(image, fit_dir / Path(image).name)
+    rng, side = np.random.default_rng(0), opts["inference_size"]
+    big = cv2.GaussianBlur(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), (0, 0), 3)
+    write_png(patch_dir / "large.png", big)
+    trained = folder.parent / "fp32" / "best.pt"
+    if trained.is_file():
+        return fit_dir, patch_dir, trained
+    torch.manual_seed(base["seed"])
+    model = build_model({**base, "encoder_weights": None})
+    save_checkpoint(folder / "fresh.pt", {"model": model.state_dict(), "config": base})
+    return fit_dir, patch_dir, folder / "fresh.pt"
+
+
+def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
+    """One mode's predict in one data_mode, against the forward passes alone over the same batches."""
+    dtype, nhwc = CPU_PROBE_MODES[mode]
+    fit_dir, patch_dir, checkpoint = inputs
+    model, cfg = load_model(checkpoint, hw)
+    cfg = {**cfg, "data_mode": data_mode, "channels_last": nhwc, "tta": "none"}
+    prec = Precision.of(DTYPES[dtype], "benchmark")
+    if prec.amp and not hw.bf16:
+        return {"mode": mode, "data_mode": data_mode, "precision": None, "status": "skipped: bf16 not native here"}
+    if data_mode == "patch":  # the checkpoint is saved as patch mode, so predict runs its sliding window
+        patched = folder / "patch.pt"
+        save_checkpoint(patched, {"model": model.state_dict(), "config": cfg})
+        checkpoint = patched
+    out = folder / f"{data_mode}_{mode}"
+    args = {"checkpoint": str(checkpoint), "input": str(fit_dir if data_mode == "fit" else patch_dir),
+            "output": str(out), "device": base["device"], "use_amp": prec.amp, "amp_dtype": "bfloat16",
+            "channels_last": nhwc, "cpu_probe": False, "progress": False, "batch_size": base["batch_size"]}
+    forwards, batch = forward_count(cfg, args, base)
+    model = model.to(hw.device).to(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+    x = torch.randn(batch, cfg["in_channels"], cfg["image_size"], cfg["image_size"])
+
+    def forward_only():
+        with torch.inference_mode():
+            for _ in range(forwards):
+                eval_forward(model, x, cfg, prec, hw).float().cpu()
+    predicted = []  # predict's own timer: reading, predicting and writing, not loading the checkpoint
+    with contextlib.redirect_stdout(io.StringIO()):
+        times = alternate_timings({"forward": forward_only, "predict": lambda: predicted.append(predict(args))},
+                                  opts["inference_rounds"], hw)
+    predict_s = float(np.median([r["seconds"] for r in predicted[1:]]))  # after the untimed first round
+    forward_s = float(np.median(times["forward"]))
+    pixels = sum(np.prod(read_image(p, cfg["in_channels"]).shape[:2]) for p in list_images(args["input"]))
+    return {"mode": mode, "data_mode": data_mode, "precision": prec.name, "channels_last": nhwc,
+            "images": len(list_images(args["input"])), "predict_s": predict_s, "forward_only_s": forward_s,
+            "vs_forward_only": predict_s / forward_s, "images_per_s": len(list_images(args["input"])) / predict_s,
+            "megapixels_per_s": pixels / 1e6 / predict_s, "peak_mem_mb": peak_memory_mb(hw)[0], "status": "ok"}
+
+
+def forward_count(cfg, args, base):
+    """(forward passes predict makes, images per forward) for its job: batches of images, or of tiles."""
+    images = list_images(args["input"])
+    if cfg["data_mode"] == "fit":
+        return math.ceil(len(images) / base["batch_size"]), base["batch_size"]
+    tiles = 0
+    for path in images:
+        image = rescale(read_image(path, cfg["in_channels"]), None, cfg["patch_scale"])[0]
+        padded = pad_to(image, cfg["image_size"], cfg["image_size"], 0)
+        tiles += math.prod(len(tile_starts(n, cfg["image_size"], cfg["tile_overlap"])) for n in padded.shape[:2])
+    return math.ceil(tiles / cfg["tile_batch_size"]), cfg["tile_batch_size"]
+
+
+def read_masks(folder):
+    return {p.name: cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in sorted(Path(folder).glob("*.png"))}
+
+
+def mask_agreement(masks, reference):
+    """Share of mask pixels equal to the reference's (the same image names)."""
+    same = sum(int((masks[name] == reference[name]).sum()) for name in reference)
+    return same / max(1, sum(m.size for m in reference.values()))
+
+
+def format_inference_table(rows):
+    lines = [("Mode", "Data mode", "Images", "Predict", "vs forward alone", "img/s", "Mpx/s", "Peak memory",
+              "Masks = fp32's")]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", r["status"]))
+            continue
+        lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s", f"{r['vs_forward_only']:.3f}x",
+                      f"{r['images_per_s']:.1f}", f"{r['megapixels_per_s']:.2f}", f"{r['peak_mem_mb']:.0f} MB",
+                      f"{100 * r['mask_agreement_vs_fp32']:.3f}%"))
+    return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
+            "same batches, medians of alternating rounds\n" + markdown_table(lines))
 
 
 BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
