@@ -54,6 +54,7 @@ import functools
 import hashlib
 import itertools
 import json
+import io
 import math
 import multiprocessing
 import os
@@ -3018,26 +3019,91 @@ def coverage(starts, length, ramp):
 @torch.no_grad()
 def sliding_window(model, image, cfg, prec, hw):
     """fp32 logits (classes x H x W, on the CPU) of an image from read_image, by overlapping
-    image_size tiles, tile_batch_size at a time, blended with Gaussian weights.
-
-    Only one batch of tiles is ever on the device, so device memory does not grow with the image;
-    the full-size sum is kept in fp32 on the CPU whatever the autocast dtype.
-    """
+    image_size tiles, tile_batch_size at a time (tile_batches), blended with Gaussian weights (TileBlend).
+    Only one batch of tiles is ever on the device, plus the blended sum where it fits there, so device
+    memory does not grow with the image."""
     size, (h, w) = cfg["image_size"], image.shape[:2]
     padded = pad_to(image, size, size, 0)  # smaller than a tile: padded as in fit mode, cropped after
     ys, xs = (tile_starts(n, size, cfg["tile_overlap"]) for n in padded.shape[:2])
-    ramp, normalize = gaussian_ramp(size), normalizer(cfg)
-    weight = (ramp[:, None] * ramp[None, :]).to(hw.device)
-    total = torch.zeros(cfg["num_classes"], *padded.shape[:2])
-    tiles = [(y, x) for y in ys for x in xs]
-    for i in range(0, len(tiles), cfg["tile_batch_size"]):
-        batch = tiles[i:i + cfg["tile_batch_size"]]
-        x = torch.stack([image_tensor(normalize(padded[y:y + size, x:x + size])) for y, x in batch])
-        logits = (eval_forward(model, x, cfg, prec, hw).float() * weight).cpu()
-        for (y, x), tile in zip(batch, logits):
-            total[:, y:y + size, x:x + size] += tile
-    total.div_(coverage(ys, padded.shape[0], ramp)[None, :, None]).div_(coverage(xs, padded.shape[1], ramp)[None, None, :])
-    return total[:, :h, :w]
+    blend = TileBlend(cfg["num_classes"], padded.shape[:2], size, hw)
+    for batch, x in tile_batches(padded, [(y, x) for y in ys for x in xs], cfg, hw):
+        blend.add(batch, eval_forward(model, x, cfg, prec, hw))
+    return blend.result(ys, xs)[:, :h, :w]
+
+
+def tile_batches(image, tiles, cfg, hw):
+    """(tile positions, N x C x size x size model input) per tile_batch_size tiles: cut from the image as
+    read (uint8 or float32: 1-4 bytes a pixel), then normalised a batch at a time, one call for the batch
+    (the normalisation is per pixel: the values are those of each tile normalised alone). The input is
+    in the model's layout, page-locked on CUDA so that its copy to the device overlaps the model's work
+    (eval_forward's non_blocking copy; the caching host allocator keeps it until that copy is done)."""
+    size, step, normalize = cfg["image_size"], cfg["tile_batch_size"], normalizer(cfg)
+    for i in range(0, len(tiles), step):
+        batch = tiles[i:i + step]
+        cut = np.stack([image[y:y + size, x:x + size] for y, x in batch])
+        flat = normalize(cut.reshape(len(batch) * size, *cut.shape[2:]))  # one tall image
+        nchw = torch.from_numpy(flat).view(len(batch), size, size, -1).permute(0, 3, 1, 2)
+        # One copy into the model's layout with its standard strides (one channel's NHWC view passes for
+        # NCHW too, but convolutions read its strides as channels_last)
+        layout = torch.channels_last if cfg["channels_last"] is True else torch.contiguous_format
+        x = torch.empty(nchw.shape, memory_format=layout, pin_memory=hw.kind == "cuda")
+        yield batch, x.copy_(nchw)
+
+
+# A blended sum may take this share of the device's free memory; the rest is for the forwards.
+DEVICE_BLEND_SHARE = 0.5
+
+
+class TileBlend:
+    """The Gaussian-weighted sum of tile logits (fp32) and its division by the weights' sum.
+
+    On a CPU, and on CUDA where the sum fits in DEVICE_BLEND_SHARE of the free memory, the sum lives
+    on the device: a tile batch's logits never cross to the host, no sync per batch, one copy at the
+    end. Otherwise (CUDA) each batch's weighted logits go to page-locked host memory with a
+    non-blocking copy and are added one batch later, while the device computes the next: device memory
+    stays one tile batch whatever the image. (MPS: summed on the host, one copy per batch.)
+    The same adds in the same order on any device: the same logits to the bit.
+    """
+
+    def __init__(self, classes, shape, size, hw):
+        self.size, self.ramp, self.pending = size, gaussian_ramp(size), None
+        self.weight = (self.ramp[:, None] * self.ramp[None, :]).to(hw.device)
+        fits = hw.kind == "cpu" or (hw.kind == "cuda" and 4 * classes * shape[0] * shape[1]
+                                    < DEVICE_BLEND_SHARE * torch.cuda.mem_get_info(hw.device)[0])
+        self.total = torch.zeros(classes, *shape, device=hw.device if fits else "cpu")
+
+    def add(self, tiles, logits):
+        weighted = logits.float() * self.weight
+        if weighted.device == self.total.device:
+            return self.accumulate(tiles, weighted)
+        if weighted.device.type != "cuda":  # MPS: no events to wait on; a plain copy
+            return self.accumulate(tiles, weighted.cpu())
+        host = torch.empty(weighted.shape, pin_memory=True)
+        host.copy_(weighted, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.flush()  # the batch before this one: its copy had the whole forward above to finish
+        self.pending = (tiles, host, done)
+
+    def flush(self):
+        if self.pending is not None:
+            tiles, host, done = self.pending
+            done.synchronize()
+            self.pending = None
+            self.accumulate(tiles, host)
+
+    def accumulate(self, tiles, weighted):
+        size = self.size
+        for (y, x), tile in zip(tiles, weighted):
+            self.total[:, y:y + size, x:x + size].add_(tile)  # add_: `+=` on a slice would copy it back
+
+    def result(self, ys, xs):
+        """The blended logits on the CPU (the classes x H x W sum divided by the weights' sum)."""
+        self.flush()
+        height, width = self.total.shape[1:]
+        rows = coverage(ys, height, self.ramp).to(self.total.device)
+        cols = coverage(xs, width, self.ramp).to(self.total.device)
+        return self.total.div_(rows[None, :, None]).div_(cols[None, None, :]).cpu()
 
 
 def eval_forward(model, x, cfg, prec, hw):
@@ -4345,6 +4411,7 @@ PREDICT_CONFIG = {
     "amp_dtype": "auto",
     "force_amp_dtype": False,
     "cpu_probe": True,              # CPU: precision and layout confirmed by a timed probe (cached)
+    "channels_last": "auto",        # NHWC layout: "auto" (the flag rule, or the CPU probe's answer), True, False
     "progress": True,
     "tile_overlap": None,           # patch-mode checkpoints: None = the checkpoint's (sliding window)
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
@@ -4382,31 +4449,89 @@ def predict(opts):
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
               f"probe {note}")
-    failed, done, start = [], 0, time.perf_counter()
+    failed, start = [], time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    for i in range(0, len(paths), per_batch):
-        batch = []
-        for path in paths[i:i + per_batch]:
-            try:
-                batch.append((path, read_image(path, cfg["in_channels"], cfg["intensity_range"])))
-            except UserError as exc:
-                failed.append((str(path), str(exc)))
-        masks = predict_batch(model, [img for _, img in batch], cfg, prec, hw) if batch else []
-        for (path, image), mask in zip(batch, masks):
-            save_prediction(outputs[path], mask_to_png(mask, cfg["num_classes"]), done)
-            if opts["overlay"]:
-                save_prediction(out_dir / f"{path.stem}_overlay.png", overlay_image(image, mask), done)
-            done += 1
-        bar.update(len(paths[i:i + per_batch]))
+    with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
+        for batch, unreadable in read_ahead(paths, per_batch, cfg):
+            failed += unreadable
+            masks = predict_masks(model, [image for _, image in batch], cfg, prec, hw) if batch else []
+            for (path, image), mask in zip(batch, masks):
+                writer.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
+            bar.update(len(batch) + len(unreadable))
     bar.close()
-    seconds = time.perf_counter() - start
+    done, seconds = writer.written, time.perf_counter() - start
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
           f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
     for path, reason in failed:
         print(f"  failed: {reason}")
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir)}
+
+
+def read_ahead(paths, per_batch, cfg):
+    """([(path, image)], [(path, why unreadable)]) per per_batch paths, read on threads: the next batch's
+    images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works on this one."""
+    def read(path):
+        try:
+            return path, read_image(path, cfg["in_channels"], cfg["intensity_range"]), None
+        except UserError as exc:
+            return path, None, str(exc)
+
+    with ThreadPoolExecutor(max_workers=min(per_batch, PREDICT_READERS), thread_name_prefix="unet-amp-read") as pool:
+        batches = (pool.map(read, paths[i:i + per_batch]) for i in range(0, len(paths), per_batch))
+        current = next(batches, None)
+        while current is not None:
+            following = next(batches, None)  # its reads start before this batch is handed out
+            results = list(current)
+            yield ([(p, image) for p, image, why in results if why is None],
+                   [(str(p), why) for p, _, why in results if why is not None])
+            current = following
+
+
+PREDICT_READERS = 4  # threads decoding predict's next batch of images
+
+
+class MaskWriter:
+    """Writes predict's masks (and overlays) on a thread, in order, while the model works on the next
+    batch: the mask's copy to the host, the PNG encoding and the write are off the model's path. A
+    failed write stops predict with save_prediction's one-line error at the next write or at the end;
+    the masks written before it stay. At most MAX_PENDING_MASKS wait, so memory stays bounded."""
+
+    def __init__(self, num_classes, overlay):
+        self.num_classes, self.overlay, self.written, self.pending, self.failed = num_classes, overlay, 0, [], False
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
+
+    def __enter__(self):
+        return self
+
+    def write(self, path, overlay_path, image, mask):
+        self.pending.append(self.pool.submit(self.save, path, overlay_path, image, mask))
+        while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
+            self.pending.pop(0).result()  # raises a failed write's UserError here, in predict
+
+    def save(self, path, overlay_path, image, mask):
+        if self.failed:  # after a failed write nothing more is written: the error names what stands
+            return
+        mask = mask.cpu().numpy()  # on a GPU: waits for this mask's kernels, in this thread
+        try:
+            save_prediction(path, mask_to_png(mask, self.num_classes), self.written)
+            if self.overlay:
+                save_prediction(overlay_path, overlay_image(image, mask), self.written)
+        except BaseException:
+            self.failed = True
+            raise
+        self.written += 1
+
+    def __exit__(self, kind, *exc):
+        try:
+            while self.pending and kind is None:  # predict failed or was stopped: its error stands
+                self.pending.pop(0).result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+MAX_PENDING_MASKS = 16
 
 
 def load_predictor(opts, hw):
@@ -4485,25 +4610,35 @@ def original_size_logits(logits, sizes, cfg):
 @torch.inference_mode()
 def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
-    class indices (uint8) at the same sizes, the way the checkpoint's data_mode validated.
+    class indices (uint8 arrays) at the same sizes, the way the checkpoint's data_mode validated."""
+    return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)]
+
+
+@torch.inference_mode()
+def predict_masks(model, images, cfg, prec, hw):
+    """predict_batch's masks as uint8 tensors on the device (predict copies them back on its writer thread).
 
     fit: same preprocessing as validation; logits are cropped to the image's area and resized back
     (original_size_logits: validation scores these same logits).
     patch: each image through the sliding window (predict_logits).
     """
     if cfg["data_mode"] == "patch":
-        return [logits_to_mask(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
+        return [mask_tensor(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
     transform = build_transforms(cfg, train=False)  # what ValidationImages gives the model
     x = torch.stack([image_tensor(transform(image=image)["image"]) for image in images])
     logits = eval_forward(model, x, cfg, prec, hw)  # channels_last: predict() converts the model to match
     sizes = [image.shape[:2] for image in images]
-    return [logits_to_mask(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
+    return [mask_tensor(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
 
 
 def logits_to_mask(logits, num_classes):
-    """classes x H x W logits -> H x W class indices (uint8): binary at logit 0, else the argmax."""
-    mask = (logits[0] > 0) if num_classes == 1 else logits.argmax(0)
-    return mask.to(torch.uint8).cpu().numpy()
+    """classes x H x W logits -> H x W class indices (a uint8 array): binary at logit 0, else the argmax."""
+    return mask_tensor(logits, num_classes).cpu().numpy()
+
+
+def mask_tensor(logits, num_classes):
+    """logits_to_mask's mask as a uint8 tensor on the logits' device."""
+    return ((logits[0] > 0) if num_classes == 1 else logits.argmax(0)).to(torch.uint8)
 
 
 def mask_to_png(mask, num_classes):
@@ -4529,6 +4664,8 @@ def validate_predict(opts):
         raise UserError(f"batch_size={opts['batch_size']} must be a whole number >= 1")
     if not valid_device(opts["device"]):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
+    if opts["channels_last"] not in ("auto", True, False):
+        raise UserError(f"channels_last={opts['channels_last']!r} is not allowed: use auto, True or False")
     for key in ("amp_dtype", "tta"):
         if opts[key] not in CHOICES[key]:
             raise UserError(f"{key}={opts[key]!r} is not allowed: use one of {', '.join(CHOICES[key])}")
@@ -4717,6 +4854,10 @@ BENCHMARK_CONFIG = {
     "output": "checkpoints/benchmark",
     "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them)
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
+    "inference": "fp32,fp32_cl,bf16,bf16_cl",  # the inference table's modes (CPU_PROBE_MODES names); "" = none
+    "inference_images": 32, # fit mode: a folder of this many of the data set's images, predicted
+    "inference_size": 2048, # patch mode: one generated image of this side, through the sliding window
+    "inference_rounds": 2,  # predict and the forward passes alone, timed in alternating rounds
 }
 
 
@@ -4782,6 +4923,8 @@ def run_benchmark(args=()):
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print_benchmark_summary(rows, bare, hw)
+    result["inference"] = inference_table(base, hw, opts, out_dir)
+    write_json(out_dir / "benchmark.json", result)
     return result
 
 
@@ -4983,6 +5126,125 @@ def markdown_table(lines):
     cells = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([cells(lines[0]), rule] + [cells(line) for line in lines[1:]])
+
+
+def inference_table(base, hw, opts, out_dir):
+    """Predict, timed against the forward passes alone over the same batches, per precision and layout:
+    fit mode over a folder of the data set's images, patch mode on one large generated image, each the
+    whole `predict` command (reading, writing, everything). The fp32 run's trained model if this benchmark
+    trained one, else a fresh one. Masks are compared with fp32's. Returns the rows (printed as a table)."""
+    modes = [m.strip() for m in opts["inference"].split(",") if m.strip()]
+    if not modes:
+        return []
+    folder = out_dir / "inference"
+    inputs = inference_inputs(base, opts, folder)
+    rows, reference = [], {}
+    for mode in modes:
+        for data_mode in ("fit", "patch"):
+            row = inference_row(mode, data_mode, base, hw, opts, folder, inputs)
+            masks = read_masks(folder / f"{data_mode}_{mode}")
+            reference.setdefault(data_mode, masks)
+            row["mask_agreement_vs_fp32"] = mask_agreement(masks, reference[data_mode]) if row["precision"] else None
+            rows.append(row)
+    write_json(folder / "inference.json", rows)
+    print(format_inference_table(rows))
+    return rows
+
+
+def inference_inputs(base, opts, folder):
+    """(fit images folder, patch image folder, the model's checkpoint): the data set's first images, one
+    generated large image (PNG), and the fp32 run's best.pt (else a fresh model's weights)."""
+    fit_dir, patch_dir = folder / "fit_images", folder / "patch_images"
+    for sub in (fit_dir, patch_dir):
+        sub.mkdir(parents=True, exist_ok=True)
+    train, val = split_pairs(base)
+    for image, _ in (val + train)[:opts["inference_images"]]:
+        shutil.copy(image, fit_dir / Path(image).name)
+    rng, side = np.random.default_rng(0), opts["inference_size"]
+    big = cv2.GaussianBlur(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), (0, 0), 3)
+    write_png(patch_dir / "large.png", big)
+    trained = folder.parent / "fp32" / "best.pt"
+    if trained.is_file():
+        return fit_dir, patch_dir, trained
+    torch.manual_seed(base["seed"])
+    model = build_model({**base, "encoder_weights": None})
+    save_checkpoint(folder / "fresh.pt", {"model": model.state_dict(), "config": base})
+    return fit_dir, patch_dir, folder / "fresh.pt"
+
+
+def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
+    """One mode's predict in one data_mode, against the forward passes alone over the same batches."""
+    dtype, nhwc = CPU_PROBE_MODES[mode]
+    fit_dir, patch_dir, checkpoint = inputs
+    model, cfg = load_model(checkpoint, hw)
+    cfg = {**cfg, "data_mode": data_mode, "channels_last": nhwc, "tta": "none"}
+    prec = Precision.of(DTYPES[dtype], "benchmark")
+    if prec.amp and not hw.bf16:
+        return {"mode": mode, "data_mode": data_mode, "precision": None, "status": "skipped: bf16 not native here"}
+    if data_mode == "patch":  # the checkpoint is saved as patch mode, so predict runs its sliding window
+        patched = folder / "patch.pt"
+        save_checkpoint(patched, {"model": model.state_dict(), "config": cfg})
+        checkpoint = patched
+    out = folder / f"{data_mode}_{mode}"
+    args = {"checkpoint": str(checkpoint), "input": str(fit_dir if data_mode == "fit" else patch_dir),
+            "output": str(out), "device": base["device"], "use_amp": prec.amp, "amp_dtype": "bfloat16",
+            "channels_last": nhwc, "cpu_probe": False, "progress": False, "batch_size": base["batch_size"]}
+    forwards, batch = forward_count(cfg, args, base)
+    model = model.to(hw.device).to(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
+    x = torch.randn(batch, cfg["in_channels"], cfg["image_size"], cfg["image_size"])
+
+    def forward_only():
+        with torch.inference_mode():
+            for _ in range(forwards):
+                eval_forward(model, x, cfg, prec, hw).float().cpu()
+    predicted = []  # predict's own timer: reading, predicting and writing, not loading the checkpoint
+    with contextlib.redirect_stdout(io.StringIO()):
+        times = alternate_timings({"forward": forward_only, "predict": lambda: predicted.append(predict(args))},
+                                  opts["inference_rounds"], hw)
+    predict_s = float(np.median([r["seconds"] for r in predicted[1:]]))  # after the untimed first round
+    forward_s = float(np.median(times["forward"]))
+    pixels = sum(np.prod(read_image(p, cfg["in_channels"]).shape[:2]) for p in list_images(args["input"]))
+    return {"mode": mode, "data_mode": data_mode, "precision": prec.name, "channels_last": nhwc,
+            "images": len(list_images(args["input"])), "predict_s": predict_s, "forward_only_s": forward_s,
+            "vs_forward_only": predict_s / forward_s, "images_per_s": len(list_images(args["input"])) / predict_s,
+            "megapixels_per_s": pixels / 1e6 / predict_s, "peak_mem_mb": peak_memory_mb(hw)[0], "status": "ok"}
+
+
+def forward_count(cfg, args, base):
+    """(forward passes predict makes, images per forward) for its job: batches of images, or of tiles."""
+    images = list_images(args["input"])
+    if cfg["data_mode"] == "fit":
+        return math.ceil(len(images) / base["batch_size"]), base["batch_size"]
+    tiles = 0
+    for path in images:
+        image = rescale(read_image(path, cfg["in_channels"]), None, cfg["patch_scale"])[0]
+        padded = pad_to(image, cfg["image_size"], cfg["image_size"], 0)
+        tiles += math.prod(len(tile_starts(n, cfg["image_size"], cfg["tile_overlap"])) for n in padded.shape[:2])
+    return math.ceil(tiles / cfg["tile_batch_size"]), cfg["tile_batch_size"]
+
+
+def read_masks(folder):
+    return {p.name: cv2.imread(str(p), cv2.IMREAD_UNCHANGED) for p in sorted(Path(folder).glob("*.png"))}
+
+
+def mask_agreement(masks, reference):
+    """Share of mask pixels equal to the reference's (the same image names)."""
+    same = sum(int((masks[name] == reference[name]).sum()) for name in reference)
+    return same / max(1, sum(m.size for m in reference.values()))
+
+
+def format_inference_table(rows):
+    lines = [("Mode", "Data mode", "Images", "Predict", "vs forward alone", "img/s", "Mpx/s", "Peak memory",
+              "Masks = fp32's")]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", r["status"]))
+            continue
+        lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s", f"{r['vs_forward_only']:.3f}x",
+                      f"{r['images_per_s']:.1f}", f"{r['megapixels_per_s']:.2f}", f"{r['peak_mem_mb']:.0f} MB",
+                      f"{100 * r['mask_agreement_vs_fp32']:.3f}%"))
+    return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
+            "same batches, medians of alternating rounds\n" + markdown_table(lines))
 
 
 BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")

@@ -3,6 +3,7 @@ original size, against its original mask); the benchmark archives only its own e
 never counts a mask it could not write."""
 import errno
 import shutil
+import time
 from pathlib import Path
 
 import cv2
@@ -229,15 +230,20 @@ def run_predict(checkpoint, data_dir, out, **extra):
                                "progress": False, **extra})
 
 
-def break_after_first_batch(monkeypatch, breaks):
-    real, calls = train_unet.predict_batch, []
+def break_after_first_batch(monkeypatch, breaks, out=None, written=2):
+    """breaks() as predict starts its second batch; with `out`, once the first batch's `written` masks are
+    there (predict writes them on a thread while the model works on the next batch)."""
+    real, calls = train_unet.predict_masks, []
 
-    def predict_batch(*args):
+    def predict_masks(*args):
         calls.append(1)
         if len(calls) == 2:
+            deadline = time.monotonic() + 30
+            while out is not None and len(list(out.glob("*.png"))) < written and time.monotonic() < deadline:
+                time.sleep(0.01)
             breaks()
         return real(*args)
-    monkeypatch.setattr(train_unet, "predict_batch", predict_batch)
+    monkeypatch.setattr(train_unet, "predict_masks", predict_masks)
 
 
 @pytest.mark.parametrize("how", ["removed", "now a file"])
@@ -248,7 +254,7 @@ def test_predict_stops_when_the_output_folder_goes_away(checkpoint, data_dir, tm
         shutil.rmtree(out)
         if how == "now a file":
             out.write_text("in the way")
-    break_after_first_batch(monkeypatch, breaks)
+    break_after_first_batch(monkeypatch, breaks, out)
     with pytest.raises(UserError) as err:
         run_predict(checkpoint, data_dir, out)
     message = str(err.value)

@@ -1,0 +1,157 @@
+"""Predict at the speed of the forward pass (issue 24): the sliding window cuts its tiles from the image as
+read, normalises a batch at a time and blends on the device, with no host sync per tile batch; predict
+reads ahead and writes behind on threads. Outputs are today's to the bit. Counted, not timed."""
+import threading
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train_unet
+from train_unet import TILE_RULES, decide_precision
+
+CONVERSIONS = ("cpu", "item", "tolist", "__bool__", "__float__", "__int__", "numpy")
+
+
+def window_cfg(**overrides):
+    cfg = train_unet.validate_config(dict(train_unet.CONFIG, data_mode="patch", image_size=64, num_classes=3,
+                                          tile_batch_size=4, encoder_name="resnet18", channels_last=False))
+    return {**cfg, **overrides}
+
+
+def reference_window(model, image, cfg, prec, hw):
+    """The sliding window as it was before issue 24: each tile normalised alone, its weighted logits copied
+    to the host per batch and added there. The new one must give these logits to the bit."""
+    size, (h, w) = cfg["image_size"], image.shape[:2]
+    padded = train_unet.pad_to(image, size, size, 0)
+    ys, xs = (train_unet.tile_starts(n, size, cfg["tile_overlap"]) for n in padded.shape[:2])
+    ramp, normalize = train_unet.gaussian_ramp(size), train_unet.normalizer(cfg)
+    weight = ramp[:, None] * ramp[None, :]
+    total = torch.zeros(cfg["num_classes"], *padded.shape[:2])
+    tiles = [(y, x) for y in ys for x in xs]
+    for i in range(0, len(tiles), cfg["tile_batch_size"]):
+        batch = tiles[i:i + cfg["tile_batch_size"]]
+        x = torch.stack([train_unet.image_tensor(normalize(padded[y:y + size, x:x + size])) for y, x in batch])
+        logits = (train_unet.eval_forward(model, x, cfg, prec, hw).float() * weight).cpu()
+        for (y, x), tile in zip(batch, logits):
+            total[:, y:y + size, x:x + size] += tile
+    total.div_(train_unet.coverage(ys, padded.shape[0], ramp)[None, :, None])
+    return total.div_(train_unet.coverage(xs, padded.shape[1], ramp)[None, None, :])[:, :h, :w]
+
+
+@pytest.mark.parametrize("channels, dtype, nhwc", [(3, np.uint8, False), (3, np.uint8, True), (1, np.uint8, False),
+                                                   (3, np.float32, False), (1, np.float32, True)])
+def test_sliding_window_logits_are_the_per_tile_ones_to_the_bit(cpu_hw, channels, dtype, nhwc):
+    cfg = window_cfg(in_channels=channels, channels_last=nhwc, tile_batch_size=5)
+    torch.manual_seed(0)
+    model = train_unet.build_model(cfg).eval()
+    model = model.to(memory_format=torch.channels_last) if nhwc else model
+    rng = np.random.default_rng(0)
+    shape = (150, 117, channels) if channels == 3 else (150, 117)
+    image = rng.integers(0, 256, shape).astype(np.uint8) if dtype == np.uint8 else rng.random(shape, dtype=np.float32)
+    prec = decide_precision(cpu_hw, use_amp=False)
+    with torch.inference_mode():
+        new, old = train_unet.sliding_window(model, image, cfg, prec, cpu_hw), reference_window(model, image, cfg, prec, cpu_hw)
+    assert new.shape == old.shape == (3, 150, 117) and torch.equal(new, old)
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def window_counts(image_side, monkeypatch, cpu_hw):
+    """(aten ops, host conversions) of one sliding window over a square image, a 1x1 conv as the model."""
+    cfg = window_cfg(num_classes=2, tile_overlap=0.0)
+    model = torch.nn.Conv2d(3, 2, 1).eval()
+    image = np.zeros((image_side, image_side, 3), np.uint8)
+    calls = []
+    for name in CONVERSIONS:
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: calls.append(_n) or _r(self, *a, **k))
+    with torch.inference_mode(), Ops() as counter:
+        train_unet.sliding_window(model, image, cfg, decide_precision(cpu_hw, use_amp=False), cpu_hw)
+    monkeypatch.undo()
+    return sum(counter.ops.values()), calls
+
+
+def test_no_host_sync_per_tile_batch_and_few_ops(cpu_hw, monkeypatch):
+    """4 tiles (1 batch) vs 16 tiles (4 batches) of 64 px: the same host conversions (one copy of the result
+    at the end, none per tile batch: on a GPU each is a sync), and per extra tile batch only the forward
+    (one conv), the blend (one weighting, two slices and an add per tile) and a few to make the input
+    (from_numpy, view, permute, empty, copy; the rows' and columns' weight sums add a few per tile row)."""
+    ops_1, calls_1 = window_counts(128, monkeypatch, cpu_hw)
+    ops_4, calls_4 = window_counts(256, monkeypatch, cpu_hw)
+    assert calls_4 == calls_1 and calls_1.count("cpu") <= 1
+    per_batch = (ops_4 - ops_1) / 3
+    # conv; unbind, to, mul (weighting); 4 x (2 slices, add_); from_numpy, view, permute, empty, copy_, to;
+    # the weight sums' few per tile row: 27.3 here (the per-tile normalising window before it: 40.3)
+    assert per_batch <= 1 + 3 + 3 * 4 + 6 + 6, per_batch
+
+
+def test_predict_reads_the_next_batch_while_this_one_is_predicted(checkpoint_cfg, tmp_path, monkeypatch):
+    """The second batch's images are read (on reader threads) before the first batch's masks are done,
+    and masks are written on a writer thread, in order."""
+    ckpt, data = checkpoint_cfg
+    events, lock = [], threading.Lock()
+    real_read, real_masks = train_unet.read_image, train_unet.predict_masks
+
+    def read_image(path, *args):
+        with lock:
+            events.append(("read", path.name))
+        return real_read(path, *args)
+
+    def predict_masks(model, images, *args):
+        time.sleep(0.3)  # the model's time: the next batch's reads run meanwhile
+        with lock:
+            events.append(("masks", len(images)))
+        return real_masks(model, images, *args)
+    writers = []
+    real_save = train_unet.save_prediction
+    monkeypatch.setattr(train_unet, "read_image", read_image)
+    monkeypatch.setattr(train_unet, "predict_masks", predict_masks)
+    monkeypatch.setattr(train_unet, "save_prediction",
+                        lambda path, *a: writers.append((threading.current_thread().name, path.name)) or real_save(path, *a))
+    out = tmp_path / "pred"
+    result = train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(out),
+                                 "batch_size": 4, "device": "cpu", "use_amp": False, "progress": False})
+    assert result["predicted"] == 12 and not result["failed"]
+    first_masks = events.index(("masks", 4))
+    reads_before = [e for e in events[:first_masks] if e[0] == "read"]
+    assert len(reads_before) == 8  # the first batch, and the second read ahead
+    assert all(name.startswith("unet-amp-write") for name, _ in writers)
+    assert [name for _, name in writers] == sorted(name for _, name in writers)  # in order
+    assert len(list(out.glob("*.png"))) == 12
+
+
+@pytest.fixture
+def checkpoint_cfg(make_cfg, data_dir, tmp_path):
+    cfg = make_cfg(image_size=32, epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
+    train_unet.train(cfg)
+    return tmp_path / "ckpt" / "best.pt", data_dir
+
+
+def test_a_failed_write_surfaces_as_predicts_one_line_error(checkpoint_cfg, tmp_path, monkeypatch):
+    ckpt, data = checkpoint_cfg
+    calls = []
+
+    def write_png(path, image):
+        calls.append(path)
+        if len(calls) == 3:
+            raise OSError(28, "No space left on device")
+        return real(path, image)
+    real = train_unet.write_png
+    monkeypatch.setattr(train_unet, "write_png", write_png)
+    with pytest.raises(train_unet.UserError) as err:
+        train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(tmp_path / "p"),
+                            "batch_size": 2, "device": "cpu", "use_amp": False, "progress": False})
+    assert "No space left" in str(err.value) and "the 2 image(s) predicted before it are kept" in str(err.value)
+    assert len(list((tmp_path / "p").glob("*.png"))) == 2
