@@ -144,7 +144,7 @@ CONFIG = {
     "channels_last": "auto",       # NHWC memory layout: "auto" (on where it is faster), True, False
     "cpu_probe": True,             # CPU: amp_dtype/channels_last "auto" confirmed by a short timed probe
                                    # (cached per machine and setting); False = the feature-flag rule only
-    "compile_model": False,        # torch.compile: for GPUs; a CPU pays 30-70 s for little or no gain
+    "compile_model": False,        # torch.compile: for GPUs; a CPU pays ~1 min for little or no gain
     "sync_batchnorm": False,       # under torchrun: BatchNorm statistics over all GPUs (CUDA only)
     "tf32_matmul_precision": None, # None | "highest" | "high" | "medium" (fp32 matmuls on Ampere+)
     # GradScaler (used only with float16)
@@ -188,7 +188,7 @@ PRESETS = {
 
 
 PRESET_USES = {
-    "fast": "daily experiments on a GPU (compile takes 30-70 s up front and does not pay off on a CPU)",
+    "fast": "daily experiments on a GPU (compile takes about a minute up front and does not pay off on a CPU)",
     "stable": "the final model, or after NaN trouble: fp32, no compile, clipping and the guard",
     "low_memory": "small GPUs (~4 GB): AMP and half the batch, accumulated to the same effective batch",
     "debug": "finding a bug in seconds on a laptop CPU: tiny fp32 run, anomaly detection, first NaN stops",
@@ -345,7 +345,7 @@ def setup_precision(cfg, state=None):
     kept = prec is not decided
     notes = [decided.warning if kept else None, prec.reason if kept else None]
     if cfg["compile_model"] and hw.kind == "cpu":
-        notes.append("compile_model=True on CPU: expect 30-70 s of compiling and no speed-up")
+        notes.append("compile_model=True on CPU: expect about a minute of compiling for little or no gain")
     return hw, prec, notes
 
 
@@ -583,13 +583,13 @@ def train_one_epoch(run, loader, cfg, hw, desc="train"):
                 logits, loss = forward_backward(run, x, y, hw, len(group), group_valid)
             finite = tally.add(loss, logits, y)  # a device bool: no sync per micro-step
             group_ok = finite if i == 0 else group_ok & finite
+            progress.refresh(tally.loss_pair, tally.metric, tally.images)  # at most every PROGRESS_REFRESH_S
         # ---- the update: one per group; with nan_guard, the one host sync per optimizer step ----
         step = optimizer_step(run, cfg, agree(group_ok), guard.count_zeros_now())
         run.ema.update(step.applied)  # weight EMA (III.7); off: no op
         run.logger.log_step(run.scheduler, tally.loss_sum, tally.finite_losses, step.norm, run.scaler)
         run.scheduler.step()
         guard.after_step(step, run.scheduler.last_epoch, (x, y))  # nan_patience bad steps: NonFiniteStreak
-        progress.refresh(tally.loss_pair, tally.metric, tally.images)
     progress.close()
     return tally.result(guard.health, hw)
 
@@ -739,6 +739,12 @@ def window_pieces(model, batch, cfg, prec, hw):
 # Presets: "explicit" keys (given on the command line, or passed to train() with a value that differs from
 # CONFIG) keep their value; the preset sets the others.
 # ----------------------------------------------------------------------------------------------------
+# Mask value of pixels that are not part of the image (padding, areas rotated in by augmentation):
+# ignored by the loss and the metrics, so IoU is measured on real pixels only.
+IGNORE_INDEX = 255
+MODEL_STRIDE = 32  # the U-Net halves the image 5 times: sides must be multiples of this
+
+
 class UserError(Exception):
     """A problem the user can fix (bad config, bad data). Printed as one line, no traceback."""
 
@@ -978,9 +984,6 @@ def value_rules(cfg):
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
          f"bottleneck: use batch_size >= 2 or image_size >= 64"),
     ]
-
-
-MODEL_STRIDE = 32  # the U-Net halves the image 5 times: sides must be multiples of this
 
 
 # Sliding-window settings: checked for training, and at predict time when given (None = the checkpoint's).
@@ -1741,10 +1744,6 @@ def bare_training_step(model, micro_batches, loss_fn, optimizer, scaler, prec, h
 # III.5 Data: the embedded shapes data set, the folder layout, checks with clear errors, loaders.
 # ----------------------------------------------------------------------------------------------------
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
-
-# Mask value of pixels that are not part of the image (padding, areas rotated in by augmentation):
-# ignored by the loss and the metrics, so IoU is measured on real pixels only.
-IGNORE_INDEX = 255
 
 EMBEDDED_DATA_DIR = "data/shapes"
 
@@ -4382,7 +4381,11 @@ class RunLogger:
         """Multi-class runs: the epoch's validation confusion matrix as a figure (confusion_figure)."""
         if self.writer is None or counts is None or len(names) < 2:
             return
-        self.writer.add_figure("class/confusion_matrix", confusion_figure(counts, names), epoch)
+        try:
+            figure = confusion_figure(counts, names)
+        except ImportError:  # matplotlib (requirements.txt) missing: the CSVs still hold the matrix
+            return
+        self.writer.add_figure("class/confusion_matrix", figure, epoch)
         self.writer.flush()
 
     def close(self):

@@ -106,7 +106,7 @@ def check_bare_loop(hw, tmp):
                                             ("bf16 NHWC", strict, torch.bfloat16, True)):
             if dtype == torch.bfloat16 and not hw.bf16:
                 continue
-            T.apply_tf32(setting, T.Precision(torch.float32, False, "gpu-check"))
+            T.apply_tf32(setting, T.Precision.of(torch.float32, "gpu-check"))
             times[label] = T.time_train_steps(base, hw, dtype, nhwc, steps=10)
     finally:
         torch.set_float32_matmul_precision(before[0])
