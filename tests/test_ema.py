@@ -20,6 +20,7 @@ import train_unet
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from overhead import count_ops_per_step, step_runners  # noqa: E402
+from test_overhead import counting_conversions  # noqa: E402  (Tensor->Python conversions: syncs on a GPU)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 
@@ -168,28 +169,6 @@ def test_ema_decay_is_checked_and_parsed():
 # ----------------------------------------------------------------------------------------------------
 # Cost: off adds nothing; on adds two grouped ops per step and no host sync
 # ----------------------------------------------------------------------------------------------------
-CONVERSIONS = ("item", "__float__", "__int__", "__bool__", "tolist")
-
-
-@contextlib.contextmanager
-def counting_conversions():
-    """Tensor->Python conversions (device->host syncs on a GPU) made outside torch.optim (as
-    tests/test_overhead.py counts them: the optimizer's own CPU step counters are not syncs)."""
-    calls = []
-
-    def wrap(name, original):
-        def counted(self, *args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if "torch/optim/" not in caller.replace("\\", "/"):
-                calls.append((name, caller))
-            return original(self, *args, **kwargs)
-        return counted
-    with pytest.MonkeyPatch.context() as mp:
-        for name in CONVERSIONS:
-            mp.setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
-        yield calls
-
-
 def conversions_per_step(trainer, steps):
     trainer(1)
     counts = []

@@ -1,17 +1,20 @@
 """Predict at the speed of the forward pass (issue 24): the sliding window cuts its tiles from the image as
 read, normalises a batch at a time and blends on the device, with no host sync per tile batch; predict
 reads ahead and writes behind on threads. Outputs are today's to the bit. Counted, not timed."""
+import sys
 import threading
 import time
-from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_unet
-from train_unet import TILE_RULES, decide_precision
+from train_unet import decide_precision
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from overhead import OpCounter  # noqa: E402  (tools/overhead.py: counts dispatched aten ops)
 
 CONVERSIONS = ("cpu", "item", "tolist", "__bool__", "__float__", "__int__", "numpy")
 
@@ -58,16 +61,6 @@ def test_sliding_window_logits_are_the_per_tile_ones_to_the_bit(cpu_hw, channels
     assert new.shape == old.shape == (3, 150, 117) and torch.equal(new, old)
 
 
-class Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def window_counts(image_side, monkeypatch, cpu_hw):
     """(aten ops, host conversions) of one sliding window over a square image, a 1x1 conv as the model."""
     cfg = window_cfg(num_classes=2, tile_overlap=0.0)
@@ -77,7 +70,7 @@ def window_counts(image_side, monkeypatch, cpu_hw):
     for name in CONVERSIONS:
         real = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: calls.append(_n) or _r(self, *a, **k))
-    with torch.inference_mode(), Ops() as counter:
+    with torch.inference_mode(), OpCounter() as counter:
         train_unet.sliding_window(model, image, cfg, decide_precision(cpu_hw, use_amp=False), cpu_hw)
     monkeypatch.undo()
     return sum(counter.ops.values()), calls

@@ -124,6 +124,18 @@ def measure_overhead(cfg, hw, prec, steps, rounds, pairs):
 
 
 # Overhead: what the trainer adds to a bare training step, counted (aten ops) and timed.
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is on: {op name: calls} in .ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count_ops_per_step(run_steps, steps=2):
     """Aten ops dispatched per optimizer step by `run_steps(n)`, a function that runs n steps.
 
@@ -131,19 +143,10 @@ def count_ops_per_step(run_steps, steps=2):
     over `steps`: per-epoch set-up and wrap-up cancel out. On a GPU every op is at least one kernel
     launch. Returns (ops per step, {op: extra per step} for the ops whose count differs).
     """
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[str(func)] += 1
-            return func(*args, **(kwargs or {}))
-
     run_steps(1)
     counts = []
     for n in (1, 1 + steps):
-        with Count() as counter:
+        with OpCounter() as counter:
             run_steps(n)
         counts.append(counter.ops)
     per_op = {op: (counts[1][op] - counts[0][op]) / steps for op in counts[1] | counts[0]}
