@@ -4859,7 +4859,7 @@ BENCHMARK_CONFIG = {
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)
     "inference": "fp32,fp32_cl,bf16,bf16_cl",  # the inference table's modes (CPU_PROBE_MODES names); "" = none
     "inference_images": 32, # fit mode: a folder of this many of the data set's images, predicted
-    "inference_size": 2048, # patch mode: one generated image of this side, through the sliding window
+    "inference_size": 1024, # patch mode: one generated image of this side, through the sliding window
     "inference_rounds": 2,  # predict and the forward passes alone, timed in alternating rounds
 }
 

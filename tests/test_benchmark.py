@@ -20,7 +20,8 @@ def bench(tmp_path_factory):
     data = train_unet.generate_shapes_dataset(tmp / "data", count=12, size=32)
     out = tmp / "out"
     result = train_unet.run_benchmark(["configs=fp32,bf16,fp16", "epochs=2", "image_size=32", "batch_size=2",
-                                       "max_train_images=8", "bare_steps=1", "encoder_name=resnet18",
+                                       "max_train_images=8", "bare_steps=1", "encoder_name=resnet18", "inference=fp32,bf16_cl",
+                                       "inference_images=4", "inference_size=96", "inference_rounds=1",
                                        "cpu_probe=False",  # rows run in subprocesses: no faked probe there
                                        f"data_dir={data}", f"output={out}"])
     return result, out
@@ -60,6 +61,31 @@ def test_benchmark_rows_files_and_table(bench, capsys):
         assert column in table.splitlines()[0]
 
 
+def test_benchmark_times_predict_against_the_forward_passes_alone(bench):
+    """The inference table: per mode, the whole predict command in fit mode (a folder of the data set's
+    images) and patch mode (one generated image through the sliding window), timed against the forward
+    passes alone over the same batches, with the masks compared to fp32's (issue 24)."""
+    result, out = bench
+    rows = {(r["mode"], r["data_mode"]): r for r in result["inference"]}
+    assert set(rows) == {("fp32", "fit"), ("fp32", "patch"), ("bf16_cl", "fit"), ("bf16_cl", "patch")}
+    native = train_unet.detect_hardware("cpu").bf16
+    for (mode, data_mode), row in rows.items():
+        if mode == "bf16_cl" and not native:
+            assert row["status"].startswith("skipped") and row["mask_agreement_vs_fp32"] is None
+            continue
+        assert row["status"] == "ok" and row["precision"] == ("fp32" if mode == "fp32" else "bf16")
+        assert row["images"] == (4 if data_mode == "fit" else 1)
+        assert row["predict_s"] > 0 and row["forward_only_s"] > 0
+        assert row["vs_forward_only"] == pytest.approx(row["predict_s"] / row["forward_only_s"])
+        assert 0.95 <= row["mask_agreement_vs_fp32"] <= 1.0  # (bf16 may flip a few border pixels)
+        masks = list((out / "inference" / f"{data_mode}_{mode}").glob("*.png"))
+        assert len(masks) == row["images"]
+    assert rows[("fp32", "fit")]["mask_agreement_vs_fp32"] == 1.0
+    saved = json.loads((out / "inference" / "inference.json").read_text())
+    assert [(r["mode"], r["data_mode"]) for r in saved] == [(r["mode"], r["data_mode"]) for r in result["inference"]]
+    assert json.loads((out / "benchmark.json").read_text())["inference"] == saved
+
+
 def test_overhead_rounds_alternate_and_time_each_call():
     """After an untimed round, the trainer, the bare loop over the same loader and the bare loop on a
     held batch run in turn, the order flipping every round (A B C, C B A, A B C): a machine that
@@ -86,7 +112,7 @@ def test_benchmark_answers_for_bf16_on_a_cpu_without_native_bf16(tmp_path, monke
     monkeypatch.setenv("UNET_HIDE_NATIVE_BF16", "1")  # inherited by the benchmark's subprocesses
     data = train_unet.generate_shapes_dataset(tmp_path / "data", count=6, size=32)
     out = tmp_path / "out"
-    rc = train_unet.main(["benchmark", "configs=default,fp32,tf32,bf16", "epochs=1", "image_size=32",
+    rc = train_unet.main(["benchmark", "configs=default,fp32,tf32,bf16", "inference=", "epochs=1", "image_size=32",
                           "batch_size=2", "max_train_images=4", "bare_steps=1", "probe_steps=1",
                           "cpu_probe=False",  # the flag rule: its rows run in subprocesses, unfaked
                           f"data_dir={data}", f"output={out}"])

@@ -161,7 +161,7 @@ def user_files(folder):
 
 def benchmark(monkeypatch, data, output, configs="fp32,fp32_cl"):
     monkeypatch.setattr(train_unet, "run_benchmark_config", fake_run)
-    return train_unet.run_benchmark([f"configs={configs}", "bare_steps=0", "epochs=1", "image_size=32",
+    return train_unet.run_benchmark([f"configs={configs}", "bare_steps=0", "inference=", "epochs=1", "image_size=32",
                                      f"data_dir={data}", f"output={output}"])
 
 
