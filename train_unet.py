@@ -957,7 +957,7 @@ def value_rules(cfg):
         ("grad_clip_norm", cfg["grad_clip_norm"] is None or cfg["grad_clip_norm"] > 0,
          "must be > 0, or None for no clipping"),
         ("ema_decay", cfg["ema_decay"] is None or 0 < cfg["ema_decay"] < 1,
-         "must be in (0, 1), e.g. 0.99 (README: Weight EMA), or None for no EMA"),
+         "must be in (0, 1), e.g. 0.99 (README, losses and weight EMA), or None for no EMA"),
         ("early_stopping_patience", cfg["early_stopping_patience"] is None
          or cfg["early_stopping_patience"] >= 1, "must be >= 1, or None to train every epoch"),
         ("num_workers", cfg["num_workers"] is None or cfg["num_workers"] >= 0, "must be >= 0 or None"),
