@@ -530,7 +530,7 @@ def run_epoch(run, epoch, train_loader, val_loader, hw, cfg):
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     model = run.ema.evaluated(run.eval_model)  # the EMA weights when ema_decay is set
     validated = evaluate(model, val_loader, run.loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
-    run.confusion = validated["confusion"]
+    run.confusion = validated["confusion"].tolist()
     return history_row(run, epoch, trained, validated, time.perf_counter() - val_start, hw)
 
 
@@ -3644,7 +3644,7 @@ class SegMetric:
         mean_iou = iou[present].mean().item() if present.any() else 1.0
         mean_dice = dice[present].mean().item() if present.any() else 1.0
         return {"iou": mean_iou, "dice": mean_dice, "per_class_iou": iou.tolist(),
-                "per_class_dice": dice.tolist(), "confusion": host.matrix.tolist()}
+                "per_class_dice": dice.tolist(), "confusion": host.matrix}  # counts on the host (a tensor)
 
 
 class EpochTally:

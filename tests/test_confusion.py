@@ -42,7 +42,7 @@ def test_confusion_counts_are_the_iou_counts():
 def test_binary_confusion_is_background_and_foreground():
     metric = SegMetric(1)
     metric.update(torch.tensor([[[[1.0, -1.0], [2.0, -3.0]]]]), torch.tensor([[[1, 1], [0, IGNORE_INDEX]]]))
-    assert metric.compute()["confusion"] == [[0, 1], [1, 1]]  # true bg: 1 predicted fg; true fg: 1 each
+    assert metric.compute()["confusion"].tolist() == [[0, 1], [1, 1]]  # true bg: 1 predicted fg; true fg: 1 each
 
 
 def test_saved_at_the_best_epoch_normalised_per_true_class(make_cfg, make_data, tmp_path, monkeypatch):
