@@ -175,9 +175,10 @@ def test_notebook_runs_top_to_bottom_on_the_benchmark(bench):
         del os.environ["UNET_AMP_BENCH_DIR"]
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
-    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 3  # bars, curves, predictions
+    assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # bars, curves, inference, predictions
     text = "".join(o.get("text", "") for o in outputs)
     assert "fp32" in text and "bf16" in text and "best.pt" in text
+    assert "fit: predict" in text and "patch: predict" in text and "forward alone" in text  # the inference table
 
 
 def test_loader_workers_tool_makes_frames_the_data_check_accepts(tmp_path):

@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import train_unet as T  # noqa: E402
@@ -72,24 +73,35 @@ def check_predict(hw, tmp):
 
 
 def check_sliding_window(hw, tmp):
-    """Patch mode's sliding window: a 1,000² and an 8,000² image must need the same device memory."""
+    """Patch mode's sliding window: the blended sum on the GPU where it fits (TileBlend), else on the host
+    from page-locked buffers; both give the same logits, and with the host sum device memory does not
+    grow with the image (a 1,000² and an 8,000² image need the same)."""
     ckpt = next(tmp.glob("*/best.pt"), None)
     assert ckpt is not None, "no best.pt from the training checks"
     model, cfg = T.load_model(ckpt, hw)
     cfg = {**cfg, "data_mode": "patch", "image_size": 256, "tile_batch_size": 8, "channels_last": False}
-    prec, peaks, rates = T.decide_precision(hw), [], []
-    for side in (1000, 8000):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base, start = torch.cuda.memory_allocated(), time.perf_counter()
-        logits = T.predict_logits(model, torch.zeros(side, side, 3, dtype=torch.uint8).numpy(), cfg, prec, hw)
-        seconds = time.perf_counter() - start
-        peaks.append((torch.cuda.max_memory_allocated() - base) / 2**20)
-        tiles = len(T.tile_starts(side, 256, cfg["tile_overlap"])) ** 2
-        rates.append(f"{side}²: {tiles} tiles in {seconds:.1f}s")
-        assert logits.shape[1:] == (side, side) and logits.device.type == "cpu"
-    assert peaks[1] <= peaks[0] * 1.05 + 1, f"device memory grew with the image: {peaks[0]:.0f} -> {peaks[1]:.0f} MB"
-    return f"peak device memory {peaks[0]:.0f} MB (1000²) vs {peaks[1]:.0f} MB (8000²), {prec.name}; " + "; ".join(rates)
+    prec, share, peaks, seconds, logits = T.decide_precision(hw), T.DEVICE_BLEND_SHARE, {}, {}, {}
+    image = np.random.default_rng(0).integers(0, 256, (8000, 8000, 3), dtype=np.uint8)
+    try:
+        for where, T.DEVICE_BLEND_SHARE in (("device", share), ("host", 0.0)):
+            for side in (1000, 8000):
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base, start = torch.cuda.memory_allocated(), time.perf_counter()
+                out = T.predict_logits(model, image[:side, :side], cfg, prec, hw)
+                seconds[where, side] = time.perf_counter() - start
+                peaks[where, side] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                assert out.shape[1:] == (side, side) and out.device.type == "cpu"
+            logits[where] = out
+    finally:
+        T.DEVICE_BLEND_SHARE = share
+    assert torch.equal(logits["device"], logits["host"]), "device and host blending gave different logits"
+    assert peaks["host", 8000] <= peaks["host", 1000] * 1.05 + 1, \
+        f"device memory grew with the image: {peaks['host', 1000]:.0f} -> {peaks['host', 8000]:.0f} MB"
+    tiles = len(T.tile_starts(8000, 256, cfg["tile_overlap"])) ** 2
+    return (f"8000² ({tiles} tiles, {prec.name}): sum on the device {seconds['device', 8000]:.1f}s, peak "
+            f"{peaks['device', 8000]:.0f} MB; on the host {seconds['host', 8000]:.1f}s, peak {peaks['host', 8000]:.0f} MB "
+            f"(1000²: {peaks['host', 1000]:.0f} MB); the same logits")
 
 
 def check_bare_loop(hw, tmp):
