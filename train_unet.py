@@ -530,7 +530,7 @@ def run_epoch(run, epoch, train_loader, val_loader, hw, cfg):
     broadcast_buffers(run.model)  # BatchNorm statistics: rank 0's, the ones its checkpoint holds
     model = run.ema.evaluated(run.eval_model)  # the EMA weights when ema_decay is set
     validated = evaluate(model, val_loader, run.loss_fn, run.prec, hw, cfg, desc=f"epoch {epoch} val")
-    run.confusion = validated["confusion"].tolist()
+    run.confusion = validated["confusion"]
     return history_row(run, epoch, trained, validated, time.perf_counter() - val_start, hw)
 
 
@@ -675,7 +675,8 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
         progress.refresh(lambda: totals, metric, seen)
     progress.close()
     loss_sum, count = all_reduce_(totals).tolist()
-    return {"loss": loss_sum / max(1, count), **metric.all_reduce().compute()}
+    scores = metric.all_reduce().compute()
+    return {"loss": loss_sum / max(1, count), **scores, "confusion": metric.confusion()}
 
 
 def fit_pieces(model, batch, cfg, prec, hw):
@@ -3633,8 +3634,7 @@ class SegMetric:
 
     def compute(self):
         # The rates in float64 on the host: the exact counts go there anyway, and MPS has no float64.
-        host = self.with_counts(self.flat.cpu())
-        tp, fp, fn = (c.double() for c in host.counts())
+        tp, fp, fn = (c.double() for c in self.with_counts(self.flat.cpu()).counts())
         union = tp + fp + fn
         iou = torch.where(union > 0, tp / union.clamp(min=1), torch.nan)
         dice = torch.where(union > 0, 2 * tp / (2 * tp + fp + fn).clamp(min=1), torch.nan)
@@ -3644,7 +3644,11 @@ class SegMetric:
         mean_iou = iou[present].mean().item() if present.any() else 1.0
         mean_dice = dice[present].mean().item() if present.any() else 1.0
         return {"iou": mean_iou, "dice": mean_dice, "per_class_iou": iou.tolist(),
-                "per_class_dice": dice.tolist(), "confusion": host.matrix}  # counts on the host (a tensor)
+                "per_class_dice": dice.tolist()}
+
+    def confusion(self):
+        """The counts as a list of rows (true class) of columns (predicted class): what IoU is computed from."""
+        return self.flat[:self.n * self.n].cpu().view(self.n, self.n).tolist()
 
 
 class EpochTally:

@@ -26,7 +26,7 @@ def test_confusion_counts_are_the_iou_counts():
     metric.update(logits[:2], target[:2])
     metric.update(logits[2:], target[2:])
     result = metric.compute()
-    counts = np.array(result["confusion"])
+    counts = np.array(metric.confusion())
     pred, true = logits.argmax(1).numpy().ravel(), target.numpy().ravel()
     real = true != IGNORE_INDEX
     expected = np.zeros((4, 4), np.int64)
@@ -42,7 +42,7 @@ def test_confusion_counts_are_the_iou_counts():
 def test_binary_confusion_is_background_and_foreground():
     metric = SegMetric(1)
     metric.update(torch.tensor([[[[1.0, -1.0], [2.0, -3.0]]]]), torch.tensor([[[1, 1], [0, IGNORE_INDEX]]]))
-    assert metric.compute()["confusion"].tolist() == [[0, 1], [1, 1]]  # true bg: 1 predicted fg; true fg: 1 each
+    assert metric.confusion() == [[0, 1], [1, 1]]  # true bg: 1 predicted fg; true fg: 1 each
 
 
 def test_saved_at_the_best_epoch_normalised_per_true_class(make_cfg, make_data, tmp_path, monkeypatch):
