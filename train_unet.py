@@ -5196,7 +5196,8 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
     args = {"checkpoint": str(checkpoint), "input": str(fit_dir if data_mode == "fit" else patch_dir),
             "output": str(out), "device": base["device"], "use_amp": prec.amp, "amp_dtype": "bfloat16",
             "channels_last": nhwc, "cpu_probe": False, "progress": False, "batch_size": base["batch_size"]}
-    forwards, batch = forward_count(cfg, args, base)
+    sizes = [read_image(p, cfg["in_channels"]).shape[:2] for p in list_images(args["input"])]
+    forwards, batch = forward_count(cfg, sizes, base)
     model = model.to(hw.device).to(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
     x = torch.randn(batch, cfg["in_channels"], cfg["image_size"], cfg["image_size"])
 
@@ -5210,23 +5211,20 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
                                   opts["inference_rounds"], hw)
     predict_s = float(np.median([r["seconds"] for r in predicted[1:]]))  # after the untimed first round
     forward_s = float(np.median(times["forward"]))
-    pixels = sum(np.prod(read_image(p, cfg["in_channels"]).shape[:2]) for p in list_images(args["input"]))
+    pixels = sum(h * w for h, w in sizes)
     return {"mode": mode, "data_mode": data_mode, "precision": prec.name, "channels_last": nhwc,
-            "images": len(list_images(args["input"])), "predict_s": predict_s, "forward_only_s": forward_s,
-            "vs_forward_only": predict_s / forward_s, "images_per_s": len(list_images(args["input"])) / predict_s,
+            "images": len(sizes), "predict_s": predict_s, "forward_only_s": forward_s,
+            "vs_forward_only": predict_s / forward_s, "images_per_s": len(sizes) / predict_s,
             "megapixels_per_s": pixels / 1e6 / predict_s, "peak_mem_mb": peak_memory_mb(hw)[0], "status": "ok"}
 
 
-def forward_count(cfg, args, base):
-    """(forward passes predict makes, images per forward) for its job: batches of images, or of tiles."""
-    images = list_images(args["input"])
+def forward_count(cfg, sizes, base):
+    """(forward passes predict makes, images per forward) for images of these (h, w) sizes: batches of
+    images, or of the sliding window's tiles (a side shorter than a tile is padded to one: one start)."""
     if cfg["data_mode"] == "fit":
-        return math.ceil(len(images) / base["batch_size"]), base["batch_size"]
-    tiles = 0
-    for path in images:
-        image = rescale(read_image(path, cfg["in_channels"]), None, cfg["patch_scale"])[0]
-        padded = pad_to(image, cfg["image_size"], cfg["image_size"], 0)
-        tiles += math.prod(len(tile_starts(n, cfg["image_size"], cfg["tile_overlap"])) for n in padded.shape[:2])
+        return math.ceil(len(sizes) / base["batch_size"]), base["batch_size"]
+    tiles = sum(math.prod(len(tile_starts(n, cfg["image_size"], cfg["tile_overlap"]))
+                          for n in scaled_size(size, cfg["patch_scale"])) for size in sizes)
     return math.ceil(tiles / cfg["tile_batch_size"]), cfg["tile_batch_size"]
 
 
