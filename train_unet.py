@@ -2450,6 +2450,20 @@ def build_transforms(cfg, train, resize=True):
     return A.Compose(fit + augment + [A.Lambda(image=normalizer(cfg), name="normalize")])
 
 
+def fit_input(image, cfg):
+    """One fit-mode image as the model takes it (C x image_size x image_size, float32): resized, padded
+    and normalised as ValidationImages does."""
+    transform = eval_transform(cfg["image_size"], cfg["in_channels"], threading.get_ident())
+    return image_tensor(transform(image=image)["image"])
+
+
+@functools.lru_cache(maxsize=32)
+def eval_transform(size, in_channels, thread):
+    """build_transforms(train=False) in fit mode, built once per setting and thread (predict's readers
+    share no albumentations pipeline): building one cost more than transforming a batch of 128 px images."""
+    return build_transforms({"image_size": size, "in_channels": in_channels}, train=False)
+
+
 def fit_transforms(size):
     """Fit mode's resize: longer side to `size`, then padded to a square. Keeps the aspect ratio and pads
     at the bottom/right, so predictions crop back exactly. Draws no random numbers: it can run once per
@@ -3000,6 +3014,14 @@ def tile_starts(length, window, overlap):
     return sorted(set(range(0, length - window, stride)) | {length - window})
 
 
+def tile_grid(image, cfg):
+    """(the image padded to at least one tile, the tiles' row starts, their column starts): a side
+    smaller than a tile is padded as in fit mode (the logits are cropped after)."""
+    size = cfg["image_size"]
+    padded = pad_to(image, size, size, 0)
+    return (padded, *(tile_starts(n, size, cfg["tile_overlap"]) for n in padded.shape[:2]))
+
+
 def gaussian_ramp(window):
     """1-D blending weights, sigma = window / 8 (as nnU-Net and MONAI use): a tile's centre counts most,
     its border, where the convolutions saw the tile's edge rather than the image, least: no seams."""
@@ -3023,8 +3045,7 @@ def sliding_window(model, image, cfg, prec, hw):
     Only one batch of tiles is ever on the device, plus the blended sum where it fits there, so device
     memory does not grow with the image."""
     size, (h, w) = cfg["image_size"], image.shape[:2]
-    padded = pad_to(image, size, size, 0)  # smaller than a tile: padded as in fit mode, cropped after
-    ys, xs = (tile_starts(n, size, cfg["tile_overlap"]) for n in padded.shape[:2])
+    padded, ys, xs = tile_grid(image, cfg)
     blend = TileBlend(cfg["num_classes"], padded.shape[:2], size, hw)
     for batch, x in tile_batches(padded, [(y, x) for y in ys for x in xs], cfg, hw):
         blend.add(batch, eval_forward(model, x, cfg, prec, hw))
@@ -4462,8 +4483,9 @@ def predict(opts):
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
         for batch, unreadable in read_ahead(paths, per_batch, cfg):
             failed += unreadable
-            masks = predict_masks(model, [image for _, image in batch], cfg, prec, hw) if batch else []
-            for (path, image), mask in zip(batch, masks):
+            images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
+            masks = predict_masks(model, images, cfg, prec, hw, inputs) if batch else []
+            for (path, image, _), mask in zip(batch, masks):
                 writer.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
             bar.update(len(batch) + len(unreadable))
     bar.close()
@@ -4477,13 +4499,16 @@ def predict(opts):
 
 
 def read_ahead(paths, per_batch, cfg):
-    """([(path, image)], [(path, why unreadable)]) per per_batch paths, read on threads: the next batch's
-    images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works on this one."""
+    """([(path, image, model input)], [(path, why unreadable)]) per per_batch paths, read on threads: the
+    next batch's images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works
+    on this one. In fit mode the threads also resize and normalise each image (fit_input), so the main
+    thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None)."""
     def read(path):
         try:
-            return path, read_image(path, cfg["in_channels"], cfg["intensity_range"]), None
+            image = read_image(path, cfg["in_channels"], cfg["intensity_range"])
         except UserError as exc:
             return path, None, str(exc)
+        return path, (image, fit_input(image, cfg) if cfg["data_mode"] == "fit" else None), None
 
     with ThreadPoolExecutor(max_workers=min(per_batch, PREDICT_READERS), thread_name_prefix="unet-amp-read") as pool:
         batches = (pool.map(read, paths[i:i + per_batch]) for i in range(0, len(paths), per_batch))
@@ -4491,7 +4516,7 @@ def read_ahead(paths, per_batch, cfg):
         while current is not None:
             following = next(batches, None)  # its reads start before this batch is handed out
             results = list(current)
-            yield ([(p, image) for p, image, why in results if why is None],
+            yield ([(p, *read) for p, read, why in results if why is None],
                    [(str(p), why) for p, _, why in results if why is not None])
             current = following
 
@@ -4622,17 +4647,17 @@ def predict_batch(model, images, cfg, prec, hw):
 
 
 @torch.inference_mode()
-def predict_masks(model, images, cfg, prec, hw):
+def predict_masks(model, images, cfg, prec, hw, inputs=None):
     """predict_batch's masks as uint8 tensors on the device (predict copies them back on its writer thread).
 
-    fit: same preprocessing as validation; logits are cropped to the image's area and resized back
-    (original_size_logits: validation scores these same logits).
+    fit: same preprocessing as validation (fit_input; `inputs`: theirs, made beforehand, as predict's
+    reader threads do); logits are cropped to the image's area and resized back (original_size_logits:
+    validation scores these same logits).
     patch: each image through the sliding window (predict_logits).
     """
     if cfg["data_mode"] == "patch":
         return [mask_tensor(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
-    transform = build_transforms(cfg, train=False)  # what ValidationImages gives the model
-    x = torch.stack([image_tensor(transform(image=image)["image"]) for image in images])
+    x = torch.stack(inputs or [fit_input(image, cfg) for image in images])
     logits = eval_forward(model, x, cfg, prec, hw)  # channels_last: predict() converts the model to match
     sizes = [image.shape[:2] for image in images]
     return [mask_tensor(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
@@ -5196,14 +5221,13 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
     args = {"checkpoint": str(checkpoint), "input": str(fit_dir if data_mode == "fit" else patch_dir),
             "output": str(out), "device": base["device"], "use_amp": prec.amp, "amp_dtype": "bfloat16",
             "channels_last": nhwc, "cpu_probe": False, "progress": False, "batch_size": base["batch_size"]}
-    sizes = [read_image(p, cfg["in_channels"]).shape[:2] for p in list_images(args["input"])]
-    forwards, batch = forward_count(cfg, sizes, base)
+    images = [read_image(p, cfg["in_channels"], cfg["intensity_range"]) for p in list_images(args["input"])]
+    sizes, inputs = [image.shape[:2] for image in images], model_inputs(images, cfg, hw, base["batch_size"])
     model = model.to(hw.device).to(memory_format=torch.channels_last if nhwc else torch.contiguous_format)
-    x = torch.randn(batch, cfg["in_channels"], cfg["image_size"], cfg["image_size"])
 
     def forward_only():
         with torch.inference_mode():
-            for _ in range(forwards):
+            for x in inputs:
                 eval_forward(model, x, cfg, prec, hw).float().cpu()
     predicted = []  # predict's own timer: reading, predicting and writing, not loading the checkpoint
     with contextlib.redirect_stdout(io.StringIO()):
@@ -5218,14 +5242,15 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
             "megapixels_per_s": pixels / 1e6 / predict_s, "peak_mem_mb": peak_memory_mb(hw)[0], "status": "ok"}
 
 
-def forward_count(cfg, sizes, base):
-    """(forward passes predict makes, images per forward) for images of these (h, w) sizes: batches of
-    images, or of the sliding window's tiles (a side shorter than a tile is padded to one: one start)."""
+def model_inputs(images, cfg, hw, batch_size):
+    """The inputs of the forwards predict makes for these images (read_image's), made beforehand: fit
+    mode's batches of fit_input, patch mode's tile batches (tile_batches). The forward alone runs on
+    these, not on random numbers: the same values (a CPU's speed can depend on them: denormals)."""
     if cfg["data_mode"] == "fit":
-        return math.ceil(len(sizes) / base["batch_size"]), base["batch_size"]
-    tiles = sum(math.prod(len(tile_starts(n, cfg["image_size"], cfg["tile_overlap"]))
-                          for n in scaled_size(size, cfg["patch_scale"])) for size in sizes)
-    return math.ceil(tiles / cfg["tile_batch_size"]), cfg["tile_batch_size"]
+        return [torch.stack([fit_input(image, cfg) for image in images[i:i + batch_size]])
+                for i in range(0, len(images), batch_size)]
+    grids = (tile_grid(rescale(image, None, cfg["patch_scale"])[0], cfg) for image in images)
+    return [x for padded, ys, xs in grids for _, x in tile_batches(padded, [(y, x) for y in ys for x in xs], cfg, hw)]
 
 
 def read_masks(folder):
@@ -5246,7 +5271,7 @@ def format_inference_table(rows):
             lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", r["status"]))
             continue
         lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s", f"{r['vs_forward_only']:.3f}x",
-                      f"{r['images_per_s']:.1f}", f"{r['megapixels_per_s']:.2f}", f"{r['peak_mem_mb']:.0f} MB",
+                      f"{r['images_per_s']:.3g}", f"{r['megapixels_per_s']:.2f}", f"{r['peak_mem_mb']:.0f} MB",
                       f"{100 * r['mask_agreement_vs_fp32']:.3f}%"))
     return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
             "same batches, medians of alternating rounds\n" + markdown_table(lines))

@@ -125,6 +125,42 @@ def test_predict_reads_the_next_batch_while_this_one_is_predicted(checkpoint_cfg
     assert len(list(out.glob("*.png"))) == 12
 
 
+def test_fit_inputs_are_made_on_the_reader_threads_with_validations_preprocessing(checkpoint_cfg, tmp_path,
+                                                                                  monkeypatch):
+    """Fit mode: each image is resized and normalised on a reader thread (fit_input), not by the main
+    thread that feeds the model; the albumentations pipeline is built once per thread, not per batch; the
+    masks are predict_batch's (made on the main thread) to the bit."""
+    ckpt, data = checkpoint_cfg
+    made, builds, lock = [], [], threading.Lock()
+    real_input, real_build = train_unet.fit_input, train_unet.build_transforms
+
+    def fit_input(image, cfg):
+        with lock:
+            made.append(threading.current_thread().name)
+        return real_input(image, cfg)
+
+    def build_transforms(*args, **kwargs):
+        builds.append(threading.current_thread().name)
+        return real_build(*args, **kwargs)
+    monkeypatch.setattr(train_unet, "fit_input", fit_input)
+    monkeypatch.setattr(train_unet, "build_transforms", build_transforms)
+    train_unet.eval_transform.cache_clear()
+    out = tmp_path / "pred"
+    result = train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(out),
+                                 "batch_size": 2, "device": "cpu", "use_amp": False, "progress": False})
+    assert result["predicted"] == 12
+    assert len(made) == 12 and all(name.startswith("unet-amp-read") for name in made)
+    assert 1 <= len(builds) <= min(2, train_unet.PREDICT_READERS)  # per reader thread; 6 batches
+    model, cfg = train_unet.load_model(ckpt, train_unet.detect_hardware("cpu"))
+    paths = train_unet.list_images(data / "images")
+    images = [train_unet.read_image(p, cfg["in_channels"], cfg["intensity_range"]) for p in paths]
+    prec = decide_precision(train_unet.detect_hardware("cpu"), use_amp=False)
+    expected = train_unet.predict_batch(model, images, cfg, prec, train_unet.detect_hardware("cpu"))
+    for path, mask in zip(paths, expected):
+        written = train_unet.cv2.imread(str(out / f"{path.stem}.png"), train_unet.cv2.IMREAD_UNCHANGED)
+        assert np.array_equal(written, train_unet.mask_to_png(mask, cfg["num_classes"]))
+
+
 @pytest.fixture
 def checkpoint_cfg(make_cfg, data_dir, tmp_path):
     cfg = make_cfg(image_size=32, epochs=1, checkpoint_dir=str(tmp_path / "ckpt"))
@@ -148,3 +184,23 @@ def test_a_failed_write_surfaces_as_predicts_one_line_error(checkpoint_cfg, tmp_
                             "batch_size": 2, "device": "cpu", "use_amp": False, "progress": False})
     assert "No space left" in str(err.value) and "the 2 image(s) predicted before it are kept" in str(err.value)
     assert len(list((tmp_path / "p").glob("*.png"))) == 2
+
+
+@pytest.mark.parametrize("data_mode", ["fit", "patch"])
+def test_the_benchmarks_forward_alone_runs_on_the_inputs_predict_feeds_the_model(cpu_hw, monkeypatch, data_mode):
+    """model_inputs (the benchmark's and tools/predict_vs_monai.py's forward alone) makes, beforehand, the
+    very batches predict's forwards take: the same count, shapes and values (not random numbers)."""
+    cfg = window_cfg(data_mode=data_mode, patch_scale=0.5 if data_mode == "patch" else 1.0)
+    torch.manual_seed(0)
+    model = train_unet.build_model(cfg).eval()
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 256, shape, dtype=np.uint8) for shape in [(150, 117, 3), (40, 90, 3), (64, 64, 3)]]
+    fed, real_forward = [], train_unet.eval_forward
+    monkeypatch.setattr(train_unet, "eval_forward", lambda m, x, *a: fed.append(x.clone()) or real_forward(m, x, *a))
+    prec = decide_precision(cpu_hw, use_amp=False)
+    train_unet.predict_masks(model, images, cfg, prec, cpu_hw) if data_mode == "patch" else \
+        [train_unet.predict_masks(model, images[i:i + 2], cfg, prec, cpu_hw) for i in range(0, 3, 2)]
+    made = train_unet.model_inputs(images, cfg, cpu_hw, 2)
+    assert len(made) == len(fed) == (2 if data_mode == "fit" else len(made)) and len(made) > 1
+    for a, b in zip(made, fed):
+        assert torch.equal(a, b)

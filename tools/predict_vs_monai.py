@@ -7,7 +7,7 @@
 Same model, window (image_size), overlap (tile_overlap), Gaussian blending (sigma = window / 8), tiles per
 forward (tile_batch_size), precision and layout, output on the CPU. Timed in alternating rounds (the order
 flipping each round, after an untimed round), medians:
-- forward only: the model over the same number of tile batches, their inputs made beforehand: the floor;
+- forward only: the model over the same tile batches, cut and normalised beforehand (model_inputs): the floor;
 - unet-amp: predict_logits on the image as read (scaling, normalisation, tiling, blending included);
 - monai: sliding_window_inference on the image normalised beforehand (not timed);
 - monai + normalise: the same with the normalisation of the whole image timed too.
@@ -16,7 +16,6 @@ reference=path/to/an/older/train_unet.py adds its predict_logits as a row: a cha
 MONAI is a dependency of this tool only (pip install monai), not of the trainer. Any other key=value
 is a training config key (data_mode=patch is set here), as for train_unet.py.
 """
-import math
 import sys
 from pathlib import Path
 
@@ -54,13 +53,12 @@ def run(args):
     image = draw_scene(np.random.default_rng(0), opts["size"], opts["size"])[0]
     if cfg["in_channels"] == 1:
         image = image[..., 0]
-    size, tiles = cfg["image_size"], tile_count(image, cfg)
-    batch = torch.randn(cfg["tile_batch_size"], cfg["in_channels"], size, size)
-    normalised = normalise(image, cfg)
+    size, inputs = cfg["image_size"], T.model_inputs([image], cfg, hw, cfg["tile_batch_size"])
+    tiles, normalised = sum(len(x) for x in inputs), normalise(image, cfg)
 
     def forward_only():
-        for _ in range(math.ceil(tiles / cfg["tile_batch_size"])):
-            T.eval_forward(model, batch, cfg, prec, hw).float().cpu()
+        for x in inputs:
+            T.eval_forward(model, x, cfg, prec, hw).float().cpu()
 
     def monai(x):
         predictor = lambda t: T.eval_forward(model, t, cfg, prec, hw).float()  # noqa: E731
@@ -108,14 +106,6 @@ def load(opts, train_args):
                                                           prec)[0]}
     model = model.to(memory_format=torch.channels_last) if cfg["channels_last"] else model
     return model.eval(), cfg, hw, prec
-
-
-def tile_count(image, cfg):
-    """How many tiles the sliding window cuts from the image (at patch_scale)."""
-    scaled = T.rescale(image, None, cfg["patch_scale"])[0]
-    padded = T.pad_to(scaled, cfg["image_size"], cfg["image_size"], 0)
-    ys, xs = (T.tile_starts(n, cfg["image_size"], cfg["tile_overlap"]) for n in padded.shape[:2])
-    return len(ys) * len(xs)
 
 
 def normalise(image, cfg):
