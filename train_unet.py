@@ -5244,8 +5244,10 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
 
 def model_inputs(images, cfg, hw, batch_size):
     """The inputs of the forwards predict makes for these images (read_image's), made beforehand: fit
-    mode's batches of fit_input, patch mode's tile batches (tile_batches). The forward alone runs on
-    these, not on random numbers: the same values (a CPU's speed can depend on them: denormals)."""
+    mode's batches of fit_input, patch mode's tile batches (tile_batches), all held in memory (float32:
+    a large image's tiles take ~1.8x its pixels x channels x 4 bytes at overlap 0.25). The forward alone
+    runs on these, not on random numbers: on a CPU fp32's forward over random numbers ran up to 8% slower
+    than over the real tiles (BENCHMARKS.md "Predict speed"), which flattered predict's ratio."""
     if cfg["data_mode"] == "fit":
         return [torch.stack([fit_input(image, cfg) for image in images[i:i + batch_size]])
                 for i in range(0, len(images), batch_size)]
