@@ -3047,18 +3047,20 @@ def sliding_window(model, image, cfg, prec, hw):
     size, (h, w) = cfg["image_size"], image.shape[:2]
     padded, ys, xs = tile_grid(image, cfg)
     blend = TileBlend(cfg["num_classes"], padded.shape[:2], size, hw)
-    for batch, x in tile_batches(padded, [(y, x) for y in ys for x in xs], cfg, hw):
+    for batch, x in tile_batches(padded, ys, xs, cfg, hw):
         blend.add(batch, eval_forward(model, x, cfg, prec, hw))
     return blend.result(ys, xs)[:, :h, :w]
 
 
-def tile_batches(image, tiles, cfg, hw):
-    """(tile positions, N x C x size x size model input) per tile_batch_size tiles: cut from the image as
-    read (uint8 or float32: 1-4 bytes a pixel), then normalised a batch at a time, one call for the batch
+def tile_batches(image, ys, xs, cfg, hw):
+    """(tile positions, N x C x size x size model input) per tile_batch_size tiles of the grid of row
+    starts ys and column starts xs (tile_grid), row by row: cut from the image as read (uint8 or
+    float32: 1-4 bytes a pixel), then normalised a batch at a time, one call for the batch
     (the normalisation is per pixel: the values are those of each tile normalised alone). The input is
     in the model's layout, page-locked on CUDA so that its copy to the device overlaps the model's work
     (eval_forward's non_blocking copy; the caching host allocator keeps it until that copy is done)."""
     size, step, normalize = cfg["image_size"], cfg["tile_batch_size"], normalizer(cfg)
+    tiles = [(y, x) for y in ys for x in xs]
     for i in range(0, len(tiles), step):
         batch = tiles[i:i + step]
         cut = np.stack([image[y:y + size, x:x + size] for y, x in batch])
@@ -5252,7 +5254,7 @@ def model_inputs(images, cfg, hw, batch_size):
         return [torch.stack([fit_input(image, cfg) for image in images[i:i + batch_size]])
                 for i in range(0, len(images), batch_size)]
     grids = (tile_grid(rescale(image, None, cfg["patch_scale"])[0], cfg) for image in images)
-    return [x for padded, ys, xs in grids for _, x in tile_batches(padded, [(y, x) for y in ys for x in xs], cfg, hw)]
+    return [x for padded, ys, xs in grids for _, x in tile_batches(padded, ys, xs, cfg, hw)]
 
 
 def read_masks(folder):
