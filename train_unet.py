@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
+import ctypes
 import datetime
 import difflib
 import errno
@@ -210,6 +211,7 @@ def main(argv=None):
         print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
+    keep_freed_memory()
     try:
         with sigterm_as_exit():
             return run_command(command, args)
@@ -782,6 +784,30 @@ def sigterm_as_exit():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+# glibc's malloc gives large freed blocks back to the kernel (its heap trim, and blocks above its moving
+# mmap threshold), so on a CPU every forward faulted its activations in again: up to 1.6 million minor
+# faults and 2.8 s of kernel time in a 6 s fp32 sliding window (BENCHMARKS.md "Memory kept for reuse").
+MMAP_THRESHOLD_BYTES = 32 * 2**20  # blocks up to this come from the heap: glibc's largest allowed value
+TRIM_THRESHOLD_BYTES = 2**31 - 1   # free memory at the heap's top kept up to this (mallopt takes an int)
+MALLOC_TUNING_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def keep_freed_memory():
+    """Have glibc keep freed memory in the process for the next forward instead of returning it to the
+    kernel; the peak memory stays the same. The script's commands call it once (main); True if set. A
+    no-op where malloc is not glibc's (macOS, Windows, musl) or the user tuned it (MALLOC_TUNING_ENV)."""
+    if not sys.platform.startswith("linux") or any(key in os.environ for key in MALLOC_TUNING_ENV):
+        return False
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+    # The mmap threshold first: a fixed trim threshold alone also fixes the mmap threshold at its 128 kB
+    # default, and every larger block would be mapped and faulted in anew (measured: 2.6x slower)
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
+        bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
 # Allowed values for keys with a fixed set of choices.

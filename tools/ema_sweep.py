@@ -62,6 +62,7 @@ def evaluate(model, *args, **kwargs):
 
 
 def main(seed, overrides):
+    T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     T.WeightEMA, T.evaluate = SweepEMA, evaluate
     cfg = T.parse_overrides([f"seed={seed}", *overrides])
     T.train(cfg)

@@ -142,6 +142,7 @@ def check_ddp(hw, tmp):
 
 
 def main():
+    T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA GPU visible to PyTorch {torch.__version__} (CUDA build: "
               f"{torch.version.cuda or 'none'}): run it on a machine with an NVIDIA GPU", file=sys.stderr)

@@ -79,6 +79,7 @@ def sample_cpu_ms(cfg, pairs, count=32, rounds=7):
 
 
 def main(args):
+    train_unet.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     defaults = train_unet.parse_overrides([f"data_dir={FRAMES}", "image_size=256", "encoder_name=resnet34",
                                            "batch_size=8", "val_fraction=0.1", "progress=False"])
     cfg = train_unet.parse_overrides(args, base=defaults)  # the user's keys win

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_unet  # noqa: E402
 from train_unet import (BENCHMARK_SETTINGS, STRICT_FP32, ZERO_GRAD_EVERY, Precision, Run, SegLoss,  # noqa: E402
                         UserError, alternate_timings, apply_tf32, bare_training_step, benchmark_overrides,
                         build_datasets, build_optimizer, build_scaler, build_scheduler, decide_channels_last,
@@ -41,6 +42,7 @@ OVERHEAD_CONFIG = {
 
 
 def main(argv=None):
+    train_unet.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     argv = sys.argv[1:] if argv is None else argv
     try:
         rows = run(argv)

@@ -31,6 +31,7 @@ DEFAULTS = ["data_mode=patch", "image_size=128", "encoder_name=resnet18", "tile_
 
 
 def main(argv=None):
+    T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     argv = sys.argv[1:] if argv is None else argv
     try:
         rows, facts, megapixels = run(argv)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import train_unet  # noqa: E402
 from train_unet import (TTA_VIEWS, SegLoss, UserError, build_loaders, decide_precision,  # noqa: E402
                         describe, detect_hardware, evaluate, find_pairs, load_model, markdown_table,
                         normalize_key, prepare_data, predict_batch, read_image, user_message)
@@ -108,6 +109,7 @@ def table(images, scores, predict_s, val_s):
 
 
 def main(argv):
+    train_unet.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     try:
         opts = parse(argv)
         start = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
