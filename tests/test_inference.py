@@ -204,3 +204,13 @@ def test_the_benchmarks_forward_alone_runs_on_the_inputs_predict_feeds_the_model
     assert len(made) == len(fed) == (2 if data_mode == "fit" else len(made)) and len(made) > 1
     for a, b in zip(made, fed):
         assert torch.equal(a, b)
+
+
+def test_the_peer_tools_keys_replace_its_defaults():
+    """tools/predict_vs_monai.py (and tools/memory_reuse.py) take training keys; one its defaults also set
+    (image_size=...) replaces the default instead of stopping with 'given twice'."""
+    from predict_vs_monai import DEFAULTS, with_defaults
+    args = with_defaults(["image_size=64", "use_amp=False"])
+    cfg = train_unet.parse_overrides(args)
+    assert cfg["image_size"] == 64 and cfg["use_amp"] is False and cfg["data_mode"] == "patch"
+    assert len(args) == len(DEFAULTS) + 1

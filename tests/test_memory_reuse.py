@@ -64,3 +64,16 @@ def test_every_command_of_the_script_keeps_freed_memory(monkeypatch, capsys):
     monkeypatch.setattr(train_unet, "keep_freed_memory", lambda: calls.append(1))
     assert train_unet.main(["no_such_command"]) == 2  # set before the command is even parsed
     assert calls == [1] and "unknown command" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc parameters")
+def test_the_memory_reuse_tool_prints_both_sides(capsys):
+    """tools/memory_reuse.py (BENCHMARKS.md "Memory kept for reuse"), on a small fp32 window: a row for each
+    side, each from its own process, and fewer page faults where freed memory is kept."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import memory_reuse
+    assert memory_reuse.main(["work=window", "rounds=1", "size=512", "use_amp=False", "channels_last=False"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| window")]
+    faults = {row[2].strip(): int(row[4].strip().replace(",", "")) for row in rows}
+    assert set(faults) == {"glibc default", "kept for reuse"}
+    assert faults["kept for reuse"] < faults["glibc default"]

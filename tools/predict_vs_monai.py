@@ -97,7 +97,7 @@ def load(opts, train_args):
         model, cfg = T.load_model(Path(opts["checkpoint"]), hw)
         cfg = T.parse_overrides(train_args, base=cfg)
     else:
-        cfg = T.validate_config(T.parse_overrides([*DEFAULTS, *train_args]))
+        cfg = T.validate_config(T.parse_overrides(with_defaults(train_args)))
         torch.manual_seed(0)
         model = T.build_model(cfg).to(hw.device)
     if opts["trivial"]:
@@ -107,6 +107,12 @@ def load(opts, train_args):
                                                           prec)[0]}
     model = model.to(memory_format=torch.channels_last) if cfg["channels_last"] else model
     return model.eval(), cfg, hw, prec
+
+
+def with_defaults(args):
+    """This tool's DEFAULTS with the given key=value settings, a given key replacing its default."""
+    given = {T.normalize_key(a.partition("=")[0]) for a in args}
+    return [d for d in DEFAULTS if T.normalize_key(d.partition("=")[0]) not in given] + list(args)
 
 
 def normalise(image, cfg):
