@@ -796,7 +796,7 @@ MALLOC_TUNING_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 
 def keep_freed_memory():
     """Have glibc keep freed memory in the process for the next forward instead of returning it to the
-    kernel; the peak memory stays the same. The script's commands call it once (main); True if set. A
+    kernel; the peak memory stays about the same. The script's commands call it once (main); True if set. A
     no-op where malloc is not glibc's (macOS, Windows, musl) or the user tuned it (MALLOC_TUNING_ENV)."""
     if not sys.platform.startswith("linux") or any(key in os.environ for key in MALLOC_TUNING_ENV):
         return False
