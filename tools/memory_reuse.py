@@ -30,20 +30,20 @@ TOOL_CONFIG = {"work": "window,train", "rounds": 3, "size": 2048}
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--child":
-        return child(*argv[1:3], argv[3:])
+        return child(*argv[1:4], argv[4:])
     tool_args = [a for a in argv if T.normalize_key(a.partition("=")[0]) in TOOL_CONFIG]
     try:
         opts = T.parse_overrides(tool_args, defaults=TOOL_CONFIG)
     except T.UserError as exc:
         print(f"error: {T.user_message(exc)}", file=sys.stderr)
         return 2
-    rest = [a for a in argv if a not in tool_args] + [f"size={opts['size']}"]
+    rest = [a for a in argv if a not in tool_args]
     lines = [("work", "memory", "median s", "minor faults", "kernel CPU s", "peak memory", "vs glibc default")]
     for work in [w.strip() for w in opts["work"].split(",") if w.strip()]:
         runs = {"glibc default": [], "kept for reuse": []}
         for r in range(opts["rounds"]):
             for name in list(runs) if r % 2 == 0 else list(runs)[::-1]:
-                runs[name].append(run_child(work, name == "kept for reuse", rest))
+                runs[name].append(run_child(work, name == "kept for reuse", opts["size"], rest))
         base = np.median([r["seconds"] for r in runs["glibc default"]])
         for name, results in runs.items():
             med = {k: float(np.median([r[k] for r in results])) for k in results[0]}
@@ -54,19 +54,17 @@ def main(argv=None):
     return 0
 
 
-def run_child(work, keep, args):
-    out = subprocess.run([sys.executable, __file__, "--child", work, "keep" if keep else "default", *args],
+def run_child(work, keep, size, args):
+    out = subprocess.run([sys.executable, __file__, "--child", work, "keep" if keep else "default", str(size), *args],
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
-def child(work, memory, args):
+def child(work, memory, size, args):
     kept = T.keep_freed_memory() if memory == "keep" else False
     assert kept == (memory == "keep"), "keep_freed_memory did not apply here (not glibc, or MALLOC_* set)"
     T.keep_freed_memory = lambda: False  # the default side stays glibc's default when the run calls T.main
-    size = int(next(a for a in args if a.startswith("size=")).partition("=")[2])
-    args = [a for a in args if not a.startswith("size=")]
-    timed = window(size, args) if work == "window" else training(args)
+    timed = window(int(size), args) if work == "window" else training(args)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     before = timed.pop("usage")
     print(json.dumps({**timed, "faults": usage.ru_minflt - before.ru_minflt, "system_s": usage.ru_stime - before.ru_stime,
@@ -77,14 +75,8 @@ def child(work, memory, args):
 def window(size, args):
     import torch
     from make_scenes import draw_scene
-    from predict_vs_monai import with_defaults
-    hw = T.detect_hardware("cpu")
-    cfg = T.validate_config(T.parse_overrides(with_defaults(["cpu_probe=False", *args])))
-    prec = T.decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    cfg = {**cfg, "channels_last": cfg["channels_last"] is True}
-    torch.manual_seed(0)
-    model = T.build_model(cfg).eval()
-    model = model.to(memory_format=torch.channels_last) if cfg["channels_last"] else model
+    from predict_vs_monai import load  # the peer tool's model, precision and layout (flag rule)
+    model, cfg, hw, prec = load({"checkpoint": "", "trivial": False}, ["cpu_probe=False", *args])
     image = draw_scene(np.random.default_rng(0), size, size)[0]
     with torch.inference_mode():
         T.predict_logits(model, image, cfg, prec, hw)  # untimed: first passes are slower
