@@ -74,7 +74,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import cv2
+# OpenCV refuses images over 2**30 pixels (a guard for untrusted downloads) with an exception from its
+# depths; a user's own scene may be larger. The limit is raised here because OpenCV reads it once, when
+# it loads; a limit the user set stays, as does OpenCV's own where it was imported before this script
+# (a notebook). predict checks each image against the memory there is instead (fits_in_memory, IV.1).
+if "cv2" not in sys.modules:
+    os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(1 << 40))
+import cv2  # noqa: E402
 import numpy as np
 import torch
 import torch.nn as nn
@@ -1935,9 +1941,7 @@ def decode_image(path, channels=3):
         # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
         # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
         colour = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
-        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | colour)
-        if image is None:
-            raise UserError(f"cannot read image {path} (corrupt or not an image): fix or remove it")
+        image = opencv_read(path, cv2.IMREAD_ANYDEPTH | colour, "image")
         if image.ndim == 3 and image.shape[2] in (3, 4):  # in place: no second copy of a large scene
             if image.dtype in CVT_COLOR_DTYPES:
                 code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
@@ -1948,6 +1952,22 @@ def decode_image(path, channels=3):
 
 
 CVT_COLOR_DTYPES = (np.uint8, np.uint16, np.float32)  # the depths cv2.cvtColor converts
+
+
+def opencv_read(path, flags, kind):
+    """cv2.imread, with its failures as one-line errors: an unreadable file, and an image over the
+    pixel limit the user set for OpenCV (OPENCV_IO_MAX_IMAGE_PIXELS; this script raises OpenCV's own)."""
+    try:
+        array = cv2.imread(str(path), flags)
+    except cv2.error as exc:
+        if "MAX_IMAGE_PIXELS" in str(exc):
+            raise UserError(f"{kind} {path} has more pixels than OpenCV may read here (OPENCV_IO_MAX_IMAGE_"
+                            f"PIXELS, 2**30 unless set before OpenCV was first imported): set it higher before "
+                            f"that (importing this script first does), or cut the image into parts") from None
+        raise UserError(f"cannot read {kind} {path} ({first_line(exc)}): fix or remove it") from None
+    if array is None:
+        raise UserError(f"cannot read {kind} {path} (corrupt or not an image): fix or remove it")
+    return array
 
 
 def is_tiff(path):
@@ -2086,9 +2106,7 @@ def decode_mask(path):
     TIFFs follow read_tiff's rules (level 0, no stacks)."""
     mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
     if mask is None:
-        mask = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
-    if mask is None:
-        raise UserError(f"cannot read mask {path} (corrupt or not an image): fix or remove it")
+        mask = opencv_read(path, cv2.IMREAD_UNCHANGED, "mask")
     if mask.ndim == 3:
         mask = mask[..., :3]  # ignore an alpha channel
         if not (mask == mask[..., :1]).all():
@@ -4509,7 +4527,7 @@ def predict(opts):
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
-        for batch, unreadable in read_ahead(paths, per_batch, cfg):
+        for batch, unreadable in read_ahead(paths, per_batch, cfg, available_memory()):
             failed += unreadable
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = predict_masks(model, images, cfg, prec, hw, inputs) if batch else []
@@ -4526,13 +4544,15 @@ def predict(opts):
             "output": str(out_dir)}
 
 
-def read_ahead(paths, per_batch, cfg):
+def read_ahead(paths, per_batch, cfg, memory=None):
     """([(path, image, model input)], [(path, why unreadable)]) per per_batch paths, read on threads: the
     next batch's images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works
     on this one. In fit mode the threads also resize and normalise each image (fit_input), so the main
-    thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None)."""
+    thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None).
+    An image that cannot fit in `memory` bytes (check_fits) is unreadable, with the reason, undecoded."""
     def read(path):
         try:
+            check_fits(path, cfg, memory)
             image = read_image(path, cfg["in_channels"], cfg["intensity_range"])
         except UserError as exc:
             return path, None, str(exc)
@@ -4550,6 +4570,90 @@ def read_ahead(paths, per_batch, cfg):
 
 
 PREDICT_READERS = 4  # threads decoding predict's next batch of images
+
+
+def check_fits(path, cfg, memory):
+    """Refuse, before decoding it, an image whose prediction cannot fit in `memory` bytes (what the
+    machine had free when predict started; None: unknown, no check). The need counted is a lower bound
+    (predict_memory), so an image refused here would have failed or been killed by the system later."""
+    size = None if memory is None else image_header(path)
+    if size is None:
+        return
+    need = predict_memory(*size, cfg)
+    if need > memory:
+        h, w = size[:2]
+        raise UserError(f"image {path} ({w}x{h}) needs at least {size_text(need)} of memory to predict, "
+                        f"{size_text(memory)} is free: cut it into parts, or predict it on a machine "
+                        f"with more memory")
+
+
+def predict_memory(height, width, bytes_per_pixel, cfg):
+    """At least what predicting one image holds at once: the decoded image, its fp32 logits (one plane
+    per class) at its own size, and the mask. Scaling copies, tiles and the model come on top."""
+    return height * width * (bytes_per_pixel + 4 * cfg["num_classes"] + 1)
+
+
+def image_header(path):
+    """(height, width, bytes a pixel as stored) from an image file's header, without decoding it; None
+    where its header cannot be read here (the decoder then says what is wrong)."""
+    from PIL import BmpImagePlugin, JpegImagePlugin, PngImagePlugin
+
+    if is_tiff(path):
+        return tiff_header(path)
+    readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile,
+               ".jpg": JpegImagePlugin.JpegImageFile, ".jpeg": JpegImagePlugin.JpegImageFile}
+    try:  # the format's own reader: Image.open's decompression-bomb limit would refuse large scenes
+        with readers[Path(path).suffix.lower()](path) as image:
+            depth = 2 if image.mode.startswith("I;16") else 4 if image.mode in ("I", "F") else 1
+            return image.height, image.width, len(image.getbands()) * depth
+    except (KeyError, OSError, SyntaxError, ValueError):
+        return None
+
+
+def tiff_header(path):
+    """image_header of a TIFF: level 0 of its first image (read_tiff's)."""
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            series = tif.series[0]
+            h, w = plane_size(series)
+            samples = series.shape[-1] if series.axes.endswith("S") else min(series.size // (h * w), 4)
+            return h, w, samples * series.dtype.itemsize
+    except (tifffile.TiffFileError, OSError, IndexError, ValueError, ZeroDivisionError):
+        return None
+
+
+def available_memory():
+    """Bytes of memory free for this process, or None where that is unknown (not Linux): the kernel's
+    MemAvailable, and no more than the room under the memory limit of its control group (a container's
+    --memory, a Slurm or Kubernetes job's), where the page cache counts as free, as the kernel frees it."""
+    try:
+        free = int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024
+    except (OSError, TypeError):
+        return None
+    return min(free, cgroup_room())
+
+
+def cgroup_room(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
+    """Bytes left under this process's cgroup memory limit (v2, or v1's memory controller); inf if none."""
+    for line in Path(proc).read_text().splitlines() if Path(proc).is_file() else []:
+        number, controllers, where = line.split(":", 2)
+        v2 = number == "0" and not controllers
+        if not v2 and "memory" not in controllers.split(","):
+            continue
+        root = Path(sys_root) if v2 else Path(sys_root) / "memory"
+        folder = root / where.lstrip("/") if (root / where.lstrip("/")).is_dir() else root  # namespaced: root
+        names = ("memory.max", "memory.current", "file") if v2 else \
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+        try:
+            limit = (folder / names[0]).read_text().strip()
+            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+            if limit != "max" and int(limit) < 1 << 60:
+                return int(limit) - int((folder / names[1]).read_text()) + int(stat.get(names[2], 0))
+        except (OSError, ValueError):
+            continue
+    return math.inf
 
 
 class MaskWriter:
@@ -4697,8 +4801,15 @@ def logits_to_mask(logits, num_classes):
 
 
 def mask_tensor(logits, num_classes):
-    """logits_to_mask's mask as a uint8 tensor on the logits' device."""
-    return ((logits[0] > 0) if num_classes == 1 else logits.argmax(0)).to(torch.uint8)
+    """logits_to_mask's mask as a uint8 tensor on the logits' device. A large image's is made in bands of
+    rows (score_bands), so the argmax's int64 (8 bytes a pixel) never covers the whole image."""
+    bands = score_bands(*logits.shape[1:])
+    if len(bands) == 1:  # two ops, as ever: fit mode's images and a sliding window's smaller ones
+        return ((logits[0] > 0) if num_classes == 1 else logits.argmax(0)).to(torch.uint8)
+    mask = torch.empty(logits.shape[1:], dtype=torch.uint8, device=logits.device)
+    for band in bands:
+        mask[band] = (logits[0, band] > 0) if num_classes == 1 else logits[:, band].argmax(0)
+    return mask
 
 
 def mask_to_png(mask, num_classes):
@@ -4708,14 +4819,23 @@ def mask_to_png(mask, num_classes):
 def overlay_image(image, mask, alpha=0.45):
     """RGB/gray image with each class > 0 tinted by a fixed palette (returned as BGR for cv2).
 
-    16-bit and float images (read_image's [0, 1] floats) are shown on the same scale, as 8-bit."""
-    image = to_uint8_view(image)
+    16-bit and float images (read_image's [0, 1] floats) are shown on the same scale, as 8-bit. Made in
+    bands of rows (score_bands): the blend's float temporaries (~60 bytes a pixel) stay a band's size."""
+    image, overlay = to_uint8_view(image), np.empty((*mask.shape, 3), np.uint8)
+    for band in score_bands(*mask.shape):
+        overlay[band] = tinted(image[band], mask[band], alpha)
+    return cv2.cvtColor(overlay, cv2.COLOR_RGB2BGR, dst=overlay)
+
+
+OVERLAY_PALETTE = np.array([[0, 0, 0], [255, 60, 60], [60, 200, 60], [60, 90, 255], [240, 200, 40],
+                            [200, 60, 220], [40, 210, 220]], np.float32)
+
+
+def tinted(image, mask, alpha):
+    """overlay_image's blend of 8-bit RGB or gray pixels with their classes' colours, as uint8 RGB."""
     rgb = np.repeat(image[..., None], 3, axis=2) if image.ndim == 2 else image
-    palette = np.array([[0, 0, 0], [255, 60, 60], [60, 200, 60], [60, 90, 255], [240, 200, 40],
-                        [200, 60, 220], [40, 210, 220]], np.float32)
-    colour = palette[1:][(mask.astype(np.int64) - 1) % (len(palette) - 1)]
-    blended = np.where(mask[..., None] > 0, (1 - alpha) * rgb + alpha * colour, rgb)
-    return cv2.cvtColor(blended.astype(np.uint8), cv2.COLOR_RGB2BGR)
+    colour = OVERLAY_PALETTE[1:][(mask.astype(np.int64) - 1) % (len(OVERLAY_PALETTE) - 1)]
+    return np.where(mask[..., None] > 0, (1 - alpha) * rgb + alpha * colour, rgb).astype(np.uint8)
 
 
 def validate_predict(opts):

@@ -1,0 +1,215 @@
+"""Large images in predict: an image that cannot fit in memory is refused by name before it is decoded,
+the others are predicted; image headers are read without decoding; the machine's and a container's free
+memory; OpenCV's pixel limit is raised (the user's own limit stays) and named when an image exceeds it;
+masks of large logits are made in bands of rows, equal to the whole-image rule."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import tifffile
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import train_unet  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A fresh binary fit-mode model's checkpoint (nothing is trained: only which images get predicted
+    matters here)."""
+    folder = tmp_path_factory.mktemp("memory")
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "image_size": 32, "encoder_name": "resnet18",
+                                      "device": "cpu"})
+    torch.manual_seed(0)
+    model = train_unet.build_model({**cfg, "encoder_weights": None})
+    train_unet.save_checkpoint(folder / "m.pt", {"model": model.state_dict(), "config": cfg})
+    return folder / "m.pt"
+
+
+def predict_opts(checkpoint, inp, out):
+    return {**train_unet.PREDICT_CONFIG, "checkpoint": str(checkpoint), "input": str(inp), "output": str(out),
+            "device": "cpu", "use_amp": False, "progress": False, "cpu_probe": False}
+
+
+def test_an_image_too_large_for_the_free_memory_is_refused_undecoded_and_the_others_are_predicted(
+        checkpoint, tmp_path, monkeypatch, capsys):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    rng = np.random.default_rng(0)
+    cv2.imwrite(str(inp / "small.png"), rng.integers(0, 256, (40, 30, 3), dtype=np.uint8))
+    cv2.imwrite(str(inp / "large.png"), rng.integers(0, 256, (300, 200, 3), dtype=np.uint8))
+    cfg = {"num_classes": 1}
+    small, large = (train_unet.predict_memory(*train_unet.image_header(inp / n), cfg) for n in ("small.png", "large.png"))
+    assert small == 40 * 30 * (3 + 4 + 1) and large == 300 * 200 * (3 + 4 + 1)
+    monkeypatch.setattr(train_unet, "available_memory", lambda: (small + large) // 2)
+    decoded, read_image = [], train_unet.read_image
+    monkeypatch.setattr(train_unet, "read_image", lambda path, *a: decoded.append(Path(path).name) or read_image(path, *a))
+
+    result = train_unet.predict(predict_opts(checkpoint, inp, tmp_path / "out"))
+
+    assert result["predicted"] == 1 and (tmp_path / "out" / "small.png").is_file()
+    assert not (tmp_path / "out" / "large.png").exists() and decoded == ["small.png"]
+    [(path, reason)] = result["failed"]
+    assert path.endswith("large.png")
+    assert "large.png (200x300) needs at least" in reason and "cut it into parts" in reason
+    assert f"failed: {reason}" in capsys.readouterr().out
+
+
+def test_nothing_is_refused_where_the_free_memory_is_unknown(checkpoint, tmp_path, monkeypatch):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    cv2.imwrite(str(inp / "a.png"), np.zeros((50, 60, 3), np.uint8))
+    monkeypatch.setattr(train_unet, "available_memory", lambda: None)
+    headers = []
+    monkeypatch.setattr(train_unet, "image_header", lambda path: headers.append(path))
+    assert train_unet.predict(predict_opts(checkpoint, inp, tmp_path / "out"))["predicted"] == 1
+    assert headers == []  # no header read either: nothing to compare it with
+
+
+def write_formats(folder):
+    """{file: the array its decoder returns at the stored depth} in the formats predict reads."""
+    rng = np.random.default_rng(1)
+    arrays = {"rgb8.png": rng.integers(0, 256, (21, 34, 3), dtype=np.uint8),
+              "gray16.png": rng.integers(0, 4096, (21, 34), dtype=np.uint16),  # 12-bit data, 16-bit file
+              "rgba8.png": rng.integers(0, 256, (21, 34, 4), dtype=np.uint8),
+              "photo.jpg": rng.integers(0, 256, (21, 34, 3), dtype=np.uint8),
+              "gray.bmp": rng.integers(0, 256, (21, 34), dtype=np.uint8),
+              "rgb16.tif": rng.integers(0, 65536, (21, 34, 3), dtype=np.uint16),
+              "float.tiff": rng.random((21, 34), dtype=np.float32)}
+    for name, array in arrays.items():
+        if name.endswith((".tif", ".tiff")):
+            tifffile.imwrite(folder / name, array)
+        else:
+            assert cv2.imwrite(str(folder / name), array)
+    tifffile.imwrite(folder / "planar.tif", arrays["rgb16.tif"].transpose(2, 0, 1), photometric="rgb",
+                     planarconfig="separate")
+    tifffile.imwrite(folder / "tiled.tif", arrays["rgb8.png"], tile=(16, 16), compression="zlib")
+    return {**arrays, "planar.tif": arrays["rgb16.tif"], "tiled.tif": arrays["rgb8.png"]}
+
+
+def test_image_headers_give_the_decoded_size_and_bytes_per_pixel(tmp_path):
+    for name, array in write_formats(tmp_path).items():
+        stored = (array.shape[2] if array.ndim == 3 else 1) * array.itemsize
+        assert train_unet.image_header(tmp_path / name) == (*array.shape[:2], stored), name
+
+
+def test_an_unreadable_header_is_left_to_the_decoder(tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    (tmp_path / "broken.tif").write_bytes(b"II*\0garbage")
+    assert train_unet.image_header(tmp_path / "broken.png") is None
+    assert train_unet.image_header(tmp_path / "broken.tif") is None
+    train_unet.check_fits(tmp_path / "broken.png", {"num_classes": 1}, 1)  # no error here: read_image names it
+    with pytest.raises(train_unet.UserError, match="cannot read image .*broken.png"):
+        train_unet.read_image(tmp_path / "broken.png", 3)
+
+
+def write_cgroup(root, version, limit, usage, cache):
+    """A fake /proc/self/cgroup and cgroup tree: the process in /job, cgroup v2 or v1's memory controller."""
+    proc = root / "cgroup"
+    proc.write_text("0::/job\n" if version == 2 else "5:memory:/job\n4:cpu:/job\n")
+    folder = root / "sys" / ("job" if version == 2 else "memory/job")
+    folder.mkdir(parents=True)
+    names = ("memory.max", "memory.current", "file") if version == 2 else \
+        ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
+    (folder / names[0]).write_text(f"{limit}\n")
+    (folder / names[1]).write_text(f"{usage}\n")
+    (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\nother 7\n")
+    return proc, root / "sys"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_containers_memory_limit_bounds_the_free_memory(tmp_path, version):
+    proc, sys_root = write_cgroup(tmp_path, version, limit=8 << 30, usage=6 << 30, cache=1 << 30)
+    assert train_unet.cgroup_room(proc, sys_root) == 3 << 30  # the page cache counts as free
+
+
+@pytest.mark.parametrize("version, limit", [(1, 9223372036854771712), (2, "max")])
+def test_no_container_limit_leaves_the_machines_free_memory(tmp_path, version, limit):
+    proc, sys_root = write_cgroup(tmp_path, version, limit=limit, usage=6 << 30, cache=0)
+    assert train_unet.cgroup_room(proc, sys_root) == float("inf")
+    assert train_unet.cgroup_room(tmp_path / "missing", sys_root) == float("inf")
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="MemAvailable is Linux's")
+def test_the_free_memory_is_the_kernels_available_memory_at_most():
+    free = train_unet.available_memory()
+    kernel = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
+                      if line.startswith("MemAvailable:"))) * 1024
+    assert 0 < free <= kernel * 1.05  # read a moment apart
+
+
+def run_python(code, **env):
+    environ = {k: v for k, v in os.environ.items() if k != "OPENCV_IO_MAX_IMAGE_PIXELS"}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_opencvs_pixel_limit_is_raised_before_it_loads_and_a_users_own_limit_stays():
+    code = "import os, train_unet; print(os.environ['OPENCV_IO_MAX_IMAGE_PIXELS'])"
+    assert run_python(code).stdout.split() == [str(1 << 40)]
+    assert run_python(code, OPENCV_IO_MAX_IMAGE_PIXELS="5000").stdout.split() == ["5000"]
+    after_cv2 = run_python("import os, cv2, train_unet; print(os.environ.get('OPENCV_IO_MAX_IMAGE_PIXELS'))")
+    assert after_cv2.stdout.split() == ["None"]  # too late to change OpenCV's: not pretended
+
+
+def test_an_image_over_opencvs_pixel_limit_is_named_with_the_fix(checkpoint, tmp_path):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    cv2.imwrite(str(inp / "big.png"), np.zeros((64, 64, 3), np.uint8))
+    cv2.imwrite(str(inp / "ok.png"), np.zeros((20, 20, 3), np.uint8))
+    cv2.imwrite(str(tmp_path / "mask.png"), np.zeros((64, 64), np.uint8))
+    code = (f"import train_unet as t\nr = t.predict({predict_opts(checkpoint, inp, tmp_path / 'out')!r})\n"
+            f"print('predicted', r['predicted'])\n"
+            f"try:\n    t.decode_mask({str(tmp_path / 'mask.png')!r})\nexcept t.UserError as e:\n    print(e)")
+    run = run_python(code, OPENCV_IO_MAX_IMAGE_PIXELS="1000")  # 20x20 passes, 64x64 does not
+    assert run.returncode == 0, run.stderr
+    assert "predicted 1" in run.stdout and "Traceback" not in run.stdout + run.stderr
+    assert "big.png has more pixels than OpenCV may read here (OPENCV_IO_MAX_IMAGE_PIXELS" in run.stdout
+    assert "mask " + str(tmp_path / "mask.png") + " has more pixels than OpenCV may read" in run.stdout
+
+
+@pytest.mark.parametrize("classes", [1, 3])
+def test_masks_of_large_logits_are_made_in_bands_equal_to_the_whole_image_rule(classes, monkeypatch):
+    torch.manual_seed(classes)
+    logits = torch.randn(classes, 70, 40)
+    whole = train_unet.mask_tensor(logits, classes)
+    assert torch.equal(whole, ((logits[0] > 0) if classes == 1 else logits.argmax(0)).to(torch.uint8))
+    monkeypatch.setattr(train_unet, "SCORE_BAND_PIXELS", 40 * 16)  # 16 rows a band: 5 bands
+    assert len(train_unet.score_bands(70, 40)) == 5
+    banded = train_unet.mask_tensor(logits, classes)
+    assert banded.dtype == torch.uint8 and torch.equal(banded, whole)
+
+
+@pytest.mark.parametrize("gray", [False, True])
+def test_overlays_are_made_in_bands_equal_to_the_whole_image_blend(gray, monkeypatch):
+    rng = np.random.default_rng(2)
+    image = rng.integers(0, 256, (70, 40) if gray else (70, 40, 3), dtype=np.uint8)
+    mask = rng.integers(0, 9, (70, 40), dtype=np.uint8)  # more classes than colours: the palette wraps
+    rgb = np.repeat(image[..., None], 3, axis=2) if gray else image
+    palette = train_unet.OVERLAY_PALETTE
+    colour = palette[1:][(mask.astype(np.int64) - 1) % (len(palette) - 1)]
+    whole = cv2.cvtColor(np.where(mask[..., None] > 0, (1 - 0.45) * rgb + 0.45 * colour, rgb).astype(np.uint8),
+                         cv2.COLOR_RGB2BGR)
+    assert np.array_equal(train_unet.overlay_image(image, mask), whole)
+    monkeypatch.setattr(train_unet, "SCORE_BAND_PIXELS", 40 * 16)
+    assert np.array_equal(train_unet.overlay_image(image, mask), whole)
+
+
+def test_the_memory_tool_reports_both_mask_rules_above_the_lower_bound(tmp_path):
+    run = subprocess.run([sys.executable, "tools/predict_memory.py", "side=600", "classes=3",
+                          f"folder={tmp_path}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = {line.split("|")[1].strip(): [cell.strip() for cell in line.split("|")[2:-1]]
+            for line in run.stdout.splitlines() if line.startswith("| banded") or line.startswith("| whole")}
+    assert set(rows) == {"banded", "whole"}
+    bound = 600 * 600 * (3 + 4 * 3 + 1) / 2**20
+    for predict_s, before, peak, share, lower in rows.values():
+        assert float(share.split()[0]) >= bound and lower == train_unet.size_text(bound * 2**20)
+    assert (tmp_path / "600_3ch" / "out_banded" / "scene.png").is_file()
