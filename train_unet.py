@@ -77,7 +77,7 @@ from pathlib import Path
 # OpenCV refuses images over 2**30 pixels (a guard for untrusted downloads) with an exception from its
 # depths; a user's own scene may be larger. The limit is raised here because OpenCV reads it once, when
 # it loads; a limit the user set stays, as does OpenCV's own where it was imported before this script
-# (a notebook). predict checks each image against the memory there is instead (fits_in_memory, IV.1).
+# (a notebook). predict checks each image against the memory there is instead (MemoryBudget, IV.1).
 if "cv2" not in sys.modules:
     os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(1 << 40))
 import cv2  # noqa: E402
@@ -4527,7 +4527,7 @@ def predict(opts):
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
-        for batch, unreadable in read_ahead(paths, per_batch, cfg, available_memory()):
+        for batch, unreadable in read_ahead(paths, per_batch, cfg, MemoryBudget(available_memory(), cfg)):
             failed += unreadable
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = predict_masks(model, images, cfg, prec, hw, inputs) if batch else []
@@ -4544,47 +4544,70 @@ def predict(opts):
             "output": str(out_dir)}
 
 
-def read_ahead(paths, per_batch, cfg, memory=None):
+def read_ahead(paths, per_batch, cfg, budget=None):
     """([(path, image, model input)], [(path, why unreadable)]) per per_batch paths, read on threads: the
     next batch's images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works
     on this one. In fit mode the threads also resize and normalise each image (fit_input), so the main
     thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None).
-    An image that cannot fit in `memory` bytes (check_fits) is unreadable, with the reason, undecoded."""
+    With a MemoryBudget, an image that cannot fit is unreadable, with the reason, undecoded; and the next
+    batch is read after this one, not beside it, where the two would not fit together."""
+    budget = budget or MemoryBudget(None, cfg)
+
     def read(path):
         try:
-            check_fits(path, cfg, memory)
+            budget.check(path)
             image = read_image(path, cfg["in_channels"], cfg["intensity_range"])
         except UserError as exc:
             return path, None, str(exc)
         return path, (image, fit_input(image, cfg) if cfg["data_mode"] == "fit" else None), None
 
     with ThreadPoolExecutor(max_workers=min(per_batch, PREDICT_READERS), thread_name_prefix="unet-amp-read") as pool:
-        batches = (pool.map(read, paths[i:i + per_batch]) for i in range(0, len(paths), per_batch))
-        current = next(batches, None)
-        while current is not None:
-            following = next(batches, None)  # its reads start before this batch is handed out
+        batches = [paths[i:i + per_batch] for i in range(0, len(paths), per_batch)]
+        current = pool.map(read, batches[0]) if batches else None
+        for k, batch in enumerate(batches):
+            following = batches[k + 1] if k + 1 < len(batches) else []
+            ahead = bool(following) and budget.room_to_read_ahead(batch, following)
+            reads = pool.map(read, following) if ahead else None  # starts before this batch is handed out
             results = list(current)
             yield ([(p, *read) for p, read, why in results if why is None],
                    [(str(p), why) for p, _, why in results if why is not None])
-            current = following
+            current = reads if ahead else pool.map(read, following)
 
 
 PREDICT_READERS = 4  # threads decoding predict's next batch of images
 
 
-def check_fits(path, cfg, memory):
-    """Refuse, before decoding it, an image whose prediction cannot fit in `memory` bytes (what the
-    machine had free when predict started; None: unknown, no check). The need counted is a lower bound
-    (predict_memory), so an image refused here would have failed or been killed by the system later."""
-    size = None if memory is None else image_header(path)
-    if size is None:
-        return
-    need = predict_memory(*size, cfg)
-    if need > memory:
-        h, w = size[:2]
-        raise UserError(f"image {path} ({w}x{h}) needs at least {size_text(need)} of memory to predict, "
-                        f"{size_text(memory)} is free: cut it into parts, or predict it on a machine "
-                        f"with more memory")
+class MemoryBudget:
+    """What predict may hold at once: the memory free when it started (available_memory; None where
+    unknown: then it checks nothing and reads ahead as ever). Image sizes come from the files' headers
+    (image_header), each read once."""
+
+    def __init__(self, memory, cfg):
+        self.memory, self.cfg, self.headers = memory, cfg, {}
+
+    def header(self, path):
+        if path not in self.headers:
+            self.headers[path] = image_header(path)
+        return self.headers[path]
+
+    def check(self, path):
+        """Refuse, before decoding it, an image whose prediction cannot fit. The need counted is a lower
+        bound (predict_memory), so an image refused here would have failed or been killed later."""
+        size = None if self.memory is None else self.header(path)
+        need = 0 if size is None else predict_memory(*size, self.cfg)
+        if size is not None and need > self.memory:
+            h, w = size[:2]
+            raise UserError(f"image {path} ({w}x{h}) needs at least {size_text(need)} of memory to predict, "
+                            f"{size_text(self.memory)} is free: cut it into parts, or predict it on a machine "
+                            f"with more memory")
+
+    def room_to_read_ahead(self, batch, following):
+        """Whether the following batch's decoded images fit beside what predicting this batch needs."""
+        if self.memory is None:
+            return True
+        need = sum(predict_memory(*size, self.cfg) for size in map(self.header, batch) if size)
+        decoded = sum(h * w * depth for h, w, depth in filter(None, map(self.header, following)))
+        return need + decoded <= self.memory
 
 
 def predict_memory(height, width, bytes_per_pixel, cfg):

@@ -73,6 +73,37 @@ def test_nothing_is_refused_where_the_free_memory_is_unknown(checkpoint, tmp_pat
     assert headers == []  # no header read either: nothing to compare it with
 
 
+@pytest.mark.parametrize("room", [True, False])
+def test_the_next_large_image_is_read_beside_this_one_only_where_both_fit(room, checkpoint, tmp_path, monkeypatch):
+    """Patch mode reads the next image while the model works on this one; where this image's need and the
+    next one's decoded pixels would not fit together, the next is read after this one is done."""
+    import time
+
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "image_size": 32, "data_mode": "patch"})
+    patch = tmp_path / "patch.pt"
+    train_unet.save_checkpoint(patch, {**train_unet.load_checkpoint(checkpoint), "config": cfg})
+    inp = tmp_path / "in"
+    inp.mkdir()
+    for name in ("a", "b"):
+        cv2.imwrite(str(inp / f"{name}.png"), np.zeros((100, 100, 3), np.uint8))
+    need, decoded = 100 * 100 * (3 + 4 + 1), 100 * 100 * 3
+    monkeypatch.setattr(train_unet, "available_memory", lambda: need + decoded + (0 if room else -1))
+    read, reading = [], train_unet.read_image
+    monkeypatch.setattr(train_unet, "read_image", lambda path, *a: read.append(Path(path).stem) or reading(path, *a))
+    seen, predicting = [], train_unet.predict_logits
+
+    def slow_predict(model, image, *args):  # time enough for a read-ahead to happen
+        time.sleep(0.3)
+        seen.append(list(read))
+        return predicting(model, image, *args)
+    monkeypatch.setattr(train_unet, "predict_logits", slow_predict)
+
+    result = train_unet.predict(predict_opts(patch, inp, tmp_path / "out"))
+
+    assert result["predicted"] == 2 and not result["failed"]
+    assert seen == ([["a", "b"], ["a", "b"]] if room else [["a"], ["a", "b"]])
+
+
 def write_formats(folder):
     """{file: the array its decoder returns at the stored depth} in the formats predict reads."""
     rng = np.random.default_rng(1)
@@ -105,7 +136,7 @@ def test_an_unreadable_header_is_left_to_the_decoder(tmp_path):
     (tmp_path / "broken.tif").write_bytes(b"II*\0garbage")
     assert train_unet.image_header(tmp_path / "broken.png") is None
     assert train_unet.image_header(tmp_path / "broken.tif") is None
-    train_unet.check_fits(tmp_path / "broken.png", {"num_classes": 1}, 1)  # no error here: read_image names it
+    train_unet.MemoryBudget(1, {"num_classes": 1}).check(tmp_path / "broken.png")  # no error: read_image names it
     with pytest.raises(train_unet.UserError, match="cannot read image .*broken.png"):
         train_unet.read_image(tmp_path / "broken.png", 3)
 
