@@ -5060,6 +5060,7 @@ BENCHMARK_CONFIG = {
     "inference": "fp32,fp32_cl,bf16,bf16_cl",  # the inference table's modes (CPU_PROBE_MODES names); "" = none
     "inference_images": 32, # fit mode: a folder of this many of the data set's images, predicted
     "inference_size": 1024, # patch mode: one generated image of this side, through the sliding window
+    "inference_format": "png",  # that image's file: png, or tif (uncompressed: next to nothing to decode)
     "inference_rounds": 2,  # predict and the forward passes alone, timed in alternating rounds
 }
 
@@ -5156,6 +5157,8 @@ def parse_benchmark_args(args):
             raise UserError(f"{key} is set by the benchmark itself (results go to output=...): leave it out")
     if opts["probe_steps"] < 1 or opts["bare_steps"] < 0:
         raise UserError(f"probe_steps={opts['probe_steps']} must be >= 1, bare_steps={opts['bare_steps']} >= 0")
+    if opts["inference_format"] not in ("png", "tif"):
+        raise UserError(f"inference_format={opts['inference_format']!r} is not allowed: use png or tif")
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
     if unknown or not names:
@@ -5356,7 +5359,8 @@ def inference_table(base, hw, opts, out_dir):
 
 def inference_inputs(base, opts, folder):
     """(fit images folder, patch image folder, the model's checkpoint): the data set's first images, one
-    generated large image (PNG), and the fp32 run's best.pt (else a fresh model's weights)."""
+    generated large image (inference_format: PNG, or an uncompressed TIFF of the same pixels), and the fp32
+    run's best.pt (else a fresh model's weights)."""
     fit_dir, patch_dir = folder / "fit_images", folder / "patch_images"
     for sub in (fit_dir, patch_dir):
         sub.mkdir(parents=True, exist_ok=True)
@@ -5365,7 +5369,12 @@ def inference_inputs(base, opts, folder):
         shutil.copy(image, fit_dir / Path(image).name)
     rng, side = np.random.default_rng(0), opts["inference_size"]
     big = cv2.GaussianBlur(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), (0, 0), 3)
-    write_png(patch_dir / "large.png", big)
+    if opts.get("inference_format", "png") == "tif":  # the same pixels as the PNG once read (RGB order)
+        import tifffile
+
+        tifffile.imwrite(patch_dir / "large.tif", np.ascontiguousarray(big[..., ::-1]))
+    else:
+        write_png(patch_dir / "large.png", big)
     trained = folder.parent / "fp32" / "best.pt"
     if trained.is_file():
         return fit_dir, patch_dir, trained

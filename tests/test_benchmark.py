@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import nbclient
+import numpy as np
 import nbformat
 import pytest
 import torch
@@ -203,3 +204,21 @@ def test_loader_workers_tool_makes_frames_the_data_check_accepts(tmp_path):
     assert set(ms) == {"first epoch (decode, write)", "cache_images=True", "cache_images=False"}
     assert all(value > 0 for value in ms.values())
     assert (cv2.getNumThreads(), torch.get_num_threads()) == threads  # the tool restores both
+
+
+def test_the_inference_image_is_the_same_pixels_as_png_or_tif(tmp_path):
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=4, size=32)
+    base = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(data), "image_size": 32})
+    images = {}
+    for fmt in ("png", "tif"):
+        opts = {"inference_images": 2, "inference_size": 50, "inference_format": fmt}
+        _, patch_dir, _ = train_unet.inference_inputs(base, opts, tmp_path / fmt)
+        [path] = list(patch_dir.iterdir())
+        assert path.name == f"large.{fmt}"
+        images[fmt] = train_unet.read_image(path, 3)
+    assert images["png"].shape == (50, 50, 3) and np.array_equal(images["png"], images["tif"])
+
+
+def test_an_unknown_inference_format_is_refused():
+    with pytest.raises(train_unet.UserError, match="inference_format='jpg' is not allowed: use png or tif"):
+        train_unet.parse_benchmark_args(["inference_format=jpg"])
