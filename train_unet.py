@@ -64,6 +64,7 @@ import random
 import re
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import threading
@@ -1993,8 +1994,8 @@ def read_tiff(path, mask=False):
             except (ValueError, NotImplementedError, KeyError):
                 return None
             return np.moveaxis(image, 0, -1) if planar else image
-    except (tifffile.TiffFileError, OSError, IndexError, ValueError):
-        return None  # not a TIFF tifffile understands: OpenCV tries, then says it cannot read it
+    except (tifffile.TiffFileError, OSError, IndexError, ValueError, TypeError, struct.error):
+        return None  # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then says it cannot read it
 
 
 def check_single_image(path, tif, series, planar, kind):
@@ -4527,13 +4528,14 @@ def predict(opts):
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
-        for batch, unreadable in read_ahead(paths, per_batch, cfg, MemoryBudget(available_memory(), cfg)):
+        budget = MemoryBudget(available_memory(), cfg, hw)
+        for batch, unreadable in read_ahead(paths, per_batch, cfg, budget, settle=writer.wait):
             failed += unreadable
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = predict_masks(model, images, cfg, prec, hw, inputs) if batch else []
-            for (path, image, _), mask in zip(batch, masks):
-                writer.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
+            writer.write_all(batch, masks, outputs, out_dir)
             bar.update(len(batch) + len(unreadable))
+            del batch, images, inputs, masks  # gone before a read that waited for this batch
     bar.close()
     done, seconds = writer.written, time.perf_counter() - start
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
@@ -4544,14 +4546,15 @@ def predict(opts):
             "output": str(out_dir)}
 
 
-def read_ahead(paths, per_batch, cfg, budget=None):
+def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None):
     """([(path, image, model input)], [(path, why unreadable)]) per per_batch paths, read on threads: the
     next batch's images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works
     on this one. In fit mode the threads also resize and normalise each image (fit_input), so the main
     thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None).
     With a MemoryBudget, an image that cannot fit is unreadable, with the reason, undecoded; and the next
-    batch is read after this one, not beside it, where the two would not fit together."""
-    budget = budget or MemoryBudget(None, cfg)
+    batch is read after this one, not beside it, where the two would not fit together: once the caller
+    has let this batch go and `settle` has returned (predict: its masks are written)."""
+    budget = budget or MemoryBudget(None, cfg, None)
 
     def read(path):
         try:
@@ -4571,6 +4574,9 @@ def read_ahead(paths, per_batch, cfg, budget=None):
             results = list(current)
             yield ([(p, *read) for p, read, why in results if why is None],
                    [(str(p), why) for p, _, why in results if why is not None])
+            results = current = None
+            if not ahead:
+                settle()
             current = reads if ahead else pool.map(read, following)
 
 
@@ -4580,10 +4586,11 @@ PREDICT_READERS = 4  # threads decoding predict's next batch of images
 class MemoryBudget:
     """What predict may hold at once: the memory free when it started (available_memory; None where
     unknown: then it checks nothing and reads ahead as ever). Image sizes come from the files' headers
-    (image_header), each read once."""
+    (image_header), each read once. In fit mode on a GPU the logits stay on the GPU: not counted here."""
 
-    def __init__(self, memory, cfg):
+    def __init__(self, memory, cfg, hw):
         self.memory, self.cfg, self.headers = memory, cfg, {}
+        self.logits_on_host = cfg["data_mode"] == "patch" or hw is None or hw.kind != "cuda"  # TileBlend.result: .cpu()
 
     def header(self, path):
         if path not in self.headers:
@@ -4594,7 +4601,7 @@ class MemoryBudget:
         """Refuse, before decoding it, an image whose prediction cannot fit. The need counted is a lower
         bound (predict_memory), so an image refused here would have failed or been killed later."""
         size = None if self.memory is None else self.header(path)
-        need = 0 if size is None else predict_memory(*size, self.cfg)
+        need = 0 if size is None else predict_memory(*size, self.cfg, self.logits_on_host)
         if size is not None and need > self.memory:
             h, w = size[:2]
             raise UserError(f"image {path} ({w}x{h}) needs at least {size_text(need)} of memory to predict, "
@@ -4602,23 +4609,31 @@ class MemoryBudget:
                             f"with more memory")
 
     def room_to_read_ahead(self, batch, following):
-        """Whether the following batch's decoded images fit beside what predicting this batch needs."""
+        """Whether the following batch's images, as read, fit beside what predicting this batch needs."""
         if self.memory is None:
             return True
-        need = sum(predict_memory(*size, self.cfg) for size in map(self.header, batch) if size)
-        decoded = sum(h * w * depth for h, w, depth in filter(None, map(self.header, following)))
-        return need + decoded <= self.memory
+        need = sum(predict_memory(*size, self.cfg, self.logits_on_host) for size in map(self.header, batch) if size)
+        images = sum(h * w * image_bytes(depth, self.cfg) for h, w, depth in filter(None, map(self.header, following)))
+        return need + images <= self.memory
 
 
-def predict_memory(height, width, bytes_per_pixel, cfg):
-    """At least what predicting one image holds at once: the decoded image, its fp32 logits (one plane
-    per class) at its own size, and the mask. Scaling copies, tiles and the model come on top."""
-    return height * width * (bytes_per_pixel + 4 * cfg["num_classes"] + 1)
+def predict_memory(height, width, depth, cfg, logits_on_host=True):
+    """At least what predicting one image holds at once: the image as read_image returns it, its fp32
+    logits (one plane per class) at its own size where they come to the host, and the mask. Decoding
+    buffers, scaling copies, tiles and the model come on top."""
+    logits = 4 * cfg["num_classes"] if logits_on_host else 0
+    return height * width * (image_bytes(depth, cfg) + logits + 1)
+
+
+def image_bytes(depth, cfg):
+    """Bytes a pixel of read_image's image, from the file's bytes a sample: in_channels of them, 8-bit
+    kept as uint8, anything wider as float32 (scale_image)."""
+    return (1 if cfg.get("in_channels", 3) == 1 else 3) * (1 if depth == 1 else 4)
 
 
 def image_header(path):
-    """(height, width, bytes a pixel as stored) from an image file's header, without decoding it; None
-    where its header cannot be read here (the decoder then says what is wrong)."""
+    """(height, width, bytes a sample) from an image file's header, without decoding it; None where its
+    header cannot be read here (the decoder then says what is wrong)."""
     from PIL import BmpImagePlugin, JpegImagePlugin, PngImagePlugin
 
     if is_tiff(path):
@@ -4627,23 +4642,23 @@ def image_header(path):
                ".jpg": JpegImagePlugin.JpegImageFile, ".jpeg": JpegImagePlugin.JpegImageFile}
     try:  # the format's own reader: Image.open's decompression-bomb limit would refuse large scenes
         with readers[Path(path).suffix.lower()](path) as image:
-            depth = 2 if image.mode.startswith("I;16") else 4 if image.mode in ("I", "F") else 1
-            return image.height, image.width, len(image.getbands()) * depth
+            # 16-bit colour PNGs have the mode "RGB"; their raw mode ("RGB;16B") tells
+            wide = image.mode.startswith("I;16") or (image.format == "PNG" and "16" in str(image.tile[0][3]))
+            return image.height, image.width, 4 if image.mode in ("I", "F") else 2 if wide else 1
     except (KeyError, OSError, SyntaxError, ValueError):
         return None
 
 
 def tiff_header(path):
-    """image_header of a TIFF: level 0 of its first image (read_tiff's)."""
+    """image_header of a TIFF: level 0 of its first image (read_tiff's). Only advice: any file tifffile
+    cannot make sense of gives None, and read_image then says what is wrong."""
     import tifffile
 
     try:
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
-            h, w = plane_size(series)
-            samples = series.shape[-1] if series.axes.endswith("S") else min(series.size // (h * w), 4)
-            return h, w, samples * series.dtype.itemsize
-    except (tifffile.TiffFileError, OSError, IndexError, ValueError, ZeroDivisionError):
+            return (*plane_size(series), series.dtype.itemsize)
+    except Exception:  # noqa: BLE001 - truncated and mutated files raise struct.error, TypeError, ...
         return None
 
 
@@ -4655,28 +4670,46 @@ def available_memory():
         free = int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024
     except (OSError, TypeError):
         return None
-    return min(free, cgroup_room())
+    return max(0, min(free, cgroup_room()))
 
 
 def cgroup_room(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
-    """Bytes left under this process's cgroup memory limit (v2, or v1's memory controller); inf if none."""
-    for line in Path(proc).read_text().splitlines() if Path(proc).is_file() else []:
-        number, controllers, where = line.split(":", 2)
-        v2 = number == "0" and not controllers
-        if not v2 and "memory" not in controllers.split(","):
-            continue
-        root = Path(sys_root) if v2 else Path(sys_root) / "memory"
-        folder = root / where.lstrip("/") if (root / where.lstrip("/")).is_dir() else root  # namespaced: root
-        names = ("memory.max", "memory.current", "file") if v2 else \
-            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
-        try:
-            limit = (folder / names[0]).read_text().strip()
-            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-            if limit != "max" and int(limit) < 1 << 60:
-                return int(limit) - int((folder / names[1]).read_text()) + int(stat.get(names[2], 0))
-        except (OSError, ValueError):
-            continue
-    return math.inf
+    """Bytes left under the tightest memory limit of this process's cgroup and its parents (a Slurm
+    job's limit sits above its task's): v2, or v1's memory controller; inf where none is set."""
+    room = math.inf
+    for root, where, names in memory_cgroups(proc, sys_root):
+        folder = root / where if where and (root / where).is_dir() else root  # a namespace's own is the root
+        for level in [folder, *(p for p in folder.parents if p.is_relative_to(root))]:
+            room = min(room, cgroup_level_room(level, *names))
+    return room
+
+
+def memory_cgroups(proc, sys_root):
+    """(mount, path in it, (limit, usage, page cache) file names) of this process's memory cgroups."""
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return []
+    found = []
+    for number, controllers, where in (line.split(":", 2) for line in lines if line.count(":") >= 2):
+        if number == "0" and not controllers:
+            found.append((Path(sys_root), where.strip("/"), ("memory.max", "memory.current", "file")))
+        elif "memory" in controllers.split(","):
+            found.append((Path(sys_root) / "memory", where.strip("/"),
+                          ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")))
+    return found
+
+
+def cgroup_level_room(folder, limit_name, usage_name, cache_name):
+    """limit - usage + page cache (the kernel frees it first) of one cgroup folder; inf without a limit."""
+    try:
+        limit = (folder / limit_name).read_text().strip()
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as about 2**63
+            return math.inf
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines() if line.strip())
+        return int(limit) - int((folder / usage_name).read_text()) + int(stat.get(cache_name, 0))
+    except (OSError, ValueError):
+        return math.inf
 
 
 class MaskWriter:
@@ -4691,6 +4724,11 @@ class MaskWriter:
 
     def __enter__(self):
         return self
+
+    def write_all(self, batch, masks, outputs, out_dir):
+        """Hand over a batch's masks: predict's (path, image, input) items, outputs[path] the mask's file."""
+        for (path, image, _), mask in zip(batch, masks):
+            self.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
 
     def write(self, path, overlay_path, image, mask):
         self.pending.append(self.pool.submit(self.save, path, overlay_path, image, mask))
@@ -4710,10 +4748,15 @@ class MaskWriter:
             raise
         self.written += 1
 
+    def wait(self):
+        """Until every mask handed over is written (a failed write raises its error here)."""
+        while self.pending:
+            self.pending.pop(0).result()
+
     def __exit__(self, kind, *exc):
         try:
-            while self.pending and kind is None:  # predict failed or was stopped: its error stands
-                self.pending.pop(0).result()
+            if kind is None:  # predict failed or was stopped: its error stands
+                self.wait()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
 

@@ -5,6 +5,7 @@ masks of large logits are made in bands of rows, equal to the whole-image rule."
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import cv2
@@ -88,8 +89,15 @@ def test_the_next_large_image_is_read_beside_this_one_only_where_both_fit(room, 
         cv2.imwrite(str(inp / f"{name}.png"), np.zeros((100, 100, 3), np.uint8))
     need, decoded = 100 * 100 * (3 + 4 + 1), 100 * 100 * 3
     monkeypatch.setattr(train_unet, "available_memory", lambda: need + decoded + (0 if room else -1))
-    read, reading = [], train_unet.read_image
-    monkeypatch.setattr(train_unet, "read_image", lambda path, *a: read.append(Path(path).stem) or reading(path, *a))
+    read, reading, images, held = [], train_unet.read_image, {}, {}
+
+    def read_image(path, *args):  # notes which images are read, and which read before are still held
+        read.append(Path(path).stem)
+        held[Path(path).stem] = [name for name, image in images.items() if image() is not None]
+        image = reading(path, *args)
+        images[Path(path).stem] = weakref.ref(image)
+        return image
+    monkeypatch.setattr(train_unet, "read_image", read_image)
     seen, predicting = [], train_unet.predict_logits
 
     def slow_predict(model, image, *args):  # time enough for a read-ahead to happen
@@ -98,10 +106,12 @@ def test_the_next_large_image_is_read_beside_this_one_only_where_both_fit(room, 
         return predicting(model, image, *args)
     monkeypatch.setattr(train_unet, "predict_logits", slow_predict)
 
-    result = train_unet.predict(predict_opts(patch, inp, tmp_path / "out"))
+    result = train_unet.predict({**predict_opts(patch, inp, tmp_path / "out"), "overlay": True})
 
     assert result["predicted"] == 2 and not result["failed"]
     assert seen == ([["a", "b"], ["a", "b"]] if room else [["a"], ["a", "b"]])
+    if not room:  # and image a, its mask and overlay were let go, written, before b was decoded
+        assert held == {"a": [], "b": []} and (tmp_path / "out" / "a_overlay.png").is_file()
 
 
 def write_formats(folder):
@@ -125,10 +135,45 @@ def write_formats(folder):
     return {**arrays, "planar.tif": arrays["rgb16.tif"], "tiled.tif": arrays["rgb8.png"]}
 
 
-def test_image_headers_give_the_decoded_size_and_bytes_per_pixel(tmp_path):
+def test_image_headers_give_the_size_and_bytes_a_sample(tmp_path):
     for name, array in write_formats(tmp_path).items():
-        stored = (array.shape[2] if array.ndim == 3 else 1) * array.itemsize
-        assert train_unet.image_header(tmp_path / name) == (*array.shape[:2], stored), name
+        assert train_unet.image_header(tmp_path / name) == (*array.shape[:2], array.itemsize), name
+
+
+def test_the_counted_image_is_read_images_own_size(tmp_path):
+    """predict_memory's image term is the array read_image returns: in_channels of uint8, or float32."""
+    for name in write_formats(tmp_path):
+        for channels in (1, 3):
+            cfg = {"num_classes": 2, "in_channels": channels}
+            h, w, depth = train_unet.image_header(tmp_path / name)
+            image = train_unet.read_image(tmp_path / name, channels, (0, 1) if name == "float.tiff" else None)
+            assert train_unet.image_bytes(depth, cfg) * h * w == image.nbytes, (name, channels)
+            assert train_unet.predict_memory(h, w, depth, cfg) == image.nbytes + h * w * (4 * 2 + 1)
+
+
+def test_fit_modes_logits_on_a_gpu_are_not_counted_as_host_memory(monkeypatch):
+    gpu, cpu = (type("HW", (), {"kind": kind})() for kind in ("cuda", "cpu"))
+    header = (1000, 1000, 1)
+    monkeypatch.setattr(train_unet, "image_header", lambda path: header)
+    image_and_mask, logits = 1000 * 1000 * (3 + 1), 1000 * 1000 * 4 * 3
+    for mode, hw, need in [("fit", gpu, image_and_mask), ("fit", cpu, image_and_mask + logits),
+                           ("patch", gpu, image_and_mask + logits)]:  # the blended sum comes back to the host
+        cfg = {"num_classes": 3, "in_channels": 3, "data_mode": mode}
+        train_unet.MemoryBudget(need, cfg, hw).check("a.png")
+        with pytest.raises(train_unet.UserError, match="needs at least"):
+            train_unet.MemoryBudget(need - 1, cfg, hw).check("a.png")
+
+
+def test_a_truncated_tiff_is_named_and_the_other_images_are_predicted(checkpoint, tmp_path):
+    inp = tmp_path / "in"
+    inp.mkdir()
+    cv2.imwrite(str(inp / "a.png"), np.zeros((20, 20, 3), np.uint8))
+    (inp / "b.tif").write_bytes(b"II*\0")  # an interrupted copy
+    assert train_unet.image_header(inp / "b.tif") is None
+    result = train_unet.predict(predict_opts(checkpoint, inp, tmp_path / "out"))
+    assert result["predicted"] == 1 and (tmp_path / "out" / "a.png").is_file()
+    [(path, reason)] = result["failed"]
+    assert path.endswith("b.tif") and reason.startswith("cannot read image")
 
 
 def test_an_unreadable_header_is_left_to_the_decoder(tmp_path):
@@ -136,36 +181,53 @@ def test_an_unreadable_header_is_left_to_the_decoder(tmp_path):
     (tmp_path / "broken.tif").write_bytes(b"II*\0garbage")
     assert train_unet.image_header(tmp_path / "broken.png") is None
     assert train_unet.image_header(tmp_path / "broken.tif") is None
-    train_unet.MemoryBudget(1, {"num_classes": 1}).check(tmp_path / "broken.png")  # no error: read_image names it
+    train_unet.MemoryBudget(1, {"num_classes": 1, "data_mode": "fit"}, None).check(tmp_path / "broken.png")  # no error: read_image names it
     with pytest.raises(train_unet.UserError, match="cannot read image .*broken.png"):
         train_unet.read_image(tmp_path / "broken.png", 3)
 
 
-def write_cgroup(root, version, limit, usage, cache):
-    """A fake /proc/self/cgroup and cgroup tree: the process in /job, cgroup v2 or v1's memory controller."""
-    proc = root / "cgroup"
-    proc.write_text("0::/job\n" if version == 2 else "5:memory:/job\n4:cpu:/job\n")
-    folder = root / "sys" / ("job" if version == 2 else "memory/job")
-    folder.mkdir(parents=True)
+def write_cgroup(root, version, levels):
+    """A fake /proc/self/cgroup and cgroup tree, cgroup v2 or v1's memory controller: the process sits in
+    the last of `levels`, [(name, limit, usage, page cache)] from the top down."""
+    where = "/".join(name for name, *_ in levels)
+    (root / "cgroup").write_text(f"0::/{where}\n" if version == 2 else f"5:memory:/{where}\n4:cpu,cpuacct:/{where}\n")
     names = ("memory.max", "memory.current", "file") if version == 2 else \
         ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")
-    (folder / names[0]).write_text(f"{limit}\n")
-    (folder / names[1]).write_text(f"{usage}\n")
-    (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\nother 7\n")
-    return proc, root / "sys"
+    folder = root / "sys" / ("" if version == 2 else "memory")
+    for name, limit, usage, cache in levels:
+        folder = folder / name
+        folder.mkdir(parents=True)
+        (folder / names[0]).write_text(f"{limit}\n")
+        (folder / names[1]).write_text(f"{usage}\n")
+        (folder / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\nother 7\n")
+    return root / "cgroup", root / "sys"
+
+
+NO_LIMIT = {1: 9223372036854771712, 2: "max"}
 
 
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_containers_memory_limit_bounds_the_free_memory(tmp_path, version):
-    proc, sys_root = write_cgroup(tmp_path, version, limit=8 << 30, usage=6 << 30, cache=1 << 30)
+    proc, sys_root = write_cgroup(tmp_path, version, [("job", 8 << 30, 6 << 30, 1 << 30)])
     assert train_unet.cgroup_room(proc, sys_root) == 3 << 30  # the page cache counts as free
 
 
-@pytest.mark.parametrize("version, limit", [(1, 9223372036854771712), (2, "max")])
-def test_no_container_limit_leaves_the_machines_free_memory(tmp_path, version, limit):
-    proc, sys_root = write_cgroup(tmp_path, version, limit=limit, usage=6 << 30, cache=0)
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_limit_above_the_processs_own_cgroup_counts(tmp_path, version):
+    """Slurm puts a job's limit on job_N and runs its tasks in cgroups below it, without limits."""
+    proc, sys_root = write_cgroup(tmp_path, version, [("job_7", 4 << 30, 3 << 30, 0),
+                                                      ("step_0", 6 << 30, 1 << 30, 0),
+                                                      ("task_0", NO_LIMIT[version], 1 << 30, 0)])
+    assert train_unet.cgroup_room(proc, sys_root) == 1 << 30  # the tightest: the job's 4 GB, 3 GB used
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_no_container_limit_leaves_the_machines_free_memory(tmp_path, version):
+    proc, sys_root = write_cgroup(tmp_path, version, [("job", NO_LIMIT[version], 6 << 30, 0)])
     assert train_unet.cgroup_room(proc, sys_root) == float("inf")
     assert train_unet.cgroup_room(tmp_path / "missing", sys_root) == float("inf")
+    (tmp_path / "odd").write_text("garbage\n12:memory\n")
+    assert train_unet.cgroup_room(tmp_path / "odd", sys_root) == float("inf")
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="MemAvailable is Linux's")

@@ -37,7 +37,7 @@ def main(argv=None):
         return 2
     folder = Path(opts["folder"]) / f"{opts['side']}_{opts['channels']}ch"
     image, checkpoint = make_inputs(folder, opts)
-    need = T.predict_memory(*T.image_header(image), {"num_classes": opts["classes"]})
+    need = T.predict_memory(*T.image_header(image), {"num_classes": opts["classes"], "in_channels": opts["channels"]})
     lines = [("masks", "predict s", "peak before predict", "peak at the end", "predict's share", "lower bound")]
     for masks in [m.strip() for m in opts["masks"].split(",") if m.strip()]:
         out = subprocess.run([sys.executable, __file__, "--child", str(checkpoint), str(image.parent),
@@ -78,7 +78,7 @@ def child(checkpoint, inputs, output, masks):
         T.mask_tensor = lambda logits, n: ((logits[0] > 0) if n == 1 else logits.argmax(0)).to(torch.uint8)
     before = status_mb("VmHWM")
     result = T.predict({"checkpoint": checkpoint, "input": inputs, "output": output, "progress": False,
-                        "cpu_probe": False})
+                        "cpu_probe": False, "device": "cpu"})  # host memory: on a GPU fit mode's logits stay there
     assert result["predicted"] == 1, result["failed"]
     print(json.dumps({"seconds": result["seconds"], "before_mb": before,
                       "peak_mb": status_mb("VmHWM")}))
