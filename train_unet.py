@@ -2116,14 +2116,21 @@ def decode_mask(path):
     return mask
 
 
+def pillow_reader(path, suffixes=(".png", ".bmp", ".jpg", ".jpeg")):
+    """Pillow's reader class for the file's format (one of `suffixes`), or None. The format's own reader,
+    not Image.open: its decompression-bomb limit (179 Mpx), a guard against untrusted downloads, would
+    refuse a user's own large scenes and their masks."""
+    from PIL import BmpImagePlugin, JpegImagePlugin, PngImagePlugin
+
+    suffix = Path(path).suffix.lower()
+    readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile,
+               ".jpg": JpegImagePlugin.JpegImageFile, ".jpeg": JpegImagePlugin.JpegImageFile}
+    return readers.get(suffix) if suffix in suffixes else None
+
+
 def palette_indices(path):
     """A palette image's indices (Pillow reads them as stored), or None for any other file."""
-    from PIL import BmpImagePlugin, PngImagePlugin
-
-    # The format's own reader, not Image.open: its decompression-bomb limit (179 Mpx), a guard against
-    # untrusted downloads, would refuse a user's own large-scene masks.
-    readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile}
-    reader = readers.get(Path(path).suffix.lower())
+    reader = pillow_reader(path, (".png", ".bmp"))
     if reader is None:
         return None
     try:
@@ -4601,8 +4608,10 @@ class MemoryBudget:
         """Refuse, before decoding it, an image whose prediction cannot fit. The need counted is a lower
         bound (predict_memory), so an image refused here would have failed or been killed later."""
         size = None if self.memory is None else self.header(path)
-        need = 0 if size is None else predict_memory(*size, self.cfg, self.logits_on_host)
-        if size is not None and need > self.memory:
+        if size is None:
+            return
+        need = predict_memory(*size, self.cfg, self.logits_on_host)
+        if need > self.memory:
             h, w = size[:2]
             raise UserError(f"image {path} ({w}x{h}) needs at least {size_text(need)} of memory to predict, "
                             f"{size_text(self.memory)} is free: cut it into parts, or predict it on a machine "
@@ -4634,18 +4643,17 @@ def image_bytes(depth, cfg):
 def image_header(path):
     """(height, width, bytes a sample) from an image file's header, without decoding it; None where its
     header cannot be read here (the decoder then says what is wrong)."""
-    from PIL import BmpImagePlugin, JpegImagePlugin, PngImagePlugin
-
     if is_tiff(path):
         return tiff_header(path)
-    readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile,
-               ".jpg": JpegImagePlugin.JpegImageFile, ".jpeg": JpegImagePlugin.JpegImageFile}
-    try:  # the format's own reader: Image.open's decompression-bomb limit would refuse large scenes
-        with readers[Path(path).suffix.lower()](path) as image:
+    reader = pillow_reader(path)
+    if reader is None:
+        return None
+    try:
+        with reader(path) as image:
             # 16-bit colour PNGs have the mode "RGB"; their raw mode ("RGB;16B") tells
             wide = image.mode.startswith("I;16") or (image.format == "PNG" and "16" in str(image.tile[0][3]))
             return image.height, image.width, 4 if image.mode in ("I", "F") else 2 if wide else 1
-    except (KeyError, OSError, SyntaxError, ValueError):
+    except (OSError, SyntaxError, ValueError):
         return None
 
 
@@ -5412,7 +5420,7 @@ def inference_inputs(base, opts, folder):
         shutil.copy(image, fit_dir / Path(image).name)
     rng, side = np.random.default_rng(0), opts["inference_size"]
     big = cv2.GaussianBlur(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), (0, 0), 3)
-    if opts.get("inference_format", "png") == "tif":  # the same pixels as the PNG once read (RGB order)
+    if opts["inference_format"] == "tif":  # the same pixels as the PNG once read (RGB order)
         import tifffile
 
         tifffile.imwrite(patch_dir / "large.tif", np.ascontiguousarray(big[..., ::-1]))
