@@ -1965,10 +1965,24 @@ def opencv_read(path, flags, kind):
             raise UserError(f"{kind} {path} has more pixels than OpenCV may read here (OPENCV_IO_MAX_IMAGE_"
                             f"PIXELS, 2**30 unless set before OpenCV was first imported): set it higher before "
                             f"that (importing this script first does), or cut the image into parts") from None
-        raise UserError(f"cannot read {kind} {path} ({first_line(exc)}): fix or remove it") from None
+        raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} ({first_line(exc)}): fix "
+                                                       f"or remove it") from None
     if array is None:
-        raise UserError(f"cannot read {kind} {path} (corrupt or not an image): fix or remove it")
+        raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} (corrupt or not an image): "
+                                                       f"fix or remove it")
     return array
+
+
+def too_long_a_side(path, kind):
+    """Why OpenCV could not read an image whose header is sound, where a side is over its readers' limit
+    (libpng's 1,000,000 px for PNG, OpenCV's 2**20 for the others); else None."""
+    size = image_header(path)
+    limit = 1_000_000 if Path(path).suffix.lower() == ".png" else 1 << 20
+    if size is None or max(size[:2]) <= limit:
+        return None
+    return (f"{kind} {path} is {size[1]}x{size[0]} px: OpenCV reads {Path(path).suffix.lower()[1:].upper()} files "
+            f"of at most {limit:,} px a side; save it as a TIFF (read with tifffile, which has no such limit) "
+            f"or cut it into parts")
 
 
 def is_tiff(path):
@@ -4702,9 +4716,15 @@ def image_header(path):
         with reader(path) as image:
             # 16-bit colour PNGs have the mode "RGB"; their raw mode ("RGB;16B") tells
             wide = image.mode.startswith("I;16") or (image.format == "PNG" and "16" in str(image.tile[0][3]))
-            return image.height, image.width, 4 if image.mode in ("I", "F") else 2 if wide else 1
+            height, width = image.height, image.width
+            if image.format == "JPEG" and image.getexif().get(EXIF_ORIENTATION, 1) in QUARTER_TURNS:
+                height, width = width, height  # OpenCV decodes it upright, as a viewer shows it
+            return height, width, 4 if image.mode in ("I", "F") else 2 if wide else 1
     except (OSError, SyntaxError, ValueError):
         return None
+
+
+EXIF_ORIENTATION, QUARTER_TURNS = 0x0112, (5, 6, 7, 8)  # the tag; its values that turn the image by 90°
 
 
 def tiff_header(path):

@@ -151,6 +151,20 @@ def test_the_counted_image_is_read_images_own_size(tmp_path):
             assert train_unet.predict_memory(h, w, depth, cfg) == image.nbytes + h * w * (4 * 2 + 1)
 
 
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_an_exif_turned_jpegs_header_gives_the_size_read_image_decodes(tmp_path, orientation):
+    """A phone's JPEG stored on its side with an EXIF orientation is decoded upright: the header's size
+    (in the refusal's W x H) is the decoded one, not the stored one."""
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[train_unet.EXIF_ORIENTATION] = orientation
+    Image.fromarray(np.zeros((20, 40, 3), np.uint8)).save(tmp_path / "phone.jpg", exif=exif)
+    image = train_unet.read_image(tmp_path / "phone.jpg", 3)
+    assert image.shape[:2] == ((40, 20) if orientation in (6, 8) else (20, 40))
+    assert train_unet.image_header(tmp_path / "phone.jpg") == (*image.shape[:2], 1)
+
+
 def test_fit_modes_logits_on_a_gpu_are_not_counted_as_host_memory(monkeypatch):
     gpu, cpu = (type("HW", (), {"kind": kind})() for kind in ("cuda", "cpu"))
     header = (1000, 1000, 1)
@@ -266,6 +280,24 @@ def test_an_image_over_opencvs_pixel_limit_is_named_with_the_fix(checkpoint, tmp
     assert "predicted 1" in run.stdout and "Traceback" not in run.stdout + run.stderr
     assert "big.png has more pixels than OpenCV may read here (OPENCV_IO_MAX_IMAGE_PIXELS" in run.stdout
     assert "mask " + str(tmp_path / "mask.png") + " has more pixels than OpenCV may read" in run.stdout
+
+
+@pytest.mark.parametrize("name, shape", [("wide.png", (2, 1_000_001)), ("tall.png", (1_000_001, 2)),
+                                         ("wide.bmp", (1, (1 << 20) + 1))])
+def test_an_image_over_opencvs_side_limit_is_named_as_such_not_as_corrupt(tmp_path, name, shape):
+    """libpng refuses PNGs over 1,000,000 px a side and OpenCV any image over 2**20 px: a sound file, so
+    the error says so and what to do, for images and masks alike."""
+    from PIL import Image
+
+    Image.fromarray(np.zeros(shape, np.uint8)).save(tmp_path / name)
+    for read in (lambda p: train_unet.read_image(p, 1), train_unet.decode_mask):
+        with pytest.raises(train_unet.UserError) as err:
+            read(tmp_path / name)
+        message = str(err.value)
+        assert f"{shape[1]}x{shape[0]} px" in message and "px a side" in message and "TIFF" in message
+        assert "corrupt" not in message and "\n" not in message
+    tifffile.imwrite(tmp_path / "same.tif", np.zeros(shape, np.uint8))  # the fix it names works
+    assert train_unet.read_image(tmp_path / "same.tif", 1).shape == shape
 
 
 @pytest.mark.parametrize("classes", [1, 3])
