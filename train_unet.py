@@ -2009,7 +2009,8 @@ def read_tiff(path, mask=False):
                 return None
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError, TypeError, struct.error):
-        return None  # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then says it cannot read it
+        return None  # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then
+        # says it cannot read it
 
 
 def check_single_image(path, tif, series, planar, kind):
@@ -2522,7 +2523,7 @@ def fit_input(image, cfg):
     size = cfg["image_size"]
     if image.shape[:2] != (size, size):  # an image already at the model's size needs neither
         image = fit_geometry(size, threading.get_ident())(image=image)["image"]
-    return torch.from_numpy(channel_normalizer(cfg["in_channels"]).planes(image))
+    return torch.from_numpy(normalizer(cfg).planes(image))
 
 
 @functools.lru_cache(maxsize=32)
@@ -2532,11 +2533,6 @@ def fit_geometry(size, thread):
     import albumentations as A
 
     return A.Compose(fit_transforms(size))
-
-
-@functools.lru_cache(maxsize=4)
-def channel_normalizer(in_channels):
-    return normalizer({"in_channels": in_channels})
 
 
 def fit_transforms(size):
@@ -2552,8 +2548,13 @@ def fit_transforms(size):
 
 def normalizer(cfg):
     """The mean/std normalisation every model input gets (after scale_image's [0, 1] rule)."""
-    mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if cfg["in_channels"] == 3 else \
-        ((0.5,), (0.25,))
+    return channel_normalizer(cfg["in_channels"])
+
+
+@functools.lru_cache(maxsize=4)
+def channel_normalizer(in_channels):
+    """normalizer's, built once per channel count (UnitRangeNormalize makes its lookup tables then)."""
+    mean, std = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)) if in_channels == 3 else ((0.5,), (0.25,))
     return UnitRangeNormalize(mean, std)
 
 
@@ -3169,12 +3170,12 @@ def tile_batches(image, ys, xs, cfg, hw):
     (UnitRangeNormalize.into; per pixel, so the values are those of each tile normalised alone). The
     batch is page-locked on CUDA so that its copy to the device overlaps the model's work (eval_forward's
     non_blocking copy; the caching host allocator keeps it until that copy is done)."""
-    size, step, normalize = cfg["image_size"], cfg["tile_batch_size"], channel_normalizer(cfg["in_channels"])
+    size, step, normalize = cfg["image_size"], cfg["tile_batch_size"], normalizer(cfg)
     nhwc, tiles = cfg["channels_last"] is True, [(y, x) for y in ys for x in xs]
     for i in range(0, len(tiles), step):
         batch = tiles[i:i + step]
         x, memory = host_batch((len(batch), cfg["in_channels"], size, size), nhwc, hw.kind == "cuda")
-        normalize.into(memory, [image[y:y + size, x:x + size] for y, x in batch], interleaved=nhwc)
+        normalize.into(memory, [image[top:top + size, left:left + size] for top, left in batch], interleaved=nhwc)
         yield batch, x
 
 
@@ -3183,10 +3184,13 @@ def host_batch(shape, channels_last, pinned):
     N x C x H x W, or N x H x W x C for channels_last). Page-locked (pinned) for a CUDA device, so its
     copy there can overlap the model's work."""
     stored = (shape[0], *shape[2:], shape[1]) if channels_last else shape
-    tensor = torch.empty(stored, pin_memory=True) if pinned else None
-    memory = tensor.numpy() if pinned else np.empty(stored, np.float32)  # a host tensor: no device sync
-    x = torch.from_numpy(memory) if tensor is None else tensor
-    return (x.permute(0, 3, 1, 2) if channels_last else x), memory
+    if pinned:
+        tensor = torch.empty(stored, pin_memory=True)
+        memory = tensor.numpy()  # a host tensor: no device sync
+    else:
+        memory = np.empty(stored, np.float32)
+        tensor = torch.from_numpy(memory)
+    return (tensor.permute(0, 3, 1, 2) if channels_last else tensor), memory
 
 
 # A blended sum may take this share of the device's free memory; the rest is for the forwards.
