@@ -2519,11 +2519,21 @@ def build_transforms(cfg, train, resize=True):
 
 def fit_input(image, cfg):
     """One fit-mode image as the model takes it (C x image_size x image_size, float32): resized, padded
-    and normalised, to the bit as ValidationImages' build_transforms does it (tested)."""
+    and normalised, to the bit as build_transforms' pipeline does it (tested). Predict, the benchmark and
+    fit-mode validation (fit_pair) all make the model's input here."""
+    return fit_pair(image, None, cfg)[0]
+
+
+def fit_pair(image, mask, cfg):
+    """(fit_input's tensor, the mask resized and padded alike: nearest-neighbour, the padding IGNORE_INDEX;
+    None without a mask). An image already at the model's size (cache_images' resized copies included)
+    needs neither resize nor padding, nor does its mask."""
     size = cfg["image_size"]
-    if image.shape[:2] != (size, size):  # an image already at the model's size needs neither
-        image = fit_geometry(size, threading.get_ident())(image=image)["image"]
-    return torch.from_numpy(normalizer(cfg).planes(image))
+    if image.shape[:2] != (size, size):
+        geometry = fit_geometry(size, threading.get_ident())
+        resized = geometry(image=image) if mask is None else geometry(image=image, mask=mask)
+        image, mask = resized["image"], resized.get("mask")
+    return torch.from_numpy(normalizer(cfg).planes(image)), mask
 
 
 @functools.lru_cache(maxsize=32)
@@ -2685,9 +2695,8 @@ class ValidationImages(SegDataset):
         super().__init__(pairs, cfg, train=False)
 
     def __getitem__(self, index):
-        image, mask = self.read(index)
-        out = self.transform(image=image, mask=mask)
-        return image_tensor(out["image"]), torch.from_numpy(out["mask"]).long(), str(self.pairs[index][1])
+        x, mask = fit_pair(*self.read(index), self.cfg)  # predict's input, made by the same function
+        return x, torch.from_numpy(mask).long(), str(self.pairs[index][1])
 
 
 def with_mask_paths(items):

@@ -48,6 +48,28 @@ def test_cached_samples_equal_uncached_ones_to_the_bit(make_cfg, mixed_data, tra
         assert any(not torch.equal(got[i][0], got[i + len(pairs)][0]) for i in range(len(pairs)))
 
 
+@pytest.mark.parametrize("cache, size", [(False, 32), (True, 32), (False, 96)])  # 96: upscaled
+def test_validation_gives_the_model_predicts_input(make_cfg, mixed_data, monkeypatch, cache, size):
+    """Fit-mode validation makes the model's input with predict's own function (fit_pair, behind
+    fit_input), not a second normalisation; its items equal the augmentation-free pipeline's
+    (build_transforms: training's normalisation) to the bit, masks included, for padded, 16-bit and
+    cached images alike, and validation scores what predict would write."""
+    cfg = make_cfg(image_size=size, cache_images=cache)
+    pairs = sum(prepare_data(cfg), [])
+    calls, real = [], train_unet.fit_pair
+    monkeypatch.setattr(train_unet, "fit_pair", lambda *a: calls.append(1) or real(*a))
+    items = [train_unet.ValidationImages(pairs, cfg)[i] for i in range(len(pairs))]
+    assert len(calls) == len(pairs)
+    pipeline = train_unet.build_transforms(cfg, train=False)
+    for (x, y, mask_path), pair in zip(items, pairs):
+        want = pipeline(**dict(zip(("image", "mask"), train_unet.read_pair(pair, cfg))))
+        assert mask_path == str(pair[1]) and x.shape == (3, size, size) and y.dtype == torch.long
+        assert torch.equal(x, train_unet.image_tensor(want["image"])), pair[0].name
+        assert torch.equal(y, torch.from_numpy(want["mask"]).long()), pair[0].name
+        assert torch.equal(x, train_unet.fit_input(train_unet.read_pair(pair, cfg)[0], cfg)), pair[0].name
+    assert any((y == train_unet.IGNORE_INDEX).any() for _, y, _ in items), "test setup: no padded mask"
+
+
 def test_each_image_is_decoded_once_per_run(make_cfg, monkeypatch):
     cfg = make_cfg(image_size=32)
     train, _ = prepare_data(cfg)

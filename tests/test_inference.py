@@ -175,7 +175,8 @@ def checkpoint_cfg(make_cfg, data_dir, tmp_path):
 @pytest.mark.parametrize("dtype", [np.uint8, np.float32])
 def test_fit_input_is_validations_preprocessing_to_the_bit(channels, dtype):
     """fit_input's shortcuts (no resize or padding for an image at the model's size; uint8 looked up per
-    channel straight into C x H x W) give what ValidationImages' pipeline gives, at every shape."""
+    channel straight into C x H x W) give what build_transforms' augmentation-free pipeline (training's
+    normalisation) gives, at every shape."""
     rng, size = np.random.default_rng(0), 32
     cfg = {"image_size": size, "in_channels": channels}
     pipeline = train_unet.build_transforms(cfg, train=False)
