@@ -2009,8 +2009,8 @@ def read_tiff(path, mask=False):
                 return None
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError, TypeError, struct.error):
-        return None  # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then
-        # says it cannot read it
+        # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then says it cannot read it
+        return None
 
 
 def check_single_image(path, tif, series, planar, kind):
@@ -2693,6 +2693,7 @@ class ValidationImages(SegDataset):
 
     def __init__(self, pairs, cfg):
         super().__init__(pairs, cfg, train=False)
+        self.transform = None  # no pipeline: fit_pair makes each item, as it makes predict's input
 
     def __getitem__(self, index):
         x, mask = fit_pair(*self.read(index), self.cfg)  # predict's input, made by the same function
