@@ -236,3 +236,21 @@ def test_the_peer_tools_keys_replace_its_defaults():
     cfg = train_unet.parse_overrides(args)
     assert cfg["image_size"] == 64 and cfg["use_amp"] is False and cfg["data_mode"] == "patch"
     assert len(args) == len(DEFAULTS) + 1
+
+
+def test_the_predict_phases_tool_times_every_step(tmp_path, capsys):
+    """tools/predict_phases.py (BENCHMARKS.md "Predict speed"): each of fit predict's steps timed, a row each;
+    each pass writes every mask into a new file and over the previous pass's; an unknown mode is one line,
+    exit 2."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import predict_phases
+
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=3, size=48)
+    ms, count, mode = predict_phases.measure({**predict_phases.TOOL_CONFIG, "input": str(data / "images"),
+                                              "mode": "fp32", "rounds": 1, "batch_size": 2}, tmp_path)
+    assert (count, mode) == (3, "fp32") and set(ms) == set(predict_phases.STEPS)
+    assert all(value > 0 for value in ms.values())
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
+        f"{stem}{suffix}.png" for stem in ("shape_0000", "shape_0001", "shape_0002") for suffix in ("", "_0", "_1"))
+    assert predict_phases.main([f"input={data / 'images'}", "mode=fp16"]) == 2
+    assert "mode='fp16' is not allowed" in capsys.readouterr().err
