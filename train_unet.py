@@ -218,6 +218,10 @@ def main(argv=None):
         print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
+    if set(args) & {"-h", "--help", "help"} and command in COMMAND_KEYS:  # predict --help, ...
+        print(f"python train_unet.py {command} key=value ...\n\nkeys and defaults:\n"
+              + format_config(COMMAND_KEYS[command]()))
+        return 0
     keep_freed_memory()
     try:
         with sigterm_as_exit():
@@ -226,8 +230,16 @@ def main(argv=None):
         print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted: checkpoints written so far are intact; resume=True continues", file=sys.stderr)
+        print(f"interrupted: {INTERRUPTED.get(command, 'files written so far are complete')}", file=sys.stderr)
         return 130
+
+
+# Each command's own keys, for `COMMAND --help` (the benchmark takes training keys beside its own).
+COMMAND_KEYS = {"predict": lambda: PREDICT_CONFIG, "export": lambda: EXPORT_CONFIG, "benchmark": lambda: BENCHMARK_CONFIG}
+
+# What an interrupted command leaves (every file is written under a temporary name and renamed).
+INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True continues",
+               "predict": "the masks written so far are complete; no partial file is left"}
 
 
 def run_command(command, args):
@@ -1968,9 +1980,19 @@ def opencv_read(path, flags, kind):
         raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} ({first_line(exc)}): fix "
                                                        f"or remove it") from None
     if array is None:
-        raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} (corrupt or not an image): "
+        raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} ({unreadable_why(path)}): "
                                                        f"fix or remove it")
     return array
+
+
+def unreadable_why(path):
+    """What is wrong with a file OpenCV could not decode, as far as the file system tells."""
+    path = Path(path)
+    if path.is_dir():
+        return "a folder, not an image"
+    if not path.exists():
+        return "a broken link" if path.is_symlink() else "not found"
+    return "an empty file" if path.stat().st_size == 0 else "corrupt or not an image"
 
 
 def too_long_a_side(path, kind):
@@ -2060,7 +2082,7 @@ def check_pixels(image, path):
         raise UserError(f"image {path} has pixels of type {image.dtype}: use 8- or 16-bit integers or "
                         f"float32")
     if not np.isfinite(image).all():
-        raise UserError(f"image {path} holds NaN or inf pixels: replace them (e.g. by 0) before training")
+        raise UserError(f"image {path} holds NaN or inf pixels: replace them (e.g. by 0) first")
 
 
 def dtype_range(dtype):
@@ -4317,13 +4339,17 @@ def save_checkpoint(path, state):
 
 def load_checkpoint(path, map_location="cpu"):
     path = Path(path)
+    if path.is_dir():
+        found = [p.name for p in (path / "best.pt", path / "last.pt") if p.is_file()]
+        raise UserError(f"checkpoint {path} is a folder: give a .pt file" + (f" in it ({', '.join(found)})" if found else ""))
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as exc:  # pickle, zip and weights_only errors all mean "not our checkpoint"
-        raise UserError(f"{path} is not a readable checkpoint of this trainer "
-                        f"({type(exc).__name__}: {first_line(exc)})") from None
+        raise UserError(f"{path} is not a readable checkpoint of this trainer, or was cut short in a copy "
+                        f"({type(exc).__name__}: {first_line(exc, 100)}): give a best.pt or last.pt as training "
+                        f"wrote it") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):
         raise UserError(f"{path} is not a checkpoint of this trainer (no 'model'/'config' inside)")
     return state
@@ -4599,8 +4625,9 @@ def predict(opts):
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
-    outputs = dict(zip(paths, output_paths(paths, out_dir)))
+    outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
     check_writable(out_dir)
+    moved = archive_earlier_predictions(paths, out_dir)
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
     weights = f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg["ema_decay"] is not None else ""
@@ -4609,6 +4636,8 @@ def predict(opts):
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
               f"probe {note}")
+    if moved:
+        print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
     failed, start = [], time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
@@ -4882,9 +4911,15 @@ def load_model(checkpoint, hw):
     try:
         model.load_state_dict(ema["model"] if ema else state["model"])
     except RuntimeError as exc:
-        raise UserError(f"{checkpoint} does not match the model its config describes: "
-                        f"{first_line(exc)}") from None
+        raise UserError(f"{checkpoint} does not match the model its config describes ({state_dict_mismatch(exc)}): "
+                        f"it was changed after training; use the checkpoint as training wrote it") from None
     return model.to(hw.device).eval(), cfg
+
+
+def state_dict_mismatch(exc, limit=160):
+    """load_state_dict's first specific complaint (its first line only says that there are some)."""
+    lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+    return (lines[0] if lines else first_line(exc))[:limit]
 
 
 def list_images(path):
@@ -4896,6 +4931,11 @@ def list_images(path):
     images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
     if not images:
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}")
+    others = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() not in IMAGE_EXTS
+                    and not p.name.startswith("."))
+    if others:
+        print(f"note: {len(others)} other file(s) in {path} skipped (e.g. {others[0]}): only "
+              f"{', '.join(IMAGE_EXTS)} are read")
     return images
 
 
@@ -4998,6 +5038,7 @@ def tinted(image, mask, alpha):
 
 def validate_predict(opts):
     check_types(opts, PREDICT_CONFIG)
+    check_paths_given(opts, ("checkpoint", "input", "output"))
     if opts["batch_size"] < 1:
         raise UserError(f"batch_size={opts['batch_size']} must be a whole number >= 1")
     if not valid_device(opts["device"]):
@@ -5015,18 +5056,41 @@ def validate_predict(opts):
     return {**opts, **PREDICT_BACKENDS[opts["backend"]]}
 
 
-def output_paths(paths, out_dir):
-    """<out_dir>/<stem>.png per input; refuses to overwrite an input or to write one name twice."""
+def archive_earlier_predictions(paths, out_dir):
+    """An earlier predict's mask and overlay of any of these images move to <out_dir>/previous/<time>/
+    (archive_previous_run), so no result is lost, and a mask never stands beside an older run's overlay
+    of the same image. Masks of other images stay. Returns the folder, or None if nothing moved."""
+    return archive_previous_run(out_dir, [name for p in paths for name in (f"{p.stem}.png", f"{p.stem}_overlay.png")])
+
+
+def check_paths_given(opts, keys):
+    """An empty path (an unset shell variable: output=$OUT) would mean the current folder: refused."""
+    for key in keys:
+        if not str(opts[key]).strip():
+            raise UserError(f"{key}= is empty: give a path (an unset shell variable?)")
+
+
+def output_paths(paths, out_dir, overlay=False):
+    """<out_dir>/<stem>.png per input. Refuses an output folder that holds input images (masks among
+    them would overwrite other images of the same stem, and be read as images next time), to overwrite
+    an input, or to write one name twice (two inputs of one stem; with overlay, a.png's <stem>_overlay.png
+    and the mask of an input named a_overlay.*)."""
     outputs = [out_dir / f"{p.stem}.png" for p in paths]
+    folders = {p.resolve().parent for p in paths}
+    if out_dir.resolve() in folders:
+        raise UserError(f"output={out_dir} holds the input images: masks would be written among them (over "
+                        f"any image named like one); choose another output=... folder")
     inputs = {p.resolve() for p in paths}
     clash = next((o for o in outputs if o.resolve() in inputs), None)
     if clash is not None:
         raise UserError(f"predicting would overwrite the input {clash}: choose another output=... folder")
-    stems = [p.stem for p in paths]
-    twice = next((p for p in paths if stems.count(p.stem) > 1), None)
-    if twice is not None:
-        raise UserError(f"two inputs share the name {twice.stem!r} (e.g. {twice.name}): their masks would "
-                        f"overwrite each other; rename one")
+    names = {}
+    for p in paths:
+        for name in [f"{p.stem}.png"] + ([f"{p.stem}_overlay.png"] if overlay else []):
+            if name in names:
+                raise UserError(f"inputs {names[name].name} and {p.name} would both write {out_dir / name}: "
+                                f"rename one")
+            names[name] = p
     return outputs
 
 
@@ -5546,7 +5610,7 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
                 eval_forward(model, x, cfg, prec, hw).float().cpu()
     predicted = []  # predict's own timer: reading, predicting and writing, not loading the checkpoint
     with contextlib.redirect_stdout(io.StringIO()):
-        times = alternate_timings({"forward": forward_only, "predict": lambda: predicted.append(predict(args))},
+        times = alternate_timings({"forward": forward_only, "predict": lambda: predicted.append(fresh_predict(args))},
                                   opts["inference_rounds"], hw)
     predict_s = float(np.median([r["seconds"] for r in predicted[1:]]))  # after the untimed first round
     forward_s = float(np.median(times["forward"]))
@@ -5555,6 +5619,14 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
             "images": len(sizes), "predict_s": predict_s, "forward_only_s": forward_s,
             "vs_forward_only": predict_s / forward_s, "images_per_s": len(sizes) / predict_s,
             "megapixels_per_s": pixels / 1e6 / predict_s, "peak_mem_mb": peak_memory_mb(hw)[0], "status": "ok"}
+
+
+def fresh_predict(args):
+    """predict into an emptied output folder, as a first predict writes: the last round's masks are
+    neither archived (archive_earlier_predictions) nor written over (on ext4 a mask written over an old
+    file cost 0.15 ms more than a new one, BENCHMARKS.md "Predict speed")."""
+    shutil.rmtree(args["output"], ignore_errors=True)
+    return predict(args)
 
 
 def model_inputs(images, cfg, hw, batch_size):
@@ -5661,6 +5733,7 @@ def export(opts):
     """The `export` command: a checkpoint -> <output>.onnx and its sidecar <output>.json, written only
     if onnxruntime's logits match PyTorch's (check_export). Returns {'onnx', 'sidecar', 'check'}."""
     check_types(opts, EXPORT_CONFIG)
+    check_paths_given(opts, EXPORT_CONFIG)
     onnx_modules("onnxruntime", "onnx")
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides
     model, cfg = load_model(opts["checkpoint"], hw)
@@ -5673,10 +5746,13 @@ def export(opts):
     try:
         export_onnx(model, cfg, tmp)
         check = check_export(model, onnx_session(tmp, hw), cfg)
+        moved = archive_previous_run(path.parent, (path.name, path.with_suffix(".json").name))  # after the check
         write_json(path.with_suffix(".json"), sidecar(cfg, tmp, path.name, opts["checkpoint"], check))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    if moved:
+        print(f"the earlier {path.name} and {path.with_suffix('.json').name} moved to {moved}/")
     print(f"wrote {path} ({size_text(path.stat().st_size)}) and {path.with_suffix('.json')}; predict with it: "
           f"python train_unet.py predict backend=onnxruntime checkpoint={path} input=...")
     return {"onnx": path, "sidecar": path.with_suffix(".json"), "check": check}
@@ -5854,7 +5930,9 @@ def load_exported(path, hw):
 
 
 def read_sidecar(path):
-    """(the .onnx file, its sidecar) from either path; refuses a sidecar of another model."""
+    """(the .onnx file, its sidecar) from either path, or from export's folder (its model.onnx); refuses a
+    sidecar of another model."""
+    path = path / "model.onnx" if path.is_dir() else path  # export output=folder/ writes folder/model.onnx
     if path.suffix.lower() not in (".onnx", ".json"):
         raise UserError(f"backend=onnxruntime runs an exported model: give checkpoint=model.onnx (python "
                         f"train_unet.py export checkpoint={path} writes it)")

@@ -179,8 +179,11 @@ def test_onnxruntime_predict_needs_neither_the_checkpoint_nor_smp(binary, tmp_pa
     assert all(np.array_equal(got[name], want[name]) for name in want)
 
 
-def test_main_predict_with_onnxruntime_returns_0(binary, tmp_path, capsys):
-    code = train_unet.main(["predict", "backend=onnxruntime", f"checkpoint={binary['onnx']}",
+@pytest.mark.parametrize("given", ["onnx", "folder"])
+def test_main_predict_with_onnxruntime_returns_0(given, binary, tmp_path, capsys):
+    """checkpoint= the .onnx, or export's output folder (export output=folder/ writes folder/model.onnx)."""
+    checkpoint = binary["onnx"] if given == "onnx" else binary["onnx"].parent
+    code = train_unet.main(["predict", "backend=onnxruntime", f"checkpoint={checkpoint}",
                             f"input={binary['data'] / 'images'}", f"output={tmp_path / 'out'}", "progress=False",
                             "device=cpu"])
     assert code == 0
@@ -385,3 +388,20 @@ def test_the_numpy_deployment_example_gives_predicts_masks_without_torch(binary,
     assert set(got) == set(want) and len(want) == 6
     for name in want:
         assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+
+
+def test_an_earlier_export_is_moved_aside_only_once_the_new_one_passed(binary, patch, tmp_path, monkeypatch):
+    """A second export into one folder moves the first model.onnx and model.json, unchanged, to
+    previous/<time>/; a second export that fails its check leaves the first in place."""
+    out = tmp_path / "deploy"
+    export(binary["ckpt"], out)
+    first = {name: (out / name).read_bytes() for name in ("model.onnx", "model.json")}
+    monkeypatch.setattr(train_unet, "check_export", lambda *a: (_ for _ in ()).throw(train_unet.UserError("differs")))
+    with pytest.raises(train_unet.UserError, match="differs"):
+        export(patch["ckpt"], out)
+    assert {name: (out / name).read_bytes() for name in first} == first and not (out / "previous").exists()
+    monkeypatch.undo()
+    export(patch["ckpt"], out)
+    [moved] = list((out / "previous").iterdir())
+    assert {name: (moved / name).read_bytes() for name in first} == first
+    assert json.loads((out / "model.json").read_text())["config"]["num_classes"] == 3

@@ -320,6 +320,18 @@ def test_not_a_checkpoint(content, binary_model, tmp_path):
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
+def test_a_truncated_checkpoint_and_a_folder_say_what_to_give(binary_model, tmp_path):
+    ckpt, data = binary_model
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(ckpt.read_bytes()[:100_000])  # a copy that stopped short
+    with pytest.raises(train_unet.UserError, match="cut short in a copy .*give a best.pt or last.pt") as info:
+        train_unet.predict(opts(cut, data / "images", tmp_path / "out"))
+    assert "\n" not in str(info.value)
+    with pytest.raises(train_unet.UserError, match=f"checkpoint {ckpt.parent} is a folder: give a .pt file in it "
+                                                   f"\\(.*best.pt"):
+        train_unet.predict(opts(ckpt.parent, data / "images", tmp_path / "out"))
+
+
 class _Payload:
     """Pickles to `open(marker, 'w')`: a full unpickler would create the marker file."""
 

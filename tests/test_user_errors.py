@@ -107,7 +107,12 @@ def test_predict_never_overwrites_inputs_and_validates_its_options(trained, tmp_
     images = data / "images"
     before = {p.name: p.read_bytes() for p in images.iterdir()}
     opts = {"checkpoint": str(ckpt), "input": str(images), "progress": False}
-    one_line_error(train_unet.predict, {**opts, "output": str(images)}, match="would overwrite the input")
+    one_line_error(train_unet.predict, {**opts, "output": str(images)}, match="holds the input images")
+    assert {p.name: p.read_bytes() for p in images.iterdir()} == before
+    linked = tmp_path / "linked"  # another folder, whose a mask's name is a link to an input
+    linked.mkdir()
+    (linked / f"{src_stem(images)}.png").symlink_to(next(iter(sorted(images.iterdir()))))
+    one_line_error(train_unet.predict, {**opts, "output": str(linked)}, match="would overwrite the input")
     assert {p.name: p.read_bytes() for p in images.iterdir()} == before
     twin = tmp_path / "twin"
     twin.mkdir()
@@ -115,11 +120,77 @@ def test_predict_never_overwrites_inputs_and_validates_its_options(trained, tmp_
     (twin / "a.png").write_bytes(src.read_bytes())
     (twin / "a.jpg").write_bytes(cv2.imencode(".jpg", cv2.imread(str(src)))[1].tobytes())
     one_line_error(train_unet.predict, {**opts, "input": str(twin), "output": str(tmp_path / "o")},
-                   match="share the name 'a'")
+                   match=r"inputs a.jpg and a.png would both write .*a.png: rename one")
     one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "o"), "batch_size": 0},
                    match="batch_size=0 must be")
     one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "o"), "amp_dtype": "fp8"},
                    match="amp_dtype='fp8' is not allowed")
+
+
+def src_stem(images):
+    return sorted(images.iterdir())[0].stem
+
+
+def test_predict_writes_no_mask_among_the_input_images(trained, tmp_path):
+    """A single image's own folder as output: its mask would replace another image of the same stem
+    (photos/cat.png for photos/cat.jpg) and be read as an image next time; refused, nothing changed."""
+    cfg, data = trained
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    src = sorted((data / "images").iterdir())[0]
+    cv2.imwrite(str(photos / "cat.jpg"), cv2.imread(str(src)))
+    (photos / "cat.png").write_bytes(src.read_bytes())
+    before = {p.name: p.read_bytes() for p in photos.iterdir()}
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "progress": False}
+    one_line_error(train_unet.predict, {**opts, "input": str(photos / "cat.jpg"), "output": str(photos)},
+                   match=f"output={photos} holds the input images")
+    assert {p.name: p.read_bytes() for p in photos.iterdir()} == before
+
+
+@pytest.mark.parametrize("overlay", [True, False])
+def test_an_overlay_and_a_mask_of_one_name_are_refused(trained, tmp_path, overlay):
+    """With overlay, a.png's a_overlay.png and the mask of an input named a_overlay.png are one file."""
+    cfg, data = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    src = sorted((data / "images").iterdir())[0]
+    for name in ("a.png", "a_overlay.png"):
+        (inp / name).write_bytes(src.read_bytes())
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp),
+            "output": str(tmp_path / "out"), "overlay": overlay, "progress": False}
+    if overlay:
+        one_line_error(train_unet.predict, opts, match="inputs a.png and a_overlay.png would both write .*a_overlay.png")
+        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    else:
+        assert train_unet.predict(opts)["predicted"] == 2
+
+
+@pytest.mark.parametrize("key", ["input", "output", "checkpoint"])
+def test_an_empty_path_is_refused_not_taken_as_the_current_folder(trained, key, tmp_path):
+    cfg, data = trained
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(data / "images"),
+            "output": str(tmp_path / "out"), "progress": False, key: " "}
+    one_line_error(train_unet.predict, opts, match=f"{key}= is empty: give a path")
+
+
+def test_a_checkpoint_whose_weights_do_not_fit_its_config_names_what_differs(trained, tmp_path):
+    cfg, data = trained
+    state = train_unet.load_checkpoint(Path(cfg["checkpoint_dir"]) / "best.pt")
+    edited = tmp_path / "edited.pt"
+    torch.save({**state, "config": {**state["config"], "num_classes": 3}}, edited)
+    message = one_line_error(train_unet.predict, {"checkpoint": str(edited), "input": str(data / "images"),
+                                                  "output": str(tmp_path / "out"), "progress": False},
+                             match="does not match the model its config describes")
+    assert "size mismatch for" in message and "use the checkpoint as training wrote it" in message
+
+
+def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
+    def interrupted(opts):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "predict", interrupted)
+    assert train_unet.main(["predict", "input=x"]) == 130
+    assert capsys.readouterr().err.strip() == ("interrupted: the masks written so far are complete; no partial "
+                                               "file is left")
 
 
 def test_benchmark_arguments(tmp_path):
@@ -135,3 +206,57 @@ def test_earlier_results_are_archived_not_overwritten(tmp_path):
     dest = train_unet.archive_previous_run(tmp_path, ["fp32", "benchmark.json"])
     assert (dest / "fp32").is_dir() and (dest / "benchmark.json").read_text() == "{}"
     assert not (tmp_path / "benchmark.json").exists()
+
+
+def test_a_second_predict_into_one_folder_moves_the_first_ones_results_aside(trained, tmp_path, capsys):
+    """Masks and overlays of an earlier predict, for the images this one predicts, move unchanged to
+    previous/<time>/: none is lost, and no mask stands beside an older run's overlay of its image.
+    Results of other images stay where they are."""
+    cfg, data = trained
+    images = sorted((data / "images").iterdir())
+    first_in, second_in, out = tmp_path / "first", tmp_path / "second", tmp_path / "out"
+    for folder, chosen in ((first_in, images[:3]), (second_in, images[1:3])):
+        folder.mkdir()
+        for path in chosen:
+            (folder / path.name).write_bytes(path.read_bytes())
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "output": str(out), "progress": False}
+    train_unet.predict({**opts, "input": str(first_in), "overlay": True})
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    train_unet.predict({**opts, "input": str(second_in)})
+    [moved] = list((out / "previous").iterdir())
+    assert f"moved to {moved}/" in capsys.readouterr().out
+    second = {f"{p.stem}.png" for p in images[1:3]}
+    assert {p.name for p in moved.iterdir()} == second | {f"{p.stem}_overlay.png" for p in images[1:3]}
+    assert all((moved / name).read_bytes() == before[name] for name in before if (moved / name).exists())
+    left = {p.name for p in out.iterdir() if p.is_file()}
+    assert left == second | {f"{images[0].stem}.png", f"{images[0].stem}_overlay.png"}
+    assert (out / f"{images[0].stem}.png").read_bytes() == before[f"{images[0].stem}.png"]
+
+
+def test_an_unreadable_file_says_what_it_is(tmp_path):
+    """A folder named like an image, an empty file, a broken link: each named for what it is."""
+    (tmp_path / "folder.png").mkdir()
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "broken.png").symlink_to(tmp_path / "gone.png")
+    (tmp_path / "junk.png").write_bytes(b"not an image at all" * 10)
+    for name, why in (("folder", "a folder, not an image"), ("empty", "an empty file"), ("broken", "a broken link"),
+                      ("junk", "corrupt or not an image")):
+        one_line_error(train_unet.read_image, tmp_path / f"{name}.png", 3,
+                       match=f"cannot read image {tmp_path / name}.png \\({why}\\): fix or remove it")
+
+
+@pytest.mark.parametrize("command, key", [("predict", "tile_overlap"), ("export", "output"), ("benchmark", "configs")])
+def test_each_command_lists_its_keys_with_help(command, key, capsys):
+    assert train_unet.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"python train_unet.py {command} key=value") and f"  {key}" in out
+
+
+def test_a_folder_says_which_files_predict_skips(tmp_path, capsys):
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "b.webp").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("x")
+    assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
+    assert capsys.readouterr().out == (f"note: 2 other file(s) in {tmp_path} skipped (e.g. b.webp): only "
+                                       f"{', '.join(train_unet.IMAGE_EXTS)} are read\n")
