@@ -1970,6 +1970,8 @@ CVT_COLOR_DTYPES = (np.uint8, np.uint16, np.float32)  # the depths cv2.cvtColor 
 def opencv_read(path, flags, kind):
     """cv2.imread, with its failures as one-line errors: an unreadable file, and an image over the
     pixel limit the user set for OpenCV (OPENCV_IO_MAX_IMAGE_PIXELS; this script raises OpenCV's own)."""
+    if not Path(path).is_file():  # before OpenCV, which would print its own warning for it
+        raise UserError(f"cannot read {kind} {path} ({unreadable_why(path)}): fix or remove it")
     try:
         array = cv2.imread(str(path), flags)
     except cv2.error as exc:
