@@ -928,9 +928,15 @@ def explicit_keys(args):
 
 def check_known_key(key, defaults=CONFIG):
     if key not in defaults:
-        near = difflib.get_close_matches(key, defaults, n=1)
+        near = [KEY_ALIASES[key]] if KEY_ALIASES.get(key) in defaults else difflib.get_close_matches(key, defaults, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise UserError(f"unknown key {key!r}: {hint}known keys: {', '.join(defaults)}")
+
+
+# Other trainers' names for keys of ours, too short or too unlike ours for difflib to match.
+KEY_ALIASES = {"lr": "learning_rate", "bs": "batch_size", "wd": "weight_decay", "classes": "num_classes",
+               "channels": "in_channels", "size": "image_size", "amp": "use_amp", "workers": "num_workers",
+               "encoder": "encoder_name", "weights": "encoder_weights", "out": "output", "ckpt": "checkpoint"}
 
 
 def check_types(cfg, defaults):
@@ -1819,6 +1825,9 @@ def split_pairs(cfg):
     split; the first max_train_images of train. Files are matched, not read (export finds the val
     images here too)."""
     root = Path(cfg["data_dir"])
+    if root.exists() and not root.is_dir():
+        raise UserError(f"data_dir {root} is a file: give the folder that holds images/ and masks/ (or train/ "
+                        f"and val/)")
     if not root.is_dir():
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
                         f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")

@@ -268,3 +268,20 @@ def test_a_folder_says_which_files_predict_skips(tmp_path, capsys):
     assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
     assert capsys.readouterr().out == (f"note: 2 other file(s) in {tmp_path} skipped (e.g. b.webp): only "
                                        f"{', '.join(train_unet.IMAGE_EXTS)} are read\n")
+
+
+@pytest.mark.parametrize("args, defaults, hint", [
+    (["lr=0.1"], None, "did you mean 'learning_rate'?"),
+    (["bs=4"], None, "did you mean 'batch_size'?"),
+    (["ckpt=x.pt"], train_unet.PREDICT_CONFIG, "did you mean 'checkpoint'?"),
+    (["batchsize=4"], None, "did you mean 'batch_size'?"),  # difflib's, as ever
+])
+def test_other_trainers_key_names_point_to_ours(args, defaults, hint):
+    message = one_line_error(lambda: train_unet.parse_overrides(args, defaults=defaults), match="unknown key")
+    assert hint in message
+
+
+def test_a_data_dir_that_is_a_file_says_so(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    one_line_error(train_unet.split_pairs, {"data_dir": str(tmp_path / "afile")},
+                   match="data_dir .*afile is a file: give the folder that holds images/ and masks/")
