@@ -4863,11 +4863,16 @@ class MaskWriter:
             self.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
 
     def write(self, path, overlay_path, image, mask):
-        self.pending.append(self.pool.submit(self.save, path, overlay_path, image, mask))
+        self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask]))
         while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
             self.pending.pop(0).result()  # raises a failed write's UserError here, in predict
 
-    def save(self, path, overlay_path, image, mask):
+    def save(self, job):
+        # The job's list is emptied here, so the image and mask are let go when save returns, before its
+        # future is done: the pool's worker thread keeps its work item (this list) a moment longer, and
+        # a large image must be gone once wait() returns (read_ahead then decodes the next one).
+        path, overlay_path, image, mask = job
+        job.clear()
         if self.failed:  # after a failed write nothing more is written: the error names what stands
             return
         mask = mask.cpu().numpy()  # on a GPU: waits for this mask's kernels, in this thread
