@@ -4860,7 +4860,7 @@ class MaskWriter:
     def write_all(self, batch, masks, outputs, out_dir):
         """Hand over a batch's masks: predict's (path, image, input) items, outputs[path] the mask's file."""
         for (path, image, _), mask in zip(batch, masks):
-            self.write(outputs[path], out_dir / f"{path.stem}_overlay.png", image, mask)
+            self.write(outputs[path], out_dir / prediction_names(path)[1], image, mask)
 
     def write(self, path, overlay_path, image, mask):
         self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask]))
@@ -5076,7 +5076,12 @@ def archive_earlier_predictions(paths, out_dir):
     """An earlier predict's mask and overlay of any of these images move to <out_dir>/previous/<time>/
     (archive_previous_run), so no result is lost, and a mask never stands beside an older run's overlay
     of the same image. Masks of other images stay. Returns the folder, or None if nothing moved."""
-    return archive_previous_run(out_dir, [name for p in paths for name in (f"{p.stem}.png", f"{p.stem}_overlay.png")])
+    return archive_previous_run(out_dir, [name for p in paths for name in prediction_names(p)])
+
+
+def prediction_names(path):
+    """(mask, overlay): the file names predict writes for the input image at `path`."""
+    return f"{path.stem}.png", f"{path.stem}_overlay.png"
 
 
 def check_paths_given(opts, keys):
@@ -5091,18 +5096,17 @@ def output_paths(paths, out_dir, overlay=False):
     them would overwrite other images of the same stem, and be read as images next time), to overwrite
     an input, or to write one name twice (two inputs of one stem; with overlay, a.png's <stem>_overlay.png
     and the mask of an input named a_overlay.*)."""
-    outputs = [out_dir / f"{p.stem}.png" for p in paths]
-    folders = {p.resolve().parent for p in paths}
-    if out_dir.resolve() in folders:
+    outputs = [out_dir / prediction_names(p)[0] for p in paths]
+    inputs = {p.resolve() for p in paths}
+    if out_dir.resolve() in {p.parent for p in inputs}:
         raise UserError(f"output={out_dir} holds the input images: masks would be written among them (over "
                         f"any image named like one); choose another output=... folder")
-    inputs = {p.resolve() for p in paths}
     clash = next((o for o in outputs if o.resolve() in inputs), None)
     if clash is not None:
         raise UserError(f"predicting would overwrite the input {clash}: choose another output=... folder")
     names = {}
     for p in paths:
-        for name in [f"{p.stem}.png"] + ([f"{p.stem}_overlay.png"] if overlay else []):
+        for name in prediction_names(p)[:2 if overlay else 1]:
             if name in names:
                 raise UserError(f"inputs {names[name].name} and {p.name} would both write {out_dir / name}: "
                                 f"rename one")
