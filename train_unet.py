@@ -229,16 +229,19 @@ def main(argv=None):
     except UserError as exc:
         print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: {INTERRUPTED.get(command, 'files written so far are complete')}", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        left = exc.args[0] if exc.args else INTERRUPTED.get(command, "files written so far are complete")
+        print(f"interrupted: {left}", file=sys.stderr)
         return 130
 
 
 # Each command's own keys, for `COMMAND --help` (the benchmark takes training keys beside its own).
 COMMAND_KEYS = {"predict": lambda: PREDICT_CONFIG, "export": lambda: EXPORT_CONFIG, "benchmark": lambda: BENCHMARK_CONFIG}
 
-# What an interrupted command leaves (every file is written under a temporary name and renamed).
+# What an interrupted command leaves (every file is written under a temporary name and renamed);
+# train says which of the two (train_main).
 INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True continues",
+               "train, no checkpoint": "no epoch had finished, so there is no checkpoint to resume: train again",
                "predict": "the masks written so far are complete; no partial file is left"}
 
 
@@ -271,8 +274,45 @@ def train_main(cfg, explicit=()):
         if DIST.enabled:  # say which process failed; torchrun then stops the others
             raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None
         raise
+    except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
+        if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):
+            raise
+        if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
+            # the run is over: torch's handler would report the other loader's stopped workers as they are
+            # shut down at exit ("Exception ignored in ... RuntimeError: DataLoader worker ... Terminated")
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        resumable = (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
+        raise KeyboardInterrupt(INTERRUPTED["train" if resumable else "train, no checkpoint"]) from None
     finally:
         cleanup_distributed()
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C and SIGTERM wait until the block is done, then stop the run as usual. finish_epoch writes
+    last.pt, best.pt and history.csv in it: stopped after last.pt alone, a resumed run would never write
+    the best epoch's weights (last.pt already records its IoU as the one to beat)."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
+        yield
+        return
+    held = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        raise KeyboardInterrupt
+
+
+def stopped_with_its_workers(exc):
+    """A stop sent to the whole process group (Slurm's scancel, `kill -TERM -PGID`, timeout) also reaches
+    the DataLoader's workers, and torch's SIGCHLD handler reports their end as this RuntimeError, before
+    or while the run stops: an interruption, not a failure."""
+    text = str(exc)
+    return "DataLoader worker" in text and ("signal: Terminated" in text or "signal: Interrupt" in text)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,6 +344,8 @@ def set_up_training(cfg, explicit):
     """What the epoch loop needs, settled in dependency order: (effective config, hardware, Run, loaders)."""
     # 1. The config as given: preset applied, values checked, the checkpoint folder writable.
     cfg, preset_line = apply_preset(validate_config(cfg), explicit)
+    check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
+    check_worker_count(cfg)
     if DIST.is_main:
         check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
     # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
@@ -313,6 +355,7 @@ def set_up_training(cfg, explicit):
     seed_everything(cfg["seed"])
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg)
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
@@ -323,7 +366,7 @@ def set_up_training(cfg, explicit):
     # 5. Model, optimizer, LR schedule, scaler: new, or resumed exactly; then the loss and the logger.
     steps_per_epoch = optimizer_steps_per_epoch(len(loaders[0]), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
-    run.class_names, run.logger = class_names, RunLogger.create(cfg)
+    run.class_names, run.logger, run.data_split = class_names, RunLogger.create(cfg), data_split
     run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
     # 6. Say what was decided, and why.
     print(banner(hw, run.prec, cfg, notes, layout))
@@ -335,8 +378,8 @@ def set_up_training(cfg, explicit):
 def resume_state(cfg, ckpt_dir):
     path = ckpt_dir / "last.pt"
     if not path.is_file():
-        raise UserError(f"resume=True but {path} does not exist: start without resume, or set "
-                        f"checkpoint_dir to the run you want to continue")
+        raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
+                        f"start without resume, or set checkpoint_dir to the run you want to continue")
     state = load_checkpoint(path)
     for key in RESUME_KEYS:
         if key in AUTO_KEYS and cfg[key] == "auto":  # from the checkpoint (resolve_batch_size, run_class_weights)
@@ -349,6 +392,29 @@ def resume_state(cfg, ckpt_dir):
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
                         f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
     return state
+
+
+def split_record(train_pairs, val_pairs):
+    """Which files a run trains and validates on: their counts and a digest of their names (the image
+    files' names, relative to nothing: a data set moved to another folder is the same split)."""
+    names = lambda pairs: "\n".join(Path(image).name for image, _ in pairs)  # noqa: E731
+    digest = hashlib.sha256(f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode()).hexdigest()[:16]
+    return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest}
+
+
+def same_split_as_resumed(state, train_pairs, val_pairs, cfg):
+    """This run's split_record; a resumed run's must be its checkpoint's. Images added to or removed from
+    data_dir reshuffle the seeded split: images the model trained on would be validated (leakage), and
+    best.pt would compare IoUs over two different validation sets. A checkpoint from before the record: not
+    checked."""
+    record = split_record(train_pairs, val_pairs)
+    saved = (state or {}).get("data_split")
+    if saved and saved != record:
+        raise UserError(f"cannot resume exactly: {cfg['data_dir']} is not the data set this run started on "
+                        f"({saved['train']} train / {saved['val']} val images then, {record['train']} / "
+                        f"{record['val']} now, or other files): put the folder back as it was, or start a "
+                        f"new run in another checkpoint_dir")
+    return record
 
 
 def setup_precision(cfg, state=None):
@@ -468,6 +534,7 @@ class Run:
     confusion: list | None = None        # the last validation's confusion matrix (counts, rows = true class)
     loss_fn: nn.Module | None = None     # SegLoss
     ema: WeightEMA = field(default_factory=lambda: WeightEMA())  # ema_decay (III.7); off: does nothing
+    data_split: dict | None = None       # which files trained and validated (split_record), kept for resume
 
     def __post_init__(self):
         self.eval_model = self.model if self.eval_model is None else self.eval_model
@@ -478,7 +545,8 @@ class Run:
                 "scaler": self.scaler.state_dict() if self.scaler else None, "epoch": self.epoch,
                 "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
                 "config": cfg, "history": self.history, "precision": self.prec.name,
-                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state()}
+                "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
+                "data_split": self.data_split}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
@@ -495,8 +563,11 @@ def announce_run(cfg, hw, run, sizes, extra):
     """Print the config and the data/distributed summary; rank 0 writes config.json."""
     n_train, n_val, n_batches, steps_per_epoch = sizes
     print("config:\n" + format_config(cfg))
+    # drop_last (build_loaders): a partial last batch is not trained; which samples miss out changes per epoch
+    left = training_samples_left_out(n_train, n_batches, cfg)
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
-          f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch")
+          f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
+          + (f"; {left} random training image(s) left out each epoch (a full last batch only)" if left else ""))
     if cfg["data_mode"] == "patch":
         print(patch_summary(cfg, n_batches * cfg["batch_size"] * DIST.world))
     if DIST.enabled:
@@ -520,7 +591,11 @@ def stop_early(run, epoch, cfg):
 def finish_run(run, hw, cfg):
     run.logger.close()
     ckpt_dir = Path(cfg["checkpoint_dir"])
-    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ (best.pt, last.pt, history.csv)")
+    files = [name for name in ("best.pt", "last.pt", "history.csv") if (ckpt_dir / name).is_file()]
+    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ ({', '.join(files)})")
+    if DIST.is_main and "best.pt" not in files:  # a last.pt copied alone, resumed: its best epoch's weights are elsewhere
+        print(f"note: no best.pt in {ckpt_dir}: no epoch of this run beat the val IoU its last.pt records "
+              f"({run.best_iou:.4f}); use last.pt, or the best.pt of the run it came from")
     table = end_of_run_table(run)
     if table:
         print(table)
@@ -562,14 +637,15 @@ def finish_epoch(run, row, cfg):
     run.epoch = row["epoch"]
     improved = row["val_iou"] > run.best_iou
     run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
-    if DIST.is_main:  # one writer; the other ranks hold the same weights
-        state = run.state(cfg)
-        save_checkpoint(ckpt_dir / "last.pt", state)
-        if improved:
-            save_checkpoint(ckpt_dir / "best.pt", state)
-            save_confusion(ckpt_dir, run.confusion, run.class_names or [])
-        write_history(ckpt_dir / "history.csv", run.history)
-    print(epoch_summary(row, cfg, improved))
+    with interrupts_held():  # the epoch's files all or none: last.pt alone would lose a best.pt for good
+        if DIST.is_main:  # one writer; the other ranks hold the same weights
+            state = run.state(cfg)
+            save_checkpoint(ckpt_dir / "last.pt", state)
+            if improved:
+                save_checkpoint(ckpt_dir / "best.pt", state)
+                save_confusion(ckpt_dir, run.confusion, run.class_names or [])
+            write_history(ckpt_dir / "history.csv", run.history)
+        print(epoch_summary(row, cfg, improved))
     warn_fp16_underflow(row)
     run.logger.log_epoch(row)
     run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
@@ -784,7 +860,9 @@ def user_message(exc):
 
 
 def first_line(exc, limit=160):
-    return (str(exc).splitlines() or [""])[0][:limit]
+    """An exception's first line for a one-line message; a longer one is cut at a word, marked '...'."""
+    line = (str(exc).splitlines() or [""])[0]
+    return line if len(line) <= limit else line[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
 
 
 @contextlib.contextmanager
@@ -857,11 +935,12 @@ BOOL_OR_TEXT = ("channels_last",)
 # Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
 MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 
-# ... and those that define the data and the optimisation: a resume continues exactly only if they
-# are unchanged (epochs may grow; precision, speed and output settings may change).
+# ... and those that define the data, the optimisation and what validation measures (tta: best.pt
+# compares every epoch's val IoU): a resume continues exactly only if they are unchanged (epochs may grow;
+# precision, speed and output settings may change).
 RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "class_weights",
                             "batch_size", "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction",
-                            "seed", "data_mode", "patch_scale", "patch_foreground", "patches_per_image")
+                            "seed", "data_mode", "patch_scale", "patch_foreground", "patches_per_image", "tta")
 
 
 # Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
@@ -928,7 +1007,8 @@ def explicit_keys(args):
 
 def check_known_key(key, defaults=CONFIG):
     if key not in defaults:
-        near = [KEY_ALIASES[key]] if KEY_ALIASES.get(key) in defaults else difflib.get_close_matches(key, defaults, n=1)
+        low = key.lower()  # EPOCHS=2, Batch_Size=4
+        near = [KEY_ALIASES[low]] if KEY_ALIASES.get(low) in defaults else difflib.get_close_matches(low, defaults, n=1)
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise UserError(f"unknown key {key!r}: {hint}known keys: {', '.join(defaults)}")
 
@@ -1937,6 +2017,9 @@ def index_by_stem(folder):
     for path in sorted(folder.iterdir()):
         if path.suffix.lower() not in IMAGE_EXTS or path.name.startswith("."):
             continue
+        if not path.exists():  # before pairing, where it would read as a file without a partner
+            raise UserError(f"{path} is a broken link (it points to {os.readlink(path)}, which is not there): "
+                            f"fix or remove it")
         if path.stem in found:
             raise UserError(f"{found[path.stem].name} and {path.name} in {folder} share the stem "
                             f"{path.stem!r}: keep one file per name")
@@ -2232,8 +2315,11 @@ def check_mask_values(path, values, num_classes, dtype):
     classes = {int(v) for v in values} - {IGNORE_INDEX}
     if classes and max(classes) >= num_classes:
         top = max(classes)
-        hint = (f"set num_classes={top + 1} or fix the mask" if top < IGNORE_INDEX else
-                f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)")
+        others = sorted(classes - {top})
+        hint = (f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)" if top >= IGNORE_INDEX else
+                f"set num_classes={top + 1} or fix the mask" if top < 2 * max(num_classes, len(classes)) else
+                f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
+                f"set num_classes={top + 1} if it is a class")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): {hint}")
 
@@ -2289,6 +2375,9 @@ def check_pairs(pairs, cfg):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
+    if cfg["num_classes"] == 1 and all(set(facts[os.path.abspath(m)]["values"]) <= {0} for _, m in pairs):
+        raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
+                        f"model does; check that the masks were saved with their labels (0/255 or 0/1)")
 
 
 def checked_facts(paths, cfg, write, share=False):
@@ -2472,6 +2561,11 @@ def entries_still_current(caches, skip):
             except OSError:
                 continue  # gone
     return kept
+
+
+def training_samples_left_out(n_train, n_batches, cfg):
+    """Fit mode: training images not in any full batch of an epoch (all processes together)."""
+    return n_train - n_batches * cfg["batch_size"] * DIST.world if cfg["data_mode"] == "fit" else 0
 
 
 def training_samples(pairs, cfg):
@@ -2932,13 +3026,29 @@ def worker_count(cfg, hw):
     """
     if cfg["num_workers"] is not None:
         return cfg["num_workers"]
-    cores = max(1, (os.cpu_count() or 1) // processes_per_node())
+    cores = cores_per_process()
     if hw.kind == "cpu":
         return CPU_WORKERS if cores >= 2 else 0
     return min(8, max(1, cores // 2))
 
 
 CPU_WORKERS = 1  # num_workers=None on a CPU with 2+ cores per process (measured: BENCHMARKS.md "Data loading")
+WORKERS_PER_CORE = 4  # the most num_workers may ask for per core (999 on 2 cores: killed out of memory)
+
+
+def cores_per_process():
+    """This machine's cores, shared among the node's torchrun processes."""
+    return max(1, (os.cpu_count() or 1) // processes_per_node())
+
+
+def check_worker_count(cfg):
+    """num_workers the machine that starts them can run, checked before the run moves anything aside
+    (a checkpoint from a larger machine keeps its num_workers; this is a check of here, not of the key)."""
+    most = WORKERS_PER_CORE * cores_per_process()
+    if cfg["num_workers"] is not None and cfg["num_workers"] > most:
+        raise UserError(f"num_workers={cfg['num_workers']} is more than this machine can run: "
+                        f"{cores_per_process()} core(s) per process here, and each worker is a process with "
+                        f"memory of its own; use num_workers=None (automatic) or at most {most}")
 
 
 def loader_options(cfg, hw):
@@ -4989,7 +5099,21 @@ def original_size_logits(logits, sizes, cfg):
 def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
     class indices (uint8 arrays) at the same sizes, the way the checkpoint's data_mode validated."""
-    return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)]
+    check_model_images(images, cfg)
+    return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)] if len(images) else []
+
+
+def check_model_images(images, cfg):
+    """predict_batch's images as read_image makes them for this model (a library caller may pass its own
+    arrays): one channel (HxW) or three (HxWx3) as the model takes, else a UserError naming the fix, not a
+    convolution's shape error."""
+    want = cfg["in_channels"]
+    for i, image in enumerate(images):
+        channels = 1 if np.ndim(image) == 2 else np.shape(image)[-1] if np.ndim(image) == 3 else None
+        if channels != want:
+            raise UserError(f"image {i} has shape {np.shape(image)}, but the model takes {want} channel(s) "
+                            f"({'HxW' if want == 1 else 'HxWx3'}): read it with read_image(path, {want}, "
+                            f"cfg['intensity_range']), which converts it")
 
 
 @torch.inference_mode()
@@ -5305,8 +5429,8 @@ BENCHMARK_SETTINGS = {
 BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patience")
 
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
-                    "time_per_epoch_s", "first_epoch_s", "images_per_s", "speedup_vs_fp32",
-                    "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
+                    "time_per_epoch_s", "first_epoch_s", "timed_epochs", "epoch_spread", "images_per_s",
+                    "speedup_vs_fp32", "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
                     "nonfinite_steps", "scaler_skipped_steps", "epochs", "status", "slowdown_vs_fp32")
 
 
@@ -5316,7 +5440,8 @@ def run_benchmark(args=()):
     hw = detect_hardware(base["device"])
     out_dir = Path(opts["output"])
     check_writable(out_dir)
-    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, names))
+    writes = [*names, INFERENCE_DIR] if inference_modes(opts) else names
+    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, writes))
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
     prepare_data(base)  # writes the embedded data set once, before the runs start
@@ -5340,7 +5465,8 @@ def run_benchmark(args=()):
         row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
         rows.append(row)
     add_speedups(rows)
-    result = {"device": describe(hw), "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
+    result = {"device": describe(hw), "machine": benchmark_machine(hw, args),
+              "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
               "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
     write_json(out_dir / "benchmark.json", result)
@@ -5349,6 +5475,14 @@ def run_benchmark(args=()):
     result["inference"] = inference_table(base, hw, opts, out_dir)
     write_json(out_dir / "benchmark.json", result)
     return result
+
+
+def benchmark_machine(hw, args):
+    """What a figure needs beside it to be compared later (BENCHMARKS.md gives each its machine, date and
+    command): when and where it ran, with which torch, and how it was called."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+            "python": platform.python_version(), "cores": os.cpu_count(), "cpu": cpu_name(),
+            "cpu_bf16": hw.bf16_feature, "command": " ".join(["python train_unet.py benchmark", *args])}
 
 
 def print_benchmark_summary(rows, bare, hw):
@@ -5360,7 +5494,8 @@ def print_benchmark_summary(rows, bare, hw):
               f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
               f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
     print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
-          "first_epoch_s in the CSV); Speedup: images/s vs fp32; Final IoU: last epoch, evaluated in fp32.\n"
+          "first_epoch_s in the CSV); Speedup: images/s of that epoch vs fp32's; Final IoU: last epoch, "
+          "evaluated in fp32.\n"
           f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
           f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
 
@@ -5383,7 +5518,24 @@ def parse_benchmark_args(args):
     if unknown or not names:
         raise UserError(f"configs={opts['configs']!r}: unknown {', '.join(unknown) or '(empty)'}; use a "
                         f"comma-separated list of {', '.join(BENCHMARK_SETTINGS)}")
+    check_inference_keys(opts)
     return opts, base, train_args, names
+
+
+def inference_modes(opts):
+    """The inference table's modes (CPU_PROBE_MODES names), in the order given; [] = no table."""
+    return [m.strip() for m in opts["inference"].split(",") if m.strip()]
+
+
+def check_inference_keys(opts):
+    """The inference table's keys, checked before any training: they are used only after it."""
+    unknown = [m for m in inference_modes(opts) if m not in CPU_PROBE_MODES]
+    if unknown:
+        raise UserError(f"inference={opts['inference']!r}: unknown {', '.join(unknown)}; use a comma-separated "
+                        f"list of {', '.join(CPU_PROBE_MODES)}, or inference= (empty) for no inference table")
+    for key in ("inference_images", "inference_size", "inference_rounds"):
+        if inference_modes(opts) and opts[key] < 1:
+            raise UserError(f"{key}={opts[key]} must be >= 1 (or inference= for no inference table)")
 
 
 def benchmark_overrides(name, base):
@@ -5464,10 +5616,13 @@ def merge_args(*lists):
 
 
 def summarize_history(name, history, info):
-    """One benchmark row from a run's per-epoch history (first epoch reported apart)."""
+    """One benchmark row from a run's per-epoch history (first epoch reported apart). Time/Epoch and
+    images/s come from one epoch, the median one (the faster middle one of an even count): the median of
+    each apart disagrees between two epochs, and the table's Speedup would contradict its Time/Epoch."""
     times = [float(r["epoch_time_s"]) for r in history]
     rates = [float(r["images_per_s"]) for r in history]
-    steady = slice(1, None) if len(history) > 1 else slice(0, None)
+    steady = list(range(1, len(history))) if len(history) > 1 else [0]
+    middle = sorted(steady, key=lambda i: times[i])[(len(steady) - 1) // 2]
     skipped = sum(int(r["skipped_steps"]) for r in history)
     fp16 = history[-1]["precision"] == "fp16"
     precision = history[-1]["precision"]
@@ -5476,8 +5631,9 @@ def summarize_history(name, history, info):
     return {"config": name, "device": info["device"], "precision": precision,
             "batch": info["config"]["batch_size"], "channels_last": info["config"]["channels_last"],
             "compile": info["config"]["compile_model"],
-            "time_per_epoch_s": float(np.median(times[steady])), "first_epoch_s": times[0],
-            "images_per_s": float(np.median(rates[steady])), "speedup_vs_fp32": None,
+            "time_per_epoch_s": times[middle], "first_epoch_s": times[0], "timed_epochs": len(steady),
+            "epoch_spread": max(times[i] for i in steady) / min(times[i] for i in steady),
+            "images_per_s": rates[middle], "speedup_vs_fp32": None,
             "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in history),
             "peak_mem_kind": history[-1]["peak_mem_kind"],
             "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
@@ -5540,9 +5696,23 @@ def format_benchmark_table(rows):
             continue
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}",
-                      f"compiled: epoch 1 took {r['first_epoch_s']:.0f}s" if r["compile"] else ""))
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", benchmark_note(r)))
     return markdown_table(lines)
+
+
+NOISY_SPREAD = 1.25  # the slowest timed epoch over the fastest above which a row's figures are called noisy
+
+
+def benchmark_note(row):
+    """The Note column of a trained row: compile time, and whether its time can be trusted: one epoch
+    only (start-up included), or timed epochs so far apart that the machine was busy. A row of an older
+    benchmark.json (the notebook reads them) may lack the counts: then nothing is said of them."""
+    notes = [f"compiled: epoch 1 took {row['first_epoch_s']:.0f}s"] if row.get("compile") else []
+    if row.get("epochs") == 1:
+        notes.append("1 epoch: its time includes start-up; use epochs=3 or more")
+    elif (row.get("epoch_spread") or 1) > NOISY_SPREAD:
+        notes.append(f"noisy: epoch times {row['epoch_spread']:.2f}x apart; a quiet machine, more epochs")
+    return "; ".join(notes)
 
 
 def markdown_table(lines):
@@ -5558,10 +5728,10 @@ def inference_table(base, hw, opts, out_dir):
     fit mode over a folder of the data set's images, patch mode on one large generated image, each the
     whole `predict` command (reading, writing, everything). The fp32 run's trained model if this benchmark
     trained one, else a fresh one. Masks are compared with fp32's. Returns the rows (printed as a table)."""
-    modes = [m.strip() for m in opts["inference"].split(",") if m.strip()]
+    modes = inference_modes(opts)
     if not modes:
         return []
-    folder = out_dir / "inference"
+    folder = out_dir / INFERENCE_DIR
     inputs = inference_inputs(base, opts, folder)
     rows, reference = [], {}
     for mode in modes:
@@ -5687,22 +5857,36 @@ def format_inference_table(rows):
 
 
 BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
+INFERENCE_DIR = "inference"  # the inference table's inputs, masks and inference.json (inference_table)
 
 
-def benchmark_outputs(out_dir, configs):
-    """The names an earlier benchmark wrote in out_dir: its results, and each configuration's log and
-    run folder. Only these are archived; anything else there (output=. holds the user's files and
-    train_unet.py itself) is not the benchmark's and stays, as does a folder named like a configuration
-    that holds no run. One that this benchmark would train in (`configs`) is refused instead: the run
-    would write into it, and the next benchmark would archive it."""
-    names = [*BENCHMARK_RESULTS, *(n for config in BENCHMARK_SETTINGS for n in (config, f"{config}.log"))]
+def benchmark_outputs(out_dir, writes):
+    """The names an earlier benchmark wrote in out_dir: its results, each configuration's log and run
+    folder, and its inference folder. Only these are archived; anything else there (output=. holds the
+    user's files and train_unet.py itself) is not the benchmark's and stays, as does a folder of such a
+    name that holds no run or inference table. One that this benchmark would write in (`writes`: its
+    configurations, and INFERENCE_DIR where it predicts) is refused instead: the run would write into it,
+    and the next benchmark would archive it."""
+    names = [*BENCHMARK_RESULTS, INFERENCE_DIR,
+             *(n for config in BENCHMARK_SETTINGS for n in (config, f"{config}.log"))]
     found = [n for n in names if (out_dir / n).exists() or (out_dir / n).is_symlink()]
-    foreign = [n for n in found if n in BENCHMARK_SETTINGS and not is_run_folder(out_dir / n)]
-    clash = next((n for n in foreign if n in configs), None)
+    foreign = [n for n in found if (n in BENCHMARK_SETTINGS and not is_run_folder(out_dir / n))
+               or (n == INFERENCE_DIR and not is_inference_folder(out_dir / n))]
+    clash = next((n for n in foreign if n in writes), None)
     if clash is not None:
-        raise UserError(f"{out_dir / clash} is not a benchmark run (no checkpoint or history inside), but "
-                        f"the benchmark's {clash} run writes there: move it or choose another output=...")
+        what = (("an inference table", "the inference table") if clash == INFERENCE_DIR else
+                ("a benchmark run (no checkpoint or history inside)", f"the benchmark's {clash} run"))
+        raise UserError(f"{out_dir / clash} is not {what[0]}, but {what[1]} writes there: move it or choose "
+                        f"another output=...")
     return [n for n in found if n not in foreign]
+
+
+def is_inference_folder(path):
+    """An earlier benchmark's INFERENCE_DIR: the inputs inference_inputs makes, or an empty folder."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    entries = {p.name for p in path.iterdir()}
+    return not entries or bool(entries & {"fit_images", "patch_images", "inference.json"})
 
 
 def is_run_folder(path):

@@ -2,6 +2,7 @@
 import csv
 import json
 import os
+import re
 from pathlib import Path
 
 import nbclient
@@ -34,6 +35,10 @@ def test_benchmark_rows_files_and_table(bench, capsys):
     native = train_unet.detect_hardware("cpu").bf16  # what THIS machine has decides the bf16 row
     assert rows["fp32"]["status"] == "ok" and rows["fp32"]["precision"] == "fp32"
     assert rows["fp32"]["speedup_vs_fp32"] == pytest.approx(1.0)
+    machine = json.loads((out / "benchmark.json").read_text())["machine"]  # what a figure needs beside it
+    assert machine["torch"] == torch.__version__ and machine["cores"] == os.cpu_count()
+    assert machine["command"].startswith("python train_unet.py benchmark configs=fp32,bf16,fp16 epochs=2")
+    assert machine["date"].endswith("UTC") and machine["cpu_bf16"]
     if native:  # a full run, like fp32
         assert rows["bf16"]["status"] == "ok" and rows["bf16"]["precision"] == "bf16"
         assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(rows["bf16"]["images_per_s"]
@@ -160,6 +165,37 @@ def test_summary_excludes_the_first_epoch_from_the_median():
     assert row["peak_mem_mb"] == 30 and row["scaler_skipped_steps"] == 4 and row["nonfinite_steps"] == 0
 
 
+def history(times, images=64):
+    return [{"epoch_time_s": t, "images_per_s": images / t, "peak_mem_mb": 10, "peak_mem_kind": "x",
+             "precision": "fp32", "val_iou": 0.5, "val_dice": 0.6, "skipped_steps": 0} for t in times]
+
+
+INFO = {"device": "d", "config": {"batch_size": 8, "channels_last": False, "compile_model": False}}
+
+
+def test_speedup_and_time_per_epoch_tell_the_same_story():
+    """A user's busy machine, epochs=3 (two timed epochs): taken apart, the median time said bf16 was 1.44x
+    slower and the median images/s that it was 1.04x faster. Both now come from one epoch."""
+    rows = [train_unet.summarize_history("fp32", history([20.0, 15.2, 11.0]), INFO),
+            train_unet.summarize_history("bf16", history([25.0, 30.0, 7.8]), INFO)]
+    train_unet.add_speedups(rows)
+    fp32, bf16 = rows
+    assert bf16["speedup_vs_fp32"] == pytest.approx(fp32["time_per_epoch_s"] / bf16["time_per_epoch_s"])
+    assert (fp32["time_per_epoch_s"], bf16["time_per_epoch_s"]) == (11.0, 7.8)  # the faster middle one
+    odd = train_unet.summarize_history("x", history([9.0, 5.0, 3.0, 4.0]), INFO)
+    assert odd["time_per_epoch_s"] == 4.0 and odd["images_per_s"] == 16.0 and odd["timed_epochs"] == 3
+
+
+def test_a_row_says_when_its_time_cannot_be_trusted():
+    table = lambda row: train_unet.format_benchmark_table([row | {"speedup_vs_fp32": 1.0}])  # noqa: E731
+    busy = train_unet.summarize_history("fp32", history([20.0, 15.2, 11.0]), INFO)
+    assert busy["epoch_spread"] == pytest.approx(15.2 / 11.0) and "noisy: epoch times 1.38x apart" in table(busy)
+    quiet = train_unet.summarize_history("fp32", history([20.0, 11.2, 11.0]), INFO)
+    assert "noisy" not in table(quiet) and "1 epoch" not in table(quiet)
+    one = train_unet.summarize_history("fp32", history([20.0]), INFO)
+    assert one["time_per_epoch_s"] == 20.0 and "1 epoch: its time includes start-up" in table(one)
+
+
 def test_unknown_configuration_is_a_clear_error():
     with pytest.raises(train_unet.UserError, match="unknown fp8.*fp32"):
         train_unet.parse_benchmark_args(["configs=fp32,fp8"])
@@ -217,6 +253,21 @@ def test_the_inference_image_is_the_same_pixels_as_png_or_tif(tmp_path):
         assert path.name == f"large.{fmt}"
         images[fmt] = train_unet.read_image(path, 3)
     assert images["png"].shape == (50, 50, 3) and np.array_equal(images["png"], images["tif"])
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("inference=fp32,fp64", "inference='fp32,fp64': unknown fp64; use a comma-separated list of fp32, fp32_cl"),
+    ("inference_size=0", "inference_size=0 must be >= 1"),
+    ("inference_images=0", "inference_images=0 must be >= 1"),
+    ("inference_rounds=0", "inference_rounds=0 must be >= 1"),
+])
+def test_inference_keys_are_refused_before_any_training(arg, message):
+    """They were read only after every configuration had trained: a KeyError, an OpenCV assertion or a
+    table of NaNs at the end."""
+    with pytest.raises(train_unet.UserError, match=re.escape(message)):
+        train_unet.parse_benchmark_args([arg])
+    if not arg.startswith("inference="):
+        train_unet.parse_benchmark_args([arg, "inference="])  # no table: nothing to check
 
 
 def test_an_unknown_inference_format_is_refused():

@@ -317,3 +317,16 @@ def test_a_users_data_folder_named_like_a_configuration_is_not_a_run(tmp_path):
     assert train_unet.benchmark_outputs(tmp_path, ["fp32"]) == []
     with pytest.raises(UserError, match="default is not a benchmark run"):
         train_unet.benchmark_outputs(tmp_path, ["default"])
+
+
+def test_an_earlier_inference_table_is_archived_with_its_benchmark_and_a_users_folder_is_not(tmp_path):
+    """The inference table's folder used to stay when an earlier benchmark moved aside: the next table
+    predicted its 4 old images beside the 2 asked for and said 4."""
+    (tmp_path / "inference" / "fit_images").mkdir(parents=True)
+    (tmp_path / "benchmark.json").write_text("{}")
+    assert sorted(train_unet.benchmark_outputs(tmp_path, ["fp32", "inference"])) == ["benchmark.json", "inference"]
+    users = tmp_path / "mine" / "inference"
+    (users / "notes").mkdir(parents=True)
+    assert train_unet.benchmark_outputs(users.parent, ["fp32"]) == []  # no table this time: left alone
+    with pytest.raises(UserError, match="inference is not an inference table, but the inference table writes"):
+        train_unet.benchmark_outputs(users.parent, ["fp32", "inference"])

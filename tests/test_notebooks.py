@@ -56,6 +56,21 @@ def test_run_notebook_plots_the_run_in_run_dir(tiny_run):
     assert "optimizer steps logged" in text and f"model: {tiny_run / 'best.pt'}" in text
 
 
+@pytest.mark.parametrize("case", ["typo", "interrupted"])
+def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
+    """Given a folder with no finished epoch, it used to train a preset=debug run there and plot it as the
+    user's: in a mistyped path it made a fake run; in a run stopped in epoch 1 it moved the user's files
+    aside for it. Now it says what is missing and leaves the folder as it was."""
+    run = tmp_path / "previous" / "20260101-120000"
+    if case == "interrupted":  # what SIGTERM in epoch 1 leaves
+        (run / "tensorboard").mkdir(parents=True)
+        (run / "config.json").write_text("{}")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="no finished epoch in .*no history.csv"):
+        execute("my_run.ipynb", {"RUN_DIR": str(run)})
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_benchmark_notebook_skips_rows_with_missing_numbers(tiny_run, tmp_path):
     """A row without some numbers (e.g. a probe row) must not break the plots."""
     history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))

@@ -165,6 +165,25 @@ def test_predict_batch_runs_under_inference_mode(binary_model, hw, fp32):
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp32):
+    """A notebook user's own arrays: a gray or RGBA image for an RGB model ended in a convolution's
+    "expected input[1, 1, 64, 64] to have 3 channels"; an empty list in torch.stack's error."""
+    ckpt, _ = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    for bad in (np.zeros((64, 64), np.uint8), np.zeros((64, 64, 4), np.uint8), np.zeros(64, np.uint8)):
+        with pytest.raises(train_unet.UserError, match=r"image 1 has shape .* but the model takes 3 channel\(s\) "
+                                                       r"\(HxWx3\): read it with read_image\(path, 3"):
+            train_unet.predict_batch(model, [np.zeros((64, 64, 3), np.uint8), bad], cfg, fp32, hw)
+    assert train_unet.predict_batch(model, [], cfg, fp32, hw) == []
+
+
+def test_a_long_library_message_is_cut_at_a_word():
+    """torch.load's weights_only text came out as '... the `weights_only` argumen)'."""
+    exc = ValueError("In PyTorch 2.6, we changed the default value of the `weights_only` argument in torch.load")
+    assert train_unet.first_line(exc, 75) == "In PyTorch 2.6, we changed the default value of the `weights_only`..."
+    assert train_unet.first_line(ValueError("short\nsecond"), 75) == "short"
+
+
 # ---------------------------------------------------------------------------------------------------
 # b. any size, RGB or grayscale: masks at the original size
 # ---------------------------------------------------------------------------------------------------

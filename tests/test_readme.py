@@ -67,3 +67,14 @@ def test_every_benchmarks_section_names_a_machine_and_a_date():
     undated = [s.splitlines()[0] for s in sections if not re.search(r"\b20\d\d-\d\d-\d\d\b", s)]
     unnamed = [s.splitlines()[0] for s in sections if not named.search(s)]
     assert not undated and not unnamed, f"without a date: {undated}; without a machine: {unnamed}"
+
+
+def test_the_library_functions_the_readme_names_take_the_arguments_it_shows():
+    import inspect
+
+    section = README.split("\n### Using it as a library\n", 1)[1].split("\n## ", 1)[0]
+    calls = re.findall(r"`(\w+)\(([^`]*)\)", section)
+    assert len(calls) >= 8, calls
+    for name, args in calls:
+        call = ast.parse(f"{name}({args})", mode="eval").body
+        inspect.signature(getattr(train_unet, name)).bind(*call.args)  # the arguments it takes

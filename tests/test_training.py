@@ -346,6 +346,32 @@ def test_resume_with_another_model_shape_is_a_user_error(make_cfg, tmp_path):
     assert "num_classes" in str(info.value)
 
 
+def test_resume_after_images_were_added_or_removed_is_refused(make_cfg, make_data, data_dir):
+    """Four pairs added to 12: the seeded split reshuffled silently (img000 and img007 validated before;
+    img006, img011 and a new one after), so images the model trained on were validated."""
+    import shutil
+
+    train(make_cfg(epochs=1))
+    extra = make_data(name="extra", count=4, seed=1)
+    for sub in ("images", "masks"):
+        for path in (extra / sub).iterdir():
+            shutil.copy(path, data_dir / sub / f"new_{path.name}")
+    with pytest.raises(UserError, match=r"cannot resume exactly: .* is not the data set this run started on "
+                                        r"\(10 train / 2 val images then, 13 / 3 now"):
+        train(make_cfg(epochs=2, resume=True))
+    for sub in ("images", "masks"):
+        for path in (data_dir / sub).glob("new_*"):
+            path.unlink()
+    assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2  # put back: it resumes
+
+
+def test_resume_with_another_tta_is_refused(make_cfg):
+    """best.pt compares every epoch's val IoU: plain epochs against a TTA one made a 'best' of a method."""
+    train(make_cfg(epochs=1))
+    with pytest.raises(UserError, match="cannot resume exactly: .* tta='none', this run has tta='flip'"):
+        train(make_cfg(epochs=2, resume=True, tta="flip"))
+
+
 def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
     cfg = make_cfg(image_size=32, batch_size=4)
     ckpt = Path(cfg["checkpoint_dir"])

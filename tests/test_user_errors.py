@@ -1,5 +1,6 @@
 """What a demanding user runs into: wrong types, unsafe outputs, inexact resumes, misleading hints."""
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,21 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_names_what_differs(tra
     assert "size mismatch for" in message and "use the checkpoint as training wrote it" in message
 
 
+@pytest.mark.parametrize("epochs_done", [0, 1])
+def test_an_interrupted_training_says_whether_resume_can_continue(epochs_done, monkeypatch, capsys, tmp_path):
+    """Stopped in epoch 1 it used to say "resume=True continues", and resume=True then said that last.pt
+    does not exist."""
+    def interrupted(cfg, explicit=()):
+        if epochs_done:
+            (tmp_path / "last.pt").write_bytes(b"")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "train", interrupted)
+    assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted: " + (
+        "checkpoints written so far are intact; resume=True continues" if epochs_done else
+        "no epoch had finished, so there is no checkpoint to resume: train again")
+
+
 def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
     def interrupted(opts):
         raise KeyboardInterrupt
@@ -285,3 +301,136 @@ def test_a_data_dir_that_is_a_file_says_so(tmp_path):
     (tmp_path / "afile").write_text("x")
     one_line_error(train_unet.split_pairs, {"data_dir": str(tmp_path / "afile")},
                    match="data_dir .*afile is a file: give the folder that holds images/ and masks/")
+
+
+def test_a_stop_waits_until_the_epochs_files_are_all_written(make_cfg, monkeypatch, tmp_path):
+    """Ctrl-C just after last.pt was written used to leave no best.pt and no history.csv: resumed, the run
+    then never wrote that best epoch's weights, as last.pt already recorded its IoU as the one to beat."""
+    import signal
+
+    real = train_unet.save_checkpoint
+
+    def save_then_stop(path, state):
+        real(path, state)
+        if path.name == "last.pt":
+            os.kill(os.getpid(), signal.SIGINT)  # arrives before best.pt is written
+    monkeypatch.setattr(train_unet, "save_checkpoint", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_unet.train(make_cfg(epochs=2))
+    written = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert {"last.pt", "best.pt", "history.csv"} <= written
+    assert train_unet.load_checkpoint(tmp_path / "ckpt" / "best.pt")["epoch"] == 1
+
+
+def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back():
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with train_unet.interrupts_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("rest of the block")
+    assert done == ["rest of the block"]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    with train_unet.interrupts_held():  # nothing held: nothing raised
+        pass
+
+
+def test_a_stop_sent_to_the_whole_process_group_exits_130_without_a_traceback(make_data, tmp_path):
+    """Slurm's scancel, `kill -TERM -PGID` and timeout signal the DataLoader's workers too; torch then
+    reported their end as a RuntimeError: a traceback and exit 1 (or 'Exception ignored' at exit)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = make_data(count=40, size=32)
+    run = subprocess.Popen([sys.executable, str(Path(train_unet.__file__)), f"data_dir={data}", "image_size=32",
+                            f"checkpoint_dir={tmp_path / 'ck'}", "epochs=500", "batch_size=2", "num_workers=1",
+                            "progress=False", "device=cpu", "use_amp=False", "logger=csv", "cpu_probe=False",
+                            "encoder_name=resnet18"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own process group, as a job under a scheduler
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "ck" / "history.csv").is_file() and time.monotonic() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    os.killpg(run.pid, signal.SIGTERM)
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+    assert err.strip().endswith("interrupted: checkpoints written so far are intact; resume=True continues")
+
+
+def test_stopped_workers_are_told_from_failed_ones():
+    assert train_unet.stopped_with_its_workers(RuntimeError("DataLoader worker (pid 15098) is killed by signal: "
+                                                            "Terminated. "))
+    assert not train_unet.stopped_with_its_workers(RuntimeError("DataLoader worker (pid 1) is killed by signal: "
+                                                                "Killed. "))  # out of memory: a failure
+    assert not train_unet.stopped_with_its_workers(RuntimeError("CUDA error: out of memory"))
+
+
+def test_an_empty_checkpoint_dir_is_refused_before_the_current_folder_is_touched(make_cfg, tmp_path, monkeypatch):
+    """checkpoint_dir= (an unset shell variable) meant the current folder: the user's own config.json was
+    moved to previous/ as an 'earlier run' and 340 MB of checkpoints landed beside their files."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text("the user's")
+    monkeypatch.chdir(project)
+    for key in ("checkpoint_dir", "data_dir"):
+        with pytest.raises(UserError, match=f"^{key}= is empty: give a path"):
+            train_unet.train(make_cfg(**{key: ""}))
+    assert [p.name for p in project.iterdir()] == ["config.json"]
+
+
+def test_more_workers_than_the_machine_can_run_is_refused_before_anything_moves(make_cfg, tmp_path):
+    """num_workers=999 on 2 cores: the kernel killed the run out of memory and left workers running."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "history.csv").write_text("an earlier run's")
+    most = train_unet.WORKERS_PER_CORE * train_unet.cores_per_process()
+    with pytest.raises(UserError, match=f"num_workers={most + 1} is more than this machine can run.*at most {most}$"):
+        train_unet.train(make_cfg(num_workers=most + 1))
+    assert [p.name for p in ckpt.iterdir()] == ["history.csv"]  # not moved aside for a run that cannot start
+
+
+def test_small_messages_from_a_users_review(make_cfg, data_dir, tmp_path):
+    """A key in capitals gets 'did you mean'; a folder named last.pt is not said to be missing; a broken
+    link among the images is named as one, not as an image without a mask."""
+    with pytest.raises(UserError, match="unknown key 'EPOCHS': did you mean 'epochs'"):
+        train_unet.parse_overrides(["EPOCHS=2"])
+    (tmp_path / "ckpt" / "last.pt").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"last.pt is not a file: start without resume"):
+        train_unet.train(make_cfg(resume=True))
+    (data_dir / "images" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    with pytest.raises(UserError, match=r"gone.png is a broken link \(it points to .*nowhere.png"):
+        train_unet.find_pairs(data_dir)
+
+
+@pytest.mark.parametrize("values, hint", [
+    ({0, 1, 2, 3}, "set num_classes=4 or fix the mask"),
+    ({0, 1, 200}, r"it stands far above the others \(\[0, 1\]\): a stray value\? fix the mask, or set num_classes=201"),
+])
+def test_a_class_beyond_num_classes_gets_the_likely_fix(values, hint, tmp_path):
+    mask = np.array(sorted(values), np.uint8).reshape(1, -1)
+    path = tmp_path / "m.png"
+    cv2.imwrite(str(path), mask)
+    with pytest.raises(UserError, match=hint):
+        train_unet.read_mask(path, 3)
+
+
+def test_masks_with_no_foreground_at_all_are_refused(make_cfg, data_dir):
+    """All-zero masks trained, and an IoU of 0.0000 was marked 'best' with no word of why."""
+    for path in (data_dir / "masks").iterdir():
+        cv2.imwrite(str(path), np.zeros_like(cv2.imread(str(path), cv2.IMREAD_UNCHANGED)))
+    with pytest.raises(UserError, match="every mask is all 0: there is no foreground to learn"):
+        train_unet.train(make_cfg())
+
+
+def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, capsys):
+    """10 training images in batches of 4: 2 of them sat out every epoch without a word."""
+    train_unet.train(make_cfg(batch_size=4))
+    out = capsys.readouterr().out
+    assert "10 train / 2 val images" in out
+    assert "2 batches of 4, 2 optimizer steps/epoch; 2 random training image(s) left out each epoch" in out
+    train_unet.train(make_cfg(batch_size=5))
+    assert "left out" not in capsys.readouterr().out
