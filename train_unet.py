@@ -5705,13 +5705,14 @@ NOISY_SPREAD = 1.25  # the slowest timed epoch over the fastest above which a ro
 
 def benchmark_note(row):
     """The Note column of a trained row: compile time, and whether its time can be trusted: one epoch
-    only (start-up included), or timed epochs so far apart that the machine was busy. A row of an older
+    only (start-up included), or timed epochs far apart (a busy machine, or a warm-up still going: on a
+    CPU, epochs of a second or two ran epoch 2 1.35x slower than 3 and 4, 11-25). A row of an older
     benchmark.json (the notebook reads them) may lack the counts: then nothing is said of them."""
     notes = [f"compiled: epoch 1 took {row['first_epoch_s']:.0f}s"] if row.get("compile") else []
     if row.get("epochs") == 1:
         notes.append("1 epoch: its time includes start-up; use epochs=3 or more")
     elif (row.get("epoch_spread") or 1) > NOISY_SPREAD:
-        notes.append(f"noisy: epoch times {row['epoch_spread']:.2f}x apart; a quiet machine, more epochs")
+        notes.append(f"noisy: epoch times {row['epoch_spread']:.2f}x apart; more epochs, a quiet machine")
     return "; ".join(notes)
 
 
