@@ -456,9 +456,28 @@ def effective_config(cfg, hw, prec, state, n_train, notes):
     both confirmed by the probe at that batch (cpu_probe_decision). Returns (cfg with both resolved, as
     config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
-    prec, layout = cpu_probe_decision(cfg, hw, prec, notes)
+    prec, layout = ranks_agree(*cpu_probe_decision(cfg, hw, prec, notes), hw, notes)
     notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
     return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
+
+
+def ranks_agree(prec, layout, hw, notes):
+    """(precision, layout) that every torchrun process shares. DDP averages gradients element by element:
+    a process in fp16 (scaled gradients) beside one in bf16, or in NHWC beside one in NCHW (another order
+    of the elements in its buckets), would train replicas that silently drift apart. Processes on GPUs of
+    different generations decide differently: all then take the safest precision every one runs natively
+    (SAFETY_ORDER), and rank 0's layout."""
+    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
+    seen = gather_setup((prec.name, native, layout))
+    names = sorted({name for name, _, _ in seen}, key=SAFETY_ORDER.index)
+    if len(names) > 1:
+        agreed = next(n for n in SAFETY_ORDER[SAFETY_ORDER.index(names[-1]):] if all(ok[n] for _, ok, _ in seen))
+        prec = Precision.of(DTYPES[agreed], f"agreed by the {len(seen)} processes, which decided {', '.join(names)} "
+                                            f"on their devices: all train in {agreed}, the safest all run natively")
+        notes.append(("ranks", prec.reason))
+    if any(other[0] != seen[0][2][0] for _, _, other in seen):
+        layout = (seen[0][2][0], f"rank 0's, shared by every process ({seen[0][2][1]})")
+    return prec, layout
 
 
 def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
@@ -3350,6 +3369,12 @@ def host_batch(shape, channels_last, pinned):
 DEVICE_BLEND_SHARE = 0.5
 
 
+def cuda_free_memory(device):
+    """Bytes a new tensor can have on a CUDA device: what the driver has free, plus what torch's caching
+    allocator holds unused (after a training epoch, validation would otherwise see its cache as taken)."""
+    return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 class TileBlend:
     """The Gaussian-weighted sum of tile logits (fp32) and its division by the weights' sum.
 
@@ -3365,7 +3390,7 @@ class TileBlend:
         self.size, self.ramp, self.pending = size, gaussian_ramp(size), None
         self.weight = (self.ramp[:, None] * self.ramp[None, :]).to(hw.device)
         fits = hw.kind == "cpu" or (hw.kind == "cuda" and 4 * classes * shape[0] * shape[1]
-                                    < DEVICE_BLEND_SHARE * torch.cuda.mem_get_info(hw.device)[0])
+                                    < DEVICE_BLEND_SHARE * cuda_free_memory(hw.device))
         self.total = torch.zeros(classes, *shape, device=hw.device if fits else "cpu")
 
     def add(self, tiles, logits):
@@ -3377,7 +3402,7 @@ class TileBlend:
         host = torch.empty(weighted.shape, pin_memory=True)
         host.copy_(weighted, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(weighted.device))  # the copy's stream: cuda:1's, not the current device's
         self.flush()  # the batch before this one: its copy had the whole forward above to finish
         self.pending = (tiles, host, done)
 
@@ -3557,13 +3582,16 @@ class SegLoss(nn.Module):
             return total(pixel, logits), total(region, logits)
 
     def ce_sum(self, logits, target):
-        """Cross-entropy (binary: BCE) summed over the real pixels, each weighted by its class's weight."""
+        """Cross-entropy (binary: BCE) summed over the real pixels, each weighted by its class's weight.
+        The weights follow the logits: patch-mode validation scores the window's logits where TileBlend
+        left them, on the host, while the weights live on the training device."""
+        weights = None if self.weights is None else self.weights.to(logits.device)  # no copy where they match
         if not self.binary:
-            return nn.functional.cross_entropy(logits, target, weight=self.weights, ignore_index=IGNORE_INDEX,
+            return nn.functional.cross_entropy(logits, target, weight=weights, ignore_index=IGNORE_INDEX,
                                                reduction="sum")
         weight = (target != IGNORE_INDEX).unsqueeze(1).float()
-        if self.weights is not None:
-            weight = weight * self.weights[(target == 1).long()].unsqueeze(1)
+        if weights is not None:
+            weight = weight * weights[(target == 1).long()].unsqueeze(1)
         return nn.functional.binary_cross_entropy_with_logits(logits, (target.unsqueeze(1) == 1).float(), weight,
                                                               reduction="sum")
 
@@ -6170,9 +6198,9 @@ def onnx_session(path, hw):
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
     cuda = hw.kind == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers()
+    gpu = ("CUDAExecutionProvider", {"device_id": torch.device(hw.device).index or 0})  # device=cuda:1: GPU 1
     try:
-        return ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"] * cuda
-                                    + ["CPUExecutionProvider"])
+        return ort.InferenceSession(str(path), options, providers=[gpu] * cuda + ["CPUExecutionProvider"])
     except Exception as exc:  # onnxruntime's load errors (InvalidProtobuf, Fail, ...) share no base class
         raise UserError(f"onnxruntime cannot load {path} ({type(exc).__name__}: {first_line(exc)}): "
                         f"export it again") from None

@@ -99,3 +99,28 @@ def test_ddp_user_error_stops_the_group_with_its_message(tmp_path):
 def test_sync_batchnorm_on_cpu_is_a_clear_error(make_cfg):
     with pytest.raises(train_unet.UserError, match="sync_batchnorm=True needs CUDA"):
         train_unet.train(make_cfg(sync_batchnorm=True))
+
+
+def test_processes_on_gpus_of_different_generations_train_alike(monkeypatch):
+    """A V100 rank decides fp16 + GradScaler, an A100 rank bf16 and NHWC: DDP averaged scaled with unscaled
+    gradients and NCHW with NHWC element orders, and the replicas drifted apart without a word. All now
+    take the safest precision each runs natively (here fp32: bf16 is not native on the V100) and rank 0's
+    layout."""
+    import types
+
+    volta = types.SimpleNamespace(fp16=True, bf16=False)
+    fp16 = train_unet.Precision.of(torch.float16, "auto")
+    others = [("fp16", {"fp16": True, "bf16": False, "fp32": True}, (False, "rule")),
+              ("bf16", {"fp16": True, "bf16": True, "fp32": True}, (True, "rule"))]
+    monkeypatch.setattr(train_unet, "gather_setup", lambda obj: others)
+    notes = []
+    prec, layout = train_unet.ranks_agree(fp16, (False, "rule"), volta, notes)
+    assert prec.name == "fp32" and not prec.use_scaler and layout == (False, "rank 0's, shared by every process (rule)")
+    assert notes == [("ranks", "agreed by the 2 processes, which decided fp16, bf16 on their devices: all train "
+                                "in fp32, the safest all run natively")]
+    others[0] = ("fp16", {"fp16": True, "bf16": True, "fp32": True}, (False, "rule"))  # both run bf16 natively
+    assert train_unet.ranks_agree(fp16, (False, "rule"), volta, [])[0].name == "bf16"
+    same = [("bf16", {"fp16": True, "bf16": True, "fp32": True}, (True, "rule"))] * 2
+    monkeypatch.setattr(train_unet, "gather_setup", lambda obj: same)
+    bf16 = train_unet.Precision.of(torch.bfloat16, "auto")
+    assert train_unet.ranks_agree(bf16, (True, "rule"), volta, notes) == (bf16, (True, "rule"))

@@ -405,3 +405,19 @@ def test_an_earlier_export_is_moved_aside_only_once_the_new_one_passed(binary, p
     [moved] = list((out / "previous").iterdir())
     assert {name: (moved / name).read_bytes() for name in first} == first
     assert json.loads((out / "model.json").read_text())["config"]["num_classes"] == 3
+
+
+def test_onnxruntime_runs_on_the_gpu_the_device_names(monkeypatch):
+    """device=cuda:1 put torch on GPU 1 and onnxruntime's CUDA provider, given no device_id, on GPU 0."""
+    import types
+
+    import onnxruntime
+
+    seen = []
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(onnxruntime, "InferenceSession", lambda path, options, providers: seen.append(providers))
+    for device, index in (("cuda:1", 1), ("cuda", 0)):
+        train_unet.onnx_session("model.onnx", types.SimpleNamespace(kind="cuda", device=torch.device(device)))
+        assert seen.pop() == [("CUDAExecutionProvider", {"device_id": index}), "CPUExecutionProvider"]
+    train_unet.onnx_session("model.onnx", types.SimpleNamespace(kind="cpu", device=torch.device("cpu")))
+    assert seen.pop() == ["CPUExecutionProvider"]

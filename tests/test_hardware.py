@@ -10,6 +10,7 @@ import io
 import contextlib
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -301,3 +302,21 @@ def test_gpu_check_passes_on_a_gpu():
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout
+
+
+def test_gpu_check_trains_fp32_on_a_gpu_without_fast_half_precision(monkeypatch, tmp_path):
+    """A Pascal GPU (capability 6.1): the fp32 training check (torch.compile at auto's fp32) was skipped as
+    "fp32 is not native", so no best.pt existed and the predict checks failed: exit 1 on a working GPU."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    pascal = types.SimpleNamespace(bf16=False, fp16=False, device="cuda", bf16_feature="compute capability 6.1")
+    class Trained(Exception):
+        pass
+
+    def train(cfg):
+        raise Trained  # it got as far as training; the stand-in stops it there
+    monkeypatch.setattr(gpu_check, "quiet_train", train)
+    with pytest.raises(Trained):
+        gpu_check.check_train(pascal, tmp_path, "auto", "fp32")
+    assert gpu_check.check_train(pascal, tmp_path, "bfloat16", "bf16").startswith("skipped: bf16 is not native")

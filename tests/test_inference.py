@@ -254,3 +254,48 @@ def test_the_predict_phases_tool_times_every_step(tmp_path, capsys):
         f"{stem}{suffix}.png" for stem in ("shape_0000", "shape_0001", "shape_0002") for suffix in ("", "_0", "_1"))
     assert predict_phases.main([f"input={data / 'images'}", "mode=fp16"]) == 2
     assert "mode='fp16' is not allowed" in capsys.readouterr().err
+
+
+def test_the_host_blend_waits_for_each_copy_on_the_copys_own_gpu(monkeypatch):
+    """CUDA, blended sum too large for the device: each batch's weighted logits are copied to pinned host
+    memory without blocking, and added one batch later once that copy's event has passed. On cuda:1 the
+    event was recorded on the current device's stream (cuda:0's, idle), so the host could add a buffer
+    still being written. Fake CUDA tensors and events: the order of events is what is checked."""
+    import types
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+
+    class Event:
+        def __init__(self):
+            self.n = sum(c[0] == "record" for c in calls)
+
+        def record(self, stream=None):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("wait", self.n))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    monkeypatch.setattr(train_unet, "cuda_free_memory", lambda device: 1)  # nothing fits on the device
+    real_accumulate = train_unet.TileBlend.accumulate
+    monkeypatch.setattr(train_unet.TileBlend, "accumulate",
+                        lambda self, tiles, w: (calls.append(("add", tiles[0])), real_accumulate(self, tiles, w)))
+    hw = types.SimpleNamespace(kind="cuda", device=torch.device("cuda:1"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        blend = train_unet.TileBlend(2, (64, 64), 32, hw)
+        assert blend.total.device.type == "cpu"
+        for tile in ((0, 0), (0, 32)):
+            blend.add([tile], torch.randn(1, 2, 32, 32, device="cuda:1"))
+        blend.result([0, 32], [0, 32])
+    assert calls == [("record", "stream of cuda:1"), ("record", "stream of cuda:1"), ("wait", 0), ("add", (0, 0)),
+                     ("wait", 1), ("add", (0, 32))]
+
+
+def test_the_blend_counts_torchs_cached_gpu_memory_as_free(monkeypatch):
+    """After a training epoch torch's allocator holds most of the GPU; the driver's free figure alone sent
+    validation's blend to the slower host path though the sum fit in the cache."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 << 30)
+    assert train_unet.cuda_free_memory("cuda:0") == (1 << 20) + (58 << 30)

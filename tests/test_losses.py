@@ -370,3 +370,18 @@ def test_a_checkpoint_from_before_class_weights_resumes(make_cfg, tmp_path):
     assert len(result["history"]) == 2
     one_line_error(train_unet.train, {**cfg, "resume": True, "epochs": 3, "class_weights": "auto"},
                    match="without class_weights")
+
+
+@pytest.mark.parametrize("num_classes, weights", [(3, [0.5, 1.0, 2.0]), (1, [1.0, 3.0])])
+@pytest.mark.parametrize("kind", ["dice+ce", "ce", "focal"])
+def test_weighted_losses_score_host_logits_of_a_cuda_run(num_classes, weights, kind):
+    """Patch-mode validation scores the window's blended logits on the host, while a CUDA run's class
+    weights live on the GPU: the weighted CE mixed the two devices and stopped the run at its first
+    validation. Checked with fake CUDA tensors (no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        loss = train_unet.SegLoss(num_classes, kind, weights, device="cuda:0")
+        assert loss.weights.device.type == "cuda"
+        value = loss(torch.randn(2, num_classes, 8, 8), torch.randint(0, max(num_classes, 2), (2, 8, 8)))
+        assert value.device.type == "cpu" and value.shape == ()
