@@ -62,6 +62,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import signal
 import struct
@@ -296,15 +297,21 @@ def interrupts_held():
         yield
         return
     held = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGCHLD too: a stop sent to the whole process group also ends the DataLoader's workers, and torch's
+    # handler for it raises (stopped_with_its_workers) mid-write. An ignored signal stays ignored.
+    wanted = [signal.SIGINT, signal.SIGTERM, *([signal.SIGCHLD] if hasattr(signal, "SIGCHLD") else [])]
+    previous = {sig: signal.getsignal(sig) for sig in wanted if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in previous:
+        signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if held:
+    if any(sig != getattr(signal, "SIGCHLD", None) for sig in held):
         raise KeyboardInterrupt
+    if held and callable(previous[signal.SIGCHLD]):  # a child ended meanwhile: its handler judges it now
+        previous[signal.SIGCHLD](signal.SIGCHLD, None)
 
 
 def stopped_with_its_workers(exc):
@@ -384,6 +391,8 @@ def resume_state(cfg, ckpt_dir):
     for key in RESUME_KEYS:
         if key in AUTO_KEYS and cfg[key] == "auto":  # from the checkpoint (resolve_batch_size, run_class_weights)
             continue
+        if key == "data_dir" and state.get("data_split"):  # the files decide (same_split_as_resumed), not
+            continue                                         # how the folder is written or where it moved
         if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
             raise UserError(f"cannot resume exactly: {path} was trained with {key}="
                             f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
@@ -395,9 +404,9 @@ def resume_state(cfg, ckpt_dir):
 
 
 def split_record(train_pairs, val_pairs):
-    """Which files a run trains and validates on: their counts and a digest of their names (the image
-    files' names, relative to nothing: a data set moved to another folder is the same split)."""
-    names = lambda pairs: "\n".join(Path(image).name for image, _ in pairs)  # noqa: E731
+    """Which files a run trains and validates on: their counts and a digest of their stems (the seeded
+    split's order; not their folder: a data set moved, or given as ./data, is the same split)."""
+    names = lambda pairs: "\n".join(Path(image).stem for image, _ in pairs)  # noqa: E731
     digest = hashlib.sha256(f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode()).hexdigest()[:16]
     return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest}
 
@@ -2336,7 +2345,7 @@ def check_mask_values(path, values, num_classes, dtype):
         top = max(classes)
         others = sorted(classes - {top})
         hint = (f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)" if top >= IGNORE_INDEX else
-                f"set num_classes={top + 1} or fix the mask" if top < 2 * max(num_classes, len(classes)) else
+                f"set num_classes={top + 1} or fix the mask" if top < 2 * max(num_classes, len(classes)) or not others else
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
@@ -2390,13 +2399,14 @@ def check_pairs(pairs, cfg):
         if image["hw"] != mask["hw"]:
             raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]} but its mask is "
                             f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
-    if cfg["num_classes"] > 1 and all(set(facts[os.path.abspath(m)]["values"]) <= {0, IGNORE_INDEX} for _, m in pairs):
+    values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
+    if all(v <= {0} for v in values):
+        raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
+                        f"model does; check that the masks were saved with their labels")
+    if cfg["num_classes"] > 1 and all(v <= {0, IGNORE_INDEX} for v in values):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
-    if cfg["num_classes"] == 1 and all(set(facts[os.path.abspath(m)]["values"]) <= {0} for _, m in pairs):
-        raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
-                        f"model does; check that the masks were saved with their labels (0/255 or 0/1)")
 
 
 def checked_facts(paths, cfg, write, share=False):
@@ -3056,8 +3066,14 @@ WORKERS_PER_CORE = 4  # the most num_workers may ask for per core (999 on 2 core
 
 
 def cores_per_process():
-    """This machine's cores, shared among the node's torchrun processes."""
-    return max(1, (os.cpu_count() or 1) // processes_per_node())
+    """The cores this process may run on, shared among the node's torchrun processes (at least 1)."""
+    return max(1, (usable_cores() or 1) // processes_per_node())
+
+
+def usable_cores():
+    """The cores this process may run on: its CPU affinity (taskset, Slurm, a container's cpuset) where
+    the system tells it, else the machine's; None where unknown."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def check_worker_count(cfg):
@@ -4795,7 +4811,7 @@ def predict(opts):
         for batch, unreadable in read_ahead(paths, per_batch, cfg, budget, settle=writer.wait):
             failed += unreadable
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
-            masks = predict_masks(model, images, cfg, prec, hw, inputs) if batch else []
+            masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
             writer.write_all(batch, masks, outputs, out_dir)
             bar.update(len(batch) + len(unreadable))
             del batch, images, inputs, masks  # gone before a read that waited for this batch
@@ -4807,6 +4823,19 @@ def predict(opts):
         print(f"  failed: {reason}")
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir)}
+
+
+def masks_within_memory(model, paths, images, inputs, run):
+    """predict_masks of a batch; running out of GPU memory (fit mode sizes its logits back to each image's
+    own size on the device, which no budget counts) is a one-line error with the fixes, not torch's."""
+    cfg, prec, hw, opts = run
+    try:
+        return predict_masks(model, images, cfg, prec, hw, inputs) if paths else []
+    except torch.cuda.OutOfMemoryError:
+        names = ", ".join(Path(p).name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        smaller = f"batch_size={opts['batch_size']} lower, or " if len(paths) > 1 else ""
+        raise UserError(f"out of GPU memory predicting {names}: set {smaller}device=cpu (or predict large images "
+                        f"with a data_mode=patch checkpoint); the masks written before are kept") from None
 
 
 def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None):
@@ -5137,6 +5166,10 @@ def check_model_images(images, cfg):
     convolution's shape error."""
     want = cfg["in_channels"]
     for i, image in enumerate(images):
+        if not isinstance(image, np.ndarray) or image.dtype not in (np.uint8, np.float32):
+            what = f"a {image.dtype} array" if isinstance(image, np.ndarray) else f"a {type(image).__name__}"
+            raise UserError(f"image {i} is {what}: pass numpy arrays as read_image(path, {want}, "
+                            f"cfg['intensity_range']) returns them (uint8, or float32 in [0, 1])")
         channels = 1 if np.ndim(image) == 2 else np.shape(image)[-1] if np.ndim(image) == 3 else None
         if channels != want:
             raise UserError(f"image {i} has shape {np.shape(image)}, but the model takes {want} channel(s) "
@@ -5510,7 +5543,7 @@ def benchmark_machine(hw, args):
     command): when and where it ran, with which torch, and how it was called."""
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "python": platform.python_version(), "cores": os.cpu_count(), "cpu": cpu_name(),
-            "cpu_bf16": hw.bf16_feature, "command": " ".join(["python train_unet.py benchmark", *args])}
+            "cpu_bf16": hw.bf16_feature, "command": shlex.join(["python", "train_unet.py", "benchmark", *args])}
 
 
 def print_benchmark_summary(rows, bare, hw):
@@ -5738,7 +5771,9 @@ def benchmark_note(row):
     benchmark.json (the notebook reads them) may lack the counts: then nothing is said of them."""
     notes = [f"compiled: epoch 1 took {row['first_epoch_s']:.0f}s"] if row.get("compile") else []
     if row.get("epochs") == 1:
-        notes.append("1 epoch: its time includes start-up; use epochs=3 or more")
+        notes.append("1 epoch: its time includes start-up; use epochs=4 or more")
+    elif row.get("timed_epochs") == 1:
+        notes.append("1 timed epoch: no spread to judge its noise by; use epochs=4 or more")
     elif (row.get("epoch_spread") or 1) > NOISY_SPREAD:
         notes.append(f"noisy: epoch times {row['epoch_spread']:.2f}x apart; more epochs, a quiet machine")
     return "; ".join(notes)

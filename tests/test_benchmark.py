@@ -194,6 +194,8 @@ def test_a_row_says_when_its_time_cannot_be_trusted():
     assert "noisy" not in table(quiet) and "1 epoch" not in table(quiet)
     one = train_unet.summarize_history("fp32", history([20.0]), INFO)
     assert one["time_per_epoch_s"] == 20.0 and "1 epoch: its time includes start-up" in table(one)
+    two = train_unet.summarize_history("fp32", history([20.0, 5.8]), INFO)  # epochs=2: one timed epoch
+    assert "1 timed epoch: no spread to judge its noise by; use epochs=4" in table(two)
 
 
 def test_unknown_configuration_is_a_clear_error():

@@ -77,7 +77,9 @@ def test_the_range_is_the_training_images_min_and_max(make_cfg, tmp_path):
             (folder / sub).mkdir(parents=True)
         for i, image in enumerate(images):
             tifffile.imwrite(folder / "train/images" / f"{i}.tif", image)
-            cv2.imwrite(str(folder / "train/masks" / f"{i}.png"), np.zeros(image.shape[:2], np.uint8))
+            mask = np.zeros(image.shape[:2], np.uint8)
+            mask[:2, :2] = 255  # some foreground: all-empty masks are refused
+            cv2.imwrite(str(folder / "train/masks" / f"{i}.png"), mask)
         tifffile.imwrite(folder / "val/images/v.tif", np.full((8, 8), 60000, np.uint16))  # not learnt from
         cv2.imwrite(str(folder / "val/masks/v.png"), np.zeros((8, 8), np.uint8))
         return run_cfg(make_cfg, folder, batch_size=1, image_size=64)[0]["intensity_range"]

@@ -20,10 +20,10 @@ def cuda_hw(cpu_hw):
     (16, "8", "cpu", train_unet.CPU_WORKERS),
     (1, None, "cpu", 0),       # one core: a worker could only steal from the model
     (8, "8", "cpu", 0),        # one core per process under torchrun
-    (None, None, "cpu", 0),    # os.cpu_count() unknown
+    (None, None, "cpu", 0),    # the core count unknown
 ])
 def test_default_worker_count_shares_the_nodes_cores(monkeypatch, cpu_hw, cores, local_world, kind, expected):
-    monkeypatch.setattr(train_unet.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(train_unet, "usable_cores", lambda: cores)
     if local_world is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
@@ -35,7 +35,7 @@ def test_default_worker_count_shares_the_nodes_cores(monkeypatch, cpu_hw, cores,
 
 
 def test_8_gpus_on_16_cores_no_longer_start_64_workers(monkeypatch, cpu_hw):
-    monkeypatch.setattr(train_unet.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(train_unet, "usable_cores", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     per_process = train_unet.worker_count(dict(train_unet.CONFIG), cuda_hw(cpu_hw))
     assert 8 * per_process <= 16

@@ -175,6 +175,10 @@ def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp
                                                        r"\(HxWx3\): read it with read_image\(path, 3"):
             train_unet.predict_batch(model, [np.zeros((64, 64, 3), np.uint8), bad], cfg, fp32, hw)
     assert train_unet.predict_batch(model, [], cfg, fp32, hw) == []
+    for bad, what in ((np.zeros((40, 40, 3)), "a float64 array"), (np.zeros((40, 40, 3), np.uint16), "a uint16 array"),
+                      (torch.zeros(40, 40, 3), "a Tensor"), (None, "a NoneType")):
+        with pytest.raises(train_unet.UserError, match=f"image 0 is {what}: pass numpy arrays as read_image"):
+            train_unet.predict_batch(model, [bad], cfg, fp32, hw)
 
 
 def test_a_long_library_message_is_cut_at_a_word():
@@ -427,6 +431,26 @@ def test_output_not_writable(binary_model, tmp_path, capsys):
                             "progress=False", "device=cpu"])
     assert code == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_out_of_gpu_memory_is_a_message_and_keeps_the_masks_written(binary_model, tmp_path, monkeypatch):
+    """Fit mode sizes the logits back to each image's size on the device, which no budget counts: a large
+    image ended in torch's multi-line OutOfMemoryError."""
+    ckpt, data = binary_model
+    real, calls = train_unet.predict_masks, []
+
+    def second_batch_runs_out(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(train_unet, "predict_masks", second_batch_runs_out)
+    out = tmp_path / "out"
+    with pytest.raises(train_unet.UserError, match=r"^out of GPU memory predicting shape_00\d\d.png, .*: set "
+                                                   r"batch_size=4 lower, or device=cpu .* the masks written before "
+                                                   r"are kept$"):
+        train_unet.predict({**opts(ckpt, data / "images", out), "batch_size": 4})
+    assert len(list(out.glob("*.png"))) == 4  # the first batch's
 
 
 # ---------------------------------------------------------------------------------------------------

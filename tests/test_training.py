@@ -365,6 +365,16 @@ def test_resume_after_images_were_added_or_removed_is_refused(make_cfg, make_dat
     assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2  # put back: it resumes
 
 
+def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, data_dir, tmp_path, monkeypatch):
+    """data_dir=./data or a moved folder held the same files, yet the path's spelling refused the resume:
+    with the split recorded, the files decide."""
+    train(make_cfg(epochs=1))
+    monkeypatch.chdir(tmp_path)
+    assert len(train(make_cfg(epochs=2, resume=True, data_dir="./data"))["history"]) == 2
+    data_dir.rename(tmp_path / "moved")
+    assert len(train(make_cfg(epochs=3, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 3
+
+
 def test_resume_with_another_tta_is_refused(make_cfg):
     """best.pt compares every epoch's val IoU: plain epochs against a TTA one made a 'best' of a method."""
     train(make_cfg(epochs=1))
