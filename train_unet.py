@@ -4835,7 +4835,7 @@ def masks_within_memory(model, paths, images, inputs, run):
         names = ", ".join(Path(p).name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
         smaller = f"batch_size={opts['batch_size']} lower, or " if len(paths) > 1 else ""
         raise UserError(f"out of GPU memory predicting {names}: set {smaller}device=cpu (or predict large images "
-                        f"with a data_mode=patch checkpoint); the masks written before are kept") from None
+                        f"with a data_mode=patch checkpoint); the masks of the images before them are written") from None
 
 
 def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None):
@@ -5059,8 +5059,11 @@ class MaskWriter:
 
     def __exit__(self, kind, *exc):
         try:
-            if kind is None:  # predict failed or was stopped: its error stands
+            if kind is None:
                 self.wait()
+            elif issubclass(kind, UserError):  # a batch could not be predicted: those before it are written;
+                with contextlib.suppress(UserError):  # its error stands (Ctrl-C: the pending writes are dropped)
+                    self.wait()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
 

@@ -447,10 +447,10 @@ def test_out_of_gpu_memory_is_a_message_and_keeps_the_masks_written(binary_model
     monkeypatch.setattr(train_unet, "predict_masks", second_batch_runs_out)
     out = tmp_path / "out"
     with pytest.raises(train_unet.UserError, match=r"^out of GPU memory predicting shape_00\d\d.png, .*: set "
-                                                   r"batch_size=4 lower, or device=cpu .* the masks written before "
-                                                   r"are kept$"):
+                                                   r"batch_size=4 lower, or device=cpu .* the masks of the images "
+                                                   r"before them are written$"):
         train_unet.predict({**opts(ckpt, data / "images", out), "batch_size": 4})
-    assert len(list(out.glob("*.png"))) == 4  # the first batch's
+    assert len(list(out.glob("*.png"))) == 4  # the first batch's, all written (its writes were cancelled: 1 of 4)
 
 
 # ---------------------------------------------------------------------------------------------------
