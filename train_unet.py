@@ -591,13 +591,14 @@ def announce_run(cfg, hw, run, sizes, extra):
     """Print the config and the data/distributed summary; rank 0 writes config.json."""
     n_train, n_val, n_batches, steps_per_epoch = sizes
     print("config:\n" + format_config(cfg))
-    # drop_last (build_loaders): a partial last batch is not trained; which samples miss out changes per epoch
-    left = training_samples_left_out(n_train, n_batches, cfg)
+    trained = n_batches * cfg["batch_size"] * DIST.world  # samples an epoch trains, all processes together
+    # drop_last (build_loaders): a partial last batch is not trained; which images miss out changes per epoch
+    left = n_train - trained if cfg["data_mode"] == "fit" else 0
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
           f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
           + (f"; {left} random training image(s) left out each epoch (a full last batch only)" if left else ""))
     if cfg["data_mode"] == "patch":
-        print(patch_summary(cfg, n_batches * cfg["batch_size"] * DIST.world))
+        print(patch_summary(cfg, trained))
     if DIST.enabled:
         print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
               f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
@@ -2592,11 +2593,6 @@ def entries_still_current(caches, skip):
     return kept
 
 
-def training_samples_left_out(n_train, n_batches, cfg):
-    """Fit mode: training images not in any full batch of an epoch (all processes together)."""
-    return n_train - n_batches * cfg["batch_size"] * DIST.world if cfg["data_mode"] == "fit" else 0
-
-
 def training_samples(pairs, cfg):
     """Samples per epoch: images (fit), or patches (patch mode: patch_counts)."""
     return len(pairs) if cfg["data_mode"] == "fit" else sum(patch_counts(image_sizes(pairs, cfg), cfg))
@@ -3079,10 +3075,10 @@ def usable_cores():
 def check_worker_count(cfg):
     """num_workers the machine that starts them can run, checked before the run moves anything aside
     (a checkpoint from a larger machine keeps its num_workers; this is a check of here, not of the key)."""
-    most = WORKERS_PER_CORE * cores_per_process()
-    if cfg["num_workers"] is not None and cfg["num_workers"] > most:
+    cores = cores_per_process()
+    if cfg["num_workers"] is not None and cfg["num_workers"] > (most := WORKERS_PER_CORE * cores):
         raise UserError(f"num_workers={cfg['num_workers']} is more than this machine can run: "
-                        f"{cores_per_process()} core(s) per process here, and each worker is a process with "
+                        f"{cores} core(s) per process here, and each worker is a process with "
                         f"memory of its own; use num_workers=None (automatic) or at most {most}")
 
 
@@ -5173,9 +5169,9 @@ def check_model_images(images, cfg):
             what = f"a {image.dtype} array" if isinstance(image, np.ndarray) else f"a {type(image).__name__}"
             raise UserError(f"image {i} is {what}: pass numpy arrays as read_image(path, {want}, "
                             f"cfg['intensity_range']) returns them (uint8, or float32 in [0, 1])")
-        channels = 1 if np.ndim(image) == 2 else np.shape(image)[-1] if np.ndim(image) == 3 else None
+        channels = 1 if image.ndim == 2 else image.shape[-1] if image.ndim == 3 else None
         if channels != want:
-            raise UserError(f"image {i} has shape {np.shape(image)}, but the model takes {want} channel(s) "
+            raise UserError(f"image {i} has shape {image.shape}, but the model takes {want} channel(s) "
                             f"({'HxW' if want == 1 else 'HxWx3'}): read it with read_image(path, {want}, "
                             f"cfg['intensity_range']), which converts it")
 
