@@ -1609,6 +1609,12 @@ CPU_PROBE_ROUNDS = 3
 CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label: (precision, NHWC),
                    "bf16": ("bf16", False), "bf16_cl": ("bf16", True)}   # the benchmark's labels
 
+# A probe during which other processes used more than this share of this process's cores is used for
+# its run and not cached: a compile or a second training beside it can flip bf16/fp32 (both modes run
+# under the load, but it comes and goes between rounds), and a cached answer would outlive the load.
+# A quiet machine measures 0-5 % here (system daemons); one busy process beside a 2-core run is 50 %.
+CPU_PROBE_BUSY_SHARE = 0.25
+
 
 CPU_PROBE_VERSION = 1  # of the cache file's layout; another version's file is ignored
 
@@ -1746,16 +1752,55 @@ def probe_times_here(cfg, hw, kind, labels, job_forwards):
     if job_forwards is not None and job_forwards < cost:
         return None, (f"skipped: this job is {job_forwards} forward(s), the probe {cost}; the flag rule "
                       f"(a job of at least {cost} forwards at this batch measures it, cached for later ones)")
-    start = time.perf_counter()
-    measured = measure_cpu_modes(cfg, hw, labels, kind)
-    seconds = time.perf_counter() - start
+    measured, seconds, busy = timed_beside_others(lambda: measure_cpu_modes(cfg, hw, labels, kind))
     times = {label: measured[label] for label in labels}
-    unsaved = save_cpu_probe_entry(path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
-                                               "seconds": seconds, "date": datetime.date.today().isoformat()})
+    unsaved = busy_probe_note(busy) or save_cpu_probe_entry(
+        path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
+                    "seconds": seconds, "date": datetime.date.today().isoformat()})
     how = (f"measured in {seconds:.1f}s ({len(labels)} modes x {CPU_PROBE_ROUNDS} "
            f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
            + (unsaved or f"cached in {path}"))
     return times, how
+
+
+def busy_probe_note(busy):
+    """Why a probe is not cached where other processes were busy on this process's cores, else None."""
+    if busy is None or busy[0] <= CPU_PROBE_BUSY_SHARE:
+        return None
+    return (f"not cached: other processes used {busy[0]:.0%} of this process's {busy[1]} core(s) meanwhile "
+            f"(a run on a quieter machine measures it again and caches it)")
+
+
+def timed_beside_others(run):
+    """(run(), its seconds, (the share of this process's cores that other processes used meanwhile, those
+    cores) or None where not known: no /proc/stat (not Linux), or a run under half a second, too short
+    for its 10 ms ticks). Steal time counts as others': a shared VM's neighbours take it."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    busy, own, start = cpu_busy_seconds(cpus), time.process_time(), time.perf_counter()
+    result = run()
+    seconds, busy_after = time.perf_counter() - start, cpu_busy_seconds(cpus)
+    if busy is None or busy_after is None or seconds < 0.5:
+        return result, seconds, None
+    others = (busy_after - busy) - (time.process_time() - own)  # this process's threads share its cores
+    return result, seconds, (max(others, 0.0) / (seconds * len(cpus)), len(cpus))
+
+
+def cpu_busy_seconds(cpus):
+    """Seconds the CPUs numbered `cpus` have spent busy since boot, every process's time and steal time
+    included (/proc/stat: all but idle and iowait); None where unreadable or a CPU is not listed."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    ticks = {}
+    for line in lines:
+        name, *fields = line.split()
+        if name[:3] == "cpu" and name[3:].isdigit() and len(fields) >= 8:
+            user, nice, system, idle, iowait, irq, softirq, steal = map(int, fields[:8])
+            ticks[int(name[3:])] = user + nice + system + irq + softirq + steal
+    if not cpus or any(cpu not in ticks for cpu in cpus):
+        return None
+    return sum(ticks[cpu] for cpu in cpus) / os.sysconf("SC_CLK_TCK")
 
 
 def autos_precision(cfg, hw, prec):

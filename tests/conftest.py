@@ -4,6 +4,7 @@ Everything runs on the CPU with tiny data (12 images of 64x64 by default), so th
 stays within a few minutes on a 2-core machine. Tests marked @pytest.mark.cuda run only where a GPU is.
 The suite passes on CPUs with and without native bf16: UNET_HIDE_NATIVE_BF16=1 runs it as the latter.
 """
+import math
 import os
 import sys
 from pathlib import Path
@@ -68,10 +69,11 @@ def hermetic_cpu_probe(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def fake_cpu_probe(request, monkeypatch, tmp_path_factory, hermetic_cpu_probe):
     """Each test starts with an empty CPU-probe cache (a fresh XDG_CACHE_HOME); a test marked
-    real_cpu_probe times the probe for real."""
+    real_cpu_probe times the probe for real, and caches it however busy the machine running the suite is."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
     if "real_cpu_probe" in request.keywords:
         monkeypatch.setattr(train_unet, "measure_cpu_modes", REAL_MEASURE_CPU_MODES)
+        monkeypatch.setattr(train_unet, "CPU_PROBE_BUSY_SHARE", math.inf)
 
 
 @pytest.fixture

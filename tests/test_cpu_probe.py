@@ -5,6 +5,8 @@ one test marked real_cpu_probe."""
 import dataclasses
 import os
 import pwd
+import subprocess
+import sys
 import weakref
 import json
 from pathlib import Path
@@ -198,6 +200,64 @@ def test_other_threads_cpu_or_predict_probe_again(probe_cfg, monkeypatch):
     monkeypatch.setattr(train_unet, "cpu_name", lambda: "Another CPU")
     assert len(decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)[3]) == 1
     assert decide(probe_cfg, BF16_CPU, XEON, monkeypatch, kind="predict", cached=True)[3][0][1] == "predict"
+
+
+def test_a_probe_beside_busy_processes_is_used_but_not_cached(probe_cfg, monkeypatch):
+    """A probe run while other processes were busy on this process's cores decides this run only: the
+    next run measures again rather than keep an answer the load may have flipped."""
+    def beside(share):
+        monkeypatch.setattr(train_unet, "timed_beside_others", lambda run: (run(), 7.0, (share, 2)))
+    beside(0.6)
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
+    assert len(calls) == 1 and prec.name == "fp32"  # the measured answer is used
+    assert ("not cached: other processes used 60% of this process's 2 core(s) meanwhile"
+            in dict(notes)["probe"]) and not train_unet.cpu_probe_cache_path().exists()
+    beside(train_unet.CPU_PROBE_BUSY_SHARE)  # at the limit: quiet enough
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)
+    assert len(calls) == 1 and prec.name == "bf16" and "cached in " in dict(notes)["probe"]
+    beside(0.9)  # a busy machine now does not measure again: the quiet answer stands
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert calls == [] and prec.name == "bf16" and "from " in dict(notes)["probe"]
+
+
+def test_others_share_subtracts_this_process_and_counts_only_its_cores(monkeypatch):
+    """1.5 busy core-seconds on this process's two cores in 1 s, 0.9 of them this process's own: others
+    used 0.6 of 2 core-seconds, 30 %."""
+    busy = iter([100.0, 101.5])
+    own = iter([10.0, 10.9])
+    seen = []
+    monkeypatch.setattr(train_unet.os, "sched_getaffinity", lambda pid: {3, 1})
+    monkeypatch.setattr(train_unet, "cpu_busy_seconds", lambda cpus: seen.append(cpus) or next(busy))
+    monkeypatch.setattr(train_unet.time, "process_time", lambda: next(own))
+    result, seconds, (share, cores) = train_unet.timed_beside_others(lambda: train_unet.time.sleep(1.0) or "ran")
+    assert result == "ran" and seen == [[1, 3], [1, 3]] and cores == 2
+    assert share == pytest.approx(0.6 / (2 * seconds)) and 0.2 < share <= 0.3
+
+
+def test_others_share_is_unknown_for_short_runs_or_without_proc_stat(monkeypatch):
+    assert train_unet.timed_beside_others(lambda: 5)[2] is None  # under 0.5 s: 10 ms ticks are too coarse
+    monkeypatch.setattr(train_unet, "cpu_busy_seconds", lambda cpus: None)
+    assert train_unet.timed_beside_others(lambda: train_unet.time.sleep(0.6))[2] is None
+    assert train_unet.busy_probe_note(None) is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").is_file() or not hasattr(os, "sched_getaffinity"),
+                    reason="/proc/stat and CPU affinity are Linux's")
+def test_others_share_sees_real_busy_processes_on_its_cores():
+    """One spinning process per core of this process's, pinned to them, while this process sleeps: they
+    used (nearly) all of those cores, whatever else the machine runs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert train_unet.cpu_busy_seconds(cpus) > 0 and train_unet.cpu_busy_seconds([max(cpus) + 10_000]) is None
+    spin = "import os, time; os.sched_setaffinity(0, {%s}); end = time.time() + 3\nwhile time.time() < end: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin % cpu]) for cpu in cpus]
+    try:
+        train_unet.time.sleep(0.5)  # the spinners have started
+        _, _, (share, cores) = train_unet.timed_beside_others(lambda: train_unet.time.sleep(1.0))
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert cores == len(cpus) and share > 0.6
 
 
 def test_a_torch_upgrade_makes_the_entry_stale(probe_cfg, monkeypatch):
