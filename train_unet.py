@@ -4680,9 +4680,19 @@ class Progress:
 
 
 def peak_memory_mb(hw):
-    """CUDA: peak allocated by tensors this run. CPU: peak resident memory of this process."""
+    """CUDA: peak allocated by tensors this run. CPU: peak resident memory of this process: on Linux its
+    VmHWM, not getrusage's ru_maxrss, which also holds the resident memory of the process that started
+    it (a benchmark row's process counted the benchmark's 830 MB as its own: Linux keeps the old memory's
+    peak across fork and exec)."""
     if hw.kind == "cuda":
         return torch.cuda.max_memory_allocated(hw.device) / 2**20, "cuda_max_allocated"
+    try:
+        with open("/proc/self/status") as status:
+            kb = next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), None)
+        if kb is not None:
+            return kb / 2**10, "process_peak_rss"
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         import resource
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -4828,7 +4838,7 @@ def predict(opts):
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
     paths = list_images(opts["input"])
-    prec, layout = predict_modes(cfg, opts, hw, prec, notes, len(paths))
+    prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
@@ -5385,14 +5395,34 @@ def predict_setting(cfg, opts):
             **{k: opts[k] for k in ("use_amp", "amp_dtype", "cpu_probe", "channels_last") if k in opts}}
 
 
-def predict_modes(cfg, opts, hw, prec, notes, images=None):
+def predict_modes(cfg, opts, hw, prec, notes, paths=None):
     """Predict's precision and layout: the flag rule, confirmed on a CPU by the probe's inference
-    forwards at predict's batch (cpu_probe_decision, kind "predict", cached like training's). A job of
-    `images` that is fewer forwards than the probe is not probed (at least one forward per image in
-    patch mode, where the tiles are counted only once read)."""
+    forwards at predict's batch (cpu_probe_decision, kind "predict", cached like training's). A job over
+    `paths` that is fewer forwards than the probe is not probed."""
     setting = predict_setting(cfg, opts)
-    forwards = None if images is None else images if cfg["data_mode"] == "patch" else -(-images // opts["batch_size"])
+    forwards = None if paths is None else predict_forwards(paths, cfg, opts)
     return cpu_probe_decision(setting, hw, prec, notes, kind="predict", job_forwards=forwards)
+
+
+def predict_forwards(paths, cfg, opts, enough=len(CPU_PROBE_MODES) * (1 + CPU_PROBE_ROUNDS)):
+    """The forwards predict makes over these images: a batch of images to a forward in fit mode; in
+    patch mode the sliding window's tiles (tile_grid's, from each image's header, patch_scale applied),
+    tile_batch_size to a forward, counted only until `enough` (the longest probe: a folder of thousands
+    is not opened for a count); an image whose header cannot be read counts one."""
+    if cfg["data_mode"] != "patch":
+        return -(-len(paths) // opts["batch_size"])
+    total, size = 0, cfg["image_size"]
+    for path in paths:
+        header = image_header(path)
+        if header is None:
+            total += 1
+        else:
+            tiles = math.prod(len(tile_starts(n, size, cfg["tile_overlap"]))
+                              for n in scaled_size(header[:2], cfg["patch_scale"]))
+            total += -(-tiles // cfg["tile_batch_size"])
+        if total >= enough:
+            break
+    return total
 
 
 def predict_layout(model, cfg, opts, hw, prec, layout=None):
@@ -5841,17 +5871,26 @@ def inference_table(base, hw, opts, out_dir):
         return []
     folder = out_dir / INFERENCE_DIR
     inputs = inference_inputs(base, opts, folder)
-    rows, reference = [], {}
+    rows, masks = [], {}
     for mode in modes:
         for data_mode in ("fit", "patch"):
-            row = inference_row(mode, data_mode, base, hw, opts, folder, inputs)
-            masks = read_masks(folder / f"{data_mode}_{mode}")
-            reference.setdefault(data_mode, masks)
-            row["mask_agreement_vs_fp32"] = mask_agreement(masks, reference[data_mode]) if row["precision"] else None
-            rows.append(row)
+            rows.append(inference_row(mode, data_mode, base, hw, opts, folder, inputs))
+            masks[mode, data_mode] = read_masks(folder / f"{data_mode}_{mode}")
+    add_mask_agreement(rows, masks)
     write_json(folder / "inference.json", rows)
     print(format_inference_table(rows))
     return rows
+
+
+def add_mask_agreement(rows, masks):
+    """Each predicted row's share of mask pixels equal to fp32's in its data mode: the fp32 row's, else
+    fp32_cl's (mask_reference); None where neither ran (never a bf16 row standing in for fp32)."""
+    for r in rows:
+        ref = next((m for m in ("fp32", "fp32_cl") if (m, r["data_mode"]) in masks and
+                    any(x["mode"] == m and x["data_mode"] == r["data_mode"] and x["status"] == "ok" for x in rows)), None)
+        r["mask_reference"] = ref
+        ok = ref is not None and r["status"] == "ok"
+        r["mask_agreement_vs_fp32"] = mask_agreement(masks[r["mode"], r["data_mode"]], masks[ref, r["data_mode"]]) if ok else None
 
 
 def inference_inputs(base, opts, folder):
@@ -5861,7 +5900,10 @@ def inference_inputs(base, opts, folder):
     fit_dir, patch_dir = folder / "fit_images", folder / "patch_images"
     for sub in (fit_dir, patch_dir):
         sub.mkdir(parents=True, exist_ok=True)
-    train, val = split_pairs(base)
+    train, val = split_pairs({**base, "max_train_images": None})  # all of them: inference trains nothing
+    if len(val + train) < opts["inference_images"]:
+        print(f"note: inference_images={opts['inference_images']}: {base['data_dir']} has {len(val + train)} "
+              f"images; fit mode predicts them all")
     for image, _ in (val + train)[:opts["inference_images"]]:
         shutil.copy(image, fit_dir / Path(image).name)
     rng, side = np.random.default_rng(0), opts["inference_size"]
@@ -5910,13 +5952,38 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
     with contextlib.redirect_stdout(io.StringIO()):
         times = alternate_timings({"forward": forward_only, "predict": lambda: predicted.append(fresh_predict(args))},
                                   opts["inference_rounds"], hw)
-    predict_s = float(np.median([r["seconds"] for r in predicted[1:]]))  # after the untimed first round
-    forward_s = float(np.median(times["forward"]))
+    predict_times = [r["seconds"] for r in predicted[1:]]  # after the untimed first round
+    predict_s, forward_s = float(np.median(predict_times)), float(np.median(times["forward"]))
     pixels = sum(h * w for h, w in sizes)
-    return {"mode": mode, "data_mode": data_mode, "precision": prec.name, "channels_last": nhwc,
-            "images": len(sizes), "predict_s": predict_s, "forward_only_s": forward_s,
-            "vs_forward_only": predict_s / forward_s, "images_per_s": len(sizes) / predict_s,
-            "megapixels_per_s": pixels / 1e6 / predict_s, "peak_mem_mb": peak_memory_mb(hw)[0], "status": "ok"}
+    row = {"mode": mode, "data_mode": data_mode, "precision": prec.name, "channels_last": nhwc,
+           "images": len(sizes), "predict_s": predict_s, "forward_only_s": forward_s,
+           "vs_forward_only": predict_s / forward_s, "images_per_s": len(sizes) / predict_s,
+           "megapixels_per_s": pixels / 1e6 / predict_s, "rounds": len(predict_times),
+           "round_spread": max(spread(predict_times), spread(times["forward"])), "status": "ok"}
+    row["peak_mem_mb"], row["peak_mem_kind"] = predict_peak_memory(args)
+    return row
+
+
+def spread(seconds):
+    """The slowest of some timed rounds over the fastest."""
+    return max(seconds) / min(seconds)
+
+
+def predict_peak_memory(args):
+    """(peak memory in MB, its kind) of one predict with these args in a fresh process, as each trained
+    row's is measured (in this process the rows before it, and the forward alone's inputs held in memory,
+    would count): CPU, the process's peak resident memory; CUDA, the peak allocated by tensors.
+    (None, why) where that process failed."""
+    import subprocess
+
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_unet as T; T.keep_freed_memory(); "
+            "a = json.loads(sys.argv[2]); T.predict(a); print(json.dumps(T.peak_memory_mb(T.detect_hardware(a['device']))))")
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), json.dumps(args)],
+                          capture_output=True, text=True)
+    lines = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
+    if proc.returncode != 0:
+        return None, f"not measured: its predict process exited {proc.returncode}: {lines[-1]}"
+    return tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def fresh_predict(args):
@@ -5952,17 +6019,40 @@ def mask_agreement(masks, reference):
 
 def format_inference_table(rows):
     lines = [("Mode", "Data mode", "Images", "Predict", "vs forward alone", "img/s", "Mpx/s", "Peak memory",
-              "Masks = fp32's")]
+              "Masks = fp32's", "Note")]
     for r in rows:
         if r["status"] != "ok":
-            lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", r["status"]))
+            lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", "-", r["status"]))
             continue
+        agree, peak = r.get("mask_agreement_vs_fp32"), r.get("peak_mem_mb")
         lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s", f"{r['vs_forward_only']:.3f}x",
-                      f"{r['images_per_s']:.3g}", f"{r['megapixels_per_s']:.2f}", f"{r['peak_mem_mb']:.0f} MB",
-                      f"{100 * r['mask_agreement_vs_fp32']:.3f}%"))
+                      f"{r['images_per_s']:.3g}", f"{r['megapixels_per_s']:.2f}", "-" if peak is None else f"{peak:.0f} MB",
+                      "-" if agree is None else f"{100 * agree:.3f}%", inference_note(r)))
     return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
             "same batches, medians of alternating rounds\n" + markdown_table(lines))
 
+
+def inference_note(row):
+    """The Note column of an inference row: whether its ratio can be trusted (as benchmark_note says of
+    a trained row), no fp32 masks to compare with, a peak not measured. Older inference.json rows may
+    lack the newer fields: nothing is said of them."""
+    notes = []
+    if row.get("rounds") == 1:
+        notes.append("1 round: no spread to judge its noise by; use inference_rounds=3 or more")
+    elif (row.get("round_spread") or 1) > NOISY_SPREAD:
+        notes.append(f"noisy: rounds {row['round_spread']:.2f}x apart; more inference_rounds, a quiet machine")
+    if row["vs_forward_only"] < 1 / INFERENCE_FASTER_LIMIT:
+        notes.append("predict timed faster than its forwards alone: noise; a quiet machine")
+    if "mask_reference" in row and row["mask_reference"] is None:
+        notes.append("no fp32 row to compare masks with")
+    if row.get("peak_mem_mb", 0) is None:
+        notes.append(f"peak memory {row['peak_mem_kind']}")
+    return "; ".join(notes)
+
+
+# predict does the forwards and more: timed below its forwards alone by more than this, the row is noise
+# (the quiet runs in BENCHMARKS.md "Predict speed" came within 0.99x)
+INFERENCE_FASTER_LIMIT = 1.03
 
 BENCHMARK_RESULTS = ("benchmark.json", "benchmark.csv")
 INFERENCE_DIR = "inference"  # the inference table's inputs, masks and inference.json (inference_table)

@@ -1,5 +1,6 @@
 """The benchmark command (one process per configuration) and the notebook that plots it."""
 import csv
+import cv2
 import json
 import os
 import re
@@ -217,7 +218,8 @@ def test_notebook_runs_top_to_bottom_on_the_benchmark(bench):
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 4  # bars, curves, inference, predictions
     text = "".join(o.get("text", "") for o in outputs)
     assert "fp32" in text and "bf16" in text and "best.pt" in text
-    assert "fit: predict" in text and "patch: predict" in text and "forward alone" in text  # the inference table
+    assert "Inference: the whole predict command" in text and "| Masks = fp32's" in text  # the inference table
+    assert re.search(r"\| fp32 +\| fit +\| 4 ", text) and re.search(r"\| fp32 +\| patch +\| 1 ", text)
 
 
 def test_loader_workers_tool_makes_frames_the_data_check_accepts(tmp_path):
@@ -255,6 +257,80 @@ def test_the_inference_image_is_the_same_pixels_as_png_or_tif(tmp_path):
         assert path.name == f"large.{fmt}"
         images[fmt] = train_unet.read_image(path, 3)
     assert images["png"].shape == (50, 50, 3) and np.array_equal(images["png"], images["tif"])
+
+
+def test_inference_predicts_all_the_data_sets_images_not_only_the_training_subset(tmp_path, capsys):
+    """max_train_images limits training, not the inference folder; asking for more images than the data
+    set has says so."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=6, size=32)
+    base = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(data), "image_size": 32,
+                                       "max_train_images": 2})
+    opts = {"inference_images": 50, "inference_size": 40, "inference_format": "png"}
+    fit_dir, _, _ = train_unet.inference_inputs(base, opts, tmp_path / "inference")
+    assert len(list(fit_dir.iterdir())) == 6
+    assert f"note: inference_images=50: {data} has 6 images; fit mode predicts them all" in capsys.readouterr().out
+
+
+def inference_rows(*modes, skipped=()):
+    return [{"mode": m, "data_mode": d, "status": "skipped: bf16 not native here" if m in skipped else "ok"}
+            for m in modes for d in ("fit", "patch")]
+
+
+def test_masks_are_compared_with_fp32s_whatever_the_order_of_the_modes():
+    """The fp32 row is the reference even when listed after bf16; fp32_cl where there is no fp32; no
+    reference (not a bf16 row standing in) where no fp32 row ran, nor a skipped row's empty folder."""
+    ones, zeros = {"a.png": np.ones((2, 2), np.uint8)}, {"a.png": np.array([[1, 1], [1, 0]], np.uint8)}
+    masks = {("bf16", d): zeros for d in ("fit", "patch")} | {(m, d): ones for m in ("fp32", "fp32_cl")
+                                                                  for d in ("fit", "patch")}
+    rows = inference_rows("bf16", "fp32")
+    train_unet.add_mask_agreement(rows, masks)
+    assert [(r["mask_reference"], r["mask_agreement_vs_fp32"]) for r in rows] == [("fp32", 0.75)] * 2 + [("fp32", 1.0)] * 2
+    rows = inference_rows("bf16", "fp32_cl")
+    train_unet.add_mask_agreement(rows, masks)
+    assert [r["mask_agreement_vs_fp32"] for r in rows] == [0.75, 0.75, 1.0, 1.0]
+    rows = inference_rows("bf16")
+    train_unet.add_mask_agreement(rows, masks)
+    assert [r["mask_agreement_vs_fp32"] for r in rows] == [None, None]
+    skipped = {("fp32", d): {} for d in ("fit", "patch")} | {("fp32_cl", d): ones for d in ("fit", "patch")}
+    rows = inference_rows("fp32", "fp32_cl", skipped=("fp32",))  # (fp32 is never skipped; the rule holds)
+    train_unet.add_mask_agreement(rows, skipped)
+    assert [r["mask_agreement_vs_fp32"] for r in rows] == [None, None, 1.0, 1.0]
+
+
+def test_an_inference_row_says_when_its_figures_cannot_be_trusted():
+    row = {"vs_forward_only": 1.02, "rounds": 3, "round_spread": 1.1, "mask_reference": "fp32", "peak_mem_mb": 900}
+    assert train_unet.inference_note(row) == ""
+    assert train_unet.inference_note({**row, "rounds": 1}).startswith("1 round: no spread")
+    assert train_unet.inference_note({**row, "round_spread": 1.4}).startswith("noisy: rounds 1.40x apart")
+    assert "faster than its forwards alone" in train_unet.inference_note({**row, "vs_forward_only": 0.46})
+    assert train_unet.inference_note({**row, "mask_reference": None}) == "no fp32 row to compare masks with"
+    failed = {**row, "peak_mem_mb": None, "peak_mem_kind": "not measured: its predict process exited 1: x"}
+    assert train_unet.inference_note(failed) == "peak memory not measured: its predict process exited 1: x"
+    table = train_unet.format_inference_table([{**failed, "mode": "fp32", "data_mode": "fit", "status": "ok",
+                                                "images": 2, "predict_s": 1.0, "images_per_s": 2.0,
+                                                "megapixels_per_s": 0.1, "mask_agreement_vs_fp32": None}])
+    assert "| - " in table and "peak memory not measured" in table
+
+
+def test_an_inference_rows_peak_memory_is_its_own_predicts_not_this_process(tmp_path):
+    """Measured in a fresh process: memory this process holds (earlier rows, the forward alone's inputs)
+    does not count."""
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "image_size": 32, "encoder_name": "resnet18"})
+    checkpoint = tmp_path / "m.pt"
+    train_unet.save_checkpoint(checkpoint, {"model": train_unet.build_model({**cfg, "encoder_weights": None})
+                                            .state_dict(), "config": cfg})
+    images = tmp_path / "images"
+    images.mkdir()
+    cv2.imwrite(str(images / "a.png"), np.full((40, 40, 3), 128, np.uint8))
+    held = np.ones(2 * 2**30, np.uint8)  # 2 GB touched here: more than a small predict peaks at (1.2 GB)
+    args = {"checkpoint": str(checkpoint), "input": str(images), "output": str(tmp_path / "out"),
+            "device": "cpu", "cpu_probe": False, "progress": False}
+    peak, kind = train_unet.predict_peak_memory(args)
+    here, _ = train_unet.peak_memory_mb(train_unet.detect_hardware("cpu"))
+    assert kind == "process_peak_rss" and 0 < peak < here - 1500 and held[-1] == 1
+    assert (tmp_path / "out" / "a.png").is_file()
+    missing = train_unet.predict_peak_memory({**args, "checkpoint": str(tmp_path / "none.pt")})
+    assert missing[0] is None and missing[1].startswith("not measured: its predict process exited")
 
 
 @pytest.mark.parametrize("arg, message", [

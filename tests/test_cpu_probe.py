@@ -11,6 +11,8 @@ import weakref
 import json
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 
@@ -626,14 +628,35 @@ def test_a_predict_job_shorter_than_the_probe_is_not_probed(make_cfg, monkeypatc
     calls = fake_timings(monkeypatch, XEON)
     opts = {"batch_size": 8, "use_amp": True, "amp_dtype": "auto", "cpu_probe": True}
     bf16, notes = train_unet.decide_precision(BF16_CPU), []
-    prec, (nhwc, why) = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, images=20)
+    images = [Path(f"{i}.png") for i in range(16 * 8)]  # fit mode counts them, never opens them
+    prec, (nhwc, why) = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, images[:20])
     assert calls == [] and prec is bf16 and "measured" not in why  # 3 forwards: the flag rule
     assert "skipped: this job is 3 forward(s), the probe 16" in dict(notes)["probe"]
-    train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, [], images=16 * 8)
+    train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, [], images)
     assert len(calls) == 1  # a job as long as the probe is probed, and cached ...
     notes = []
-    prec, _ = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, images=3)
+    prec, _ = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, images[:3])
     assert len(calls) == 1 and prec.name == "fp32" and "from " in dict(notes)["probe"]  # ... for small jobs too
+
+
+def test_a_patch_mode_job_counts_its_tiles_so_one_large_image_is_probed(make_cfg, monkeypatch, tmp_path):
+    """One 600² image through 64 px tiles at overlap 0.25 is 13 x 13 tiles, 43 forwards of 4: longer than
+    the probe (it used to count as 1 forward, and a single large image was never probed)."""
+    model_cfg = {**make_cfg(image_size=64, data_mode="patch"), "tile_batch_size": 4, "tile_overlap": 0.25}
+    cv2.imwrite(str(tmp_path / "large.png"), np.zeros((600, 600, 3), np.uint8))
+    cv2.imwrite(str(tmp_path / "small.png"), np.zeros((60, 70, 3), np.uint8))
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    opts = {"batch_size": 8, "use_amp": True, "amp_dtype": "auto", "cpu_probe": True}
+    assert train_unet.predict_forwards([tmp_path / "large.png"], model_cfg, opts, enough=10**6) == 43
+    assert train_unet.predict_forwards([tmp_path / "small.png", tmp_path / "broken.png"], model_cfg, opts) == 2
+    assert train_unet.predict_forwards([tmp_path / "large.png"], {**model_cfg, "patch_scale": 0.5}, opts,
+                                       enough=10**6) == 9  # 300²: 6 x 6 tiles
+    calls, bf16 = fake_timings(monkeypatch, EPYC), train_unet.decide_precision(BF16_CPU)
+    notes = []
+    train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, notes, [tmp_path / "small.png"])
+    assert calls == [] and "skipped: this job is 1 forward(s)" in dict(notes)["probe"]
+    prec, _ = train_unet.predict_modes(model_cfg, opts, BF16_CPU, bf16, [], [tmp_path / "large.png"])
+    assert len(calls) == 1 and calls[0][2] == 4 and prec.name == "bf16"  # probed at 4 tiles a forward
 
 
 @pytest.mark.real_cpu_probe
