@@ -5314,8 +5314,42 @@ def validate_predict(opts):
 def archive_earlier_predictions(paths, out_dir):
     """An earlier predict's mask and overlay of any of these images move to <out_dir>/previous/<time>/
     (archive_previous_run), so no result is lost, and a mask never stands beside an older run's overlay
-    of the same image. Masks of other images stay. Returns the folder, or None if nothing moved."""
-    return archive_previous_run(out_dir, [name for p in paths for name in prediction_names(p)])
+    of the same image. Masks of other images stay. A file of such a name that predict did not write is
+    refused before anything moves: output=data/masks would otherwise move the ground truth aside and put
+    predictions in its place, which the next training run learns from. Returns the folder, or None."""
+    names = [name for p in paths for name in prediction_names(p)]
+    foreign = [name for name in names if (out_dir / name).is_file() and not written_by_predict(out_dir / name)]
+    if foreign:
+        raise UserError(f"output={out_dir} holds {foreign[0]}" + (f" and {len(foreign) - 1} more file(s)" if
+                        len(foreign) > 1 else "") + " of the names predict writes, not written by predict (a "
+                        "ground-truth mask? an image?): choose another output=... folder, or move them away (masks "
+                        "of older versions of this script have no mark either)")
+    return archive_previous_run(out_dir, names)
+
+
+# The PNG text chunk predict writes into its masks and overlays: it moves aside (archives) only files
+# that carry it, never a ground-truth mask or an image that merely has the same name.
+PREDICT_MARK = ("Software", "unet-amp predict")
+
+
+def png_text_chunk(keyword, text):
+    import zlib
+
+    data = f"{keyword}\0{text}".encode("latin-1")
+    return struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", zlib.crc32(b"tEXt" + data))
+
+
+PNG_IHDR_END = 8 + 25  # the signature, then IHDR (length, type, 13 bytes, CRC): PNG's first chunk
+
+
+def written_by_predict(path):
+    """Whether a PNG carries predict's mark, right after its header where predict puts it."""
+    chunk = png_text_chunk(*PREDICT_MARK)
+    try:
+        with open(path, "rb") as f:
+            return f.read(PNG_IHDR_END + len(chunk))[PNG_IHDR_END:] == chunk
+    except OSError:
+        return False
 
 
 def prediction_names(path):
@@ -5353,19 +5387,23 @@ def output_paths(paths, out_dir, overlay=False):
     return outputs
 
 
-def write_png(path, image):
+def write_png(path, image, mark=None):
     """cv2.imwrite that cannot fail silently (imwrite only returns False, with no reason): encoded in
     memory, written under a temporary name and renamed, so a failed write (a removed folder, a full
     disk) raises OSError with its cause and leaves no partial file. The folder is not re-created: a
-    folder removed mid-run is an error, not a fresh start that hides the loss."""
+    folder removed mid-run is an error, not a fresh start that hides the loss. `mark`: (keyword, text)
+    of a tEXt chunk put right after the header (predict's PREDICT_MARK)."""
     ok, data = cv2.imencode(".png", image)
     if not ok:
         raise RuntimeError(f"OpenCV could not encode a {image.dtype} {image.shape} array as PNG for {path}")
+    data = data.tobytes()
+    if mark is not None:
+        data = data[:PNG_IHDR_END] + png_text_chunk(*mark) + data[PNG_IHDR_END:]
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.unlink(missing_ok=True)  # a killed run's leftover; O_EXCL below never follows a planted link
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as f:
-            f.write(data.tobytes())
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -5377,7 +5415,7 @@ def save_prediction(path, image, done):
     """write_png for predict: a failed write stops the run with a one-line UserError (every later write
     would fail the same way); the `done` images written before it stay."""
     try:
-        write_png(path, image)
+        write_png(path, image, PREDICT_MARK)
     except OSError as exc:
         fix = ("free disk space there or choose another output=..." if exc.errno in FULL_DISK else
                "check that the output folder still exists and is writable, or choose another output=...")

@@ -194,11 +194,11 @@ def test_a_failed_write_surfaces_as_predicts_one_line_error(checkpoint_cfg, tmp_
     ckpt, data = checkpoint_cfg
     calls = []
 
-    def write_png(path, image):
+    def write_png(path, image, mark=None):
         calls.append(path)
         if len(calls) == 3:
             raise OSError(28, "No space left on device")
-        return real(path, image)
+        return real(path, image, mark)
     real = train_unet.write_png
     monkeypatch.setattr(train_unet, "write_png", write_png)
     with pytest.raises(train_unet.UserError) as err:

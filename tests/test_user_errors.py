@@ -3,6 +3,7 @@ import math
 import os
 import subprocess
 import sys
+import shutil
 from pathlib import Path
 
 import cv2
@@ -250,6 +251,39 @@ def test_a_second_predict_into_one_folder_moves_the_first_ones_results_aside(tra
     left = {p.name for p in out.iterdir() if p.is_file()}
     assert left == second | {f"{images[0].stem}.png", f"{images[0].stem}_overlay.png"}
     assert (out / f"{images[0].stem}.png").read_bytes() == before[f"{images[0].stem}.png"]
+
+
+def test_predict_into_a_folder_of_ground_truth_masks_is_refused_and_moves_nothing(trained, tmp_path):
+    """output=<data>/masks: the ground truth has the names predict writes, but not predict's mark. Moved
+    aside and replaced by predictions, the next training run would learn from the model's own output."""
+    cfg, data = trained
+    gt = tmp_path / "gt"
+    shutil.copytree(data, gt)
+    before = {p.name: p.read_bytes() for p in (gt / "masks").iterdir()}
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(gt / "images"),
+            "output": str(gt / "masks"), "progress": False}
+    err = one_line_error(train_unet.predict, opts, match="holds .*png and .* more file.* not written by predict")
+    assert "choose another output=" in err
+    assert {p.name: p.read_bytes() for p in (gt / "masks").iterdir()} == before  # nothing moved, no previous/
+    photos = tmp_path / "photos"  # a user's own picture named like an input
+    photos.mkdir()
+    first = sorted((gt / "images").iterdir())[0]
+    cv2.imwrite(str(photos / f"{first.stem}.png"), np.full((8, 8, 3), 200, np.uint8))
+    one_line_error(train_unet.predict, {**opts, "output": str(photos)}, match=f"holds {first.stem}.png of the names")
+    assert [p.name for p in photos.iterdir()] == [f"{first.stem}.png"]
+
+
+def test_predicts_masks_and_overlays_carry_its_mark_and_decode_unchanged(tmp_path):
+    mask = np.zeros((30, 40), np.uint8)
+    mask[5:9] = 255
+    overlay = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    for name, image in (("m.png", mask), ("o.png", overlay)):
+        train_unet.save_prediction(tmp_path / name, image, 0)
+        assert train_unet.written_by_predict(tmp_path / name)
+        assert np.array_equal(cv2.imread(str(tmp_path / name), cv2.IMREAD_UNCHANGED), image)
+    train_unet.write_png(tmp_path / "plain.png", mask)
+    assert not train_unet.written_by_predict(tmp_path / "plain.png")
+    assert not train_unet.written_by_predict(tmp_path / "missing.png")
 
 
 def test_an_unreadable_file_says_what_it_is(tmp_path):
