@@ -353,6 +353,7 @@ def set_up_training(cfg, explicit):
     cfg, preset_line = apply_preset(validate_config(cfg), explicit)
     check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
     check_worker_count(cfg)
+    check_model_takes_image_size(cfg)
     if DIST.is_main:
         check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
     # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
@@ -3562,6 +3563,44 @@ def patch_summary(cfg, patches):
 # ----------------------------------------------------------------------------------------------------
 # III.7 Model, loss, optimizer, schedule, EMA.
 # ----------------------------------------------------------------------------------------------------
+def check_model_takes_image_size(cfg):
+    """A model that cannot take image_size x image_size (PAN pools its 1/16 feature map three more times:
+    it needs 128 px) is refused before anything moves, with the smallest size it takes; else a
+    traceback from deep inside torch at the first batch, after the earlier run was moved aside."""
+    size = cfg["image_size"]
+    if smallest_model_side(cfg) > size:
+        raise UserError(f"arch={cfg['arch']} with encoder_name={cfg['encoder_name']} cannot take image_size={size} "
+                        f"(its feature maps shrink below one pixel): use image_size={smallest_model_side(cfg)} or more, "
+                        f"or another arch")
+
+
+def smallest_model_side(cfg, largest=1024):
+    """The smallest side, a multiple of MODEL_STRIDE, of a square input the model takes (largest where none
+    up to it does); cached per model keys."""
+    return smallest_side_of(*(cfg[k] for k in MODEL_KEYS), largest)
+
+
+@functools.lru_cache(maxsize=None)
+def smallest_side_of(arch, encoder_name, in_channels, num_classes, largest):
+    sides = range(MODEL_STRIDE, largest + 1, MODEL_STRIDE)
+    return next((side for side in sides if model_takes(arch, encoder_name, in_channels, num_classes, side)), largest)
+
+
+def model_takes(arch, encoder_name, in_channels, num_classes, side):
+    """Whether the model runs on a side x side input: traced on the meta device (shapes only: no memory,
+    ~0.1 s), in eval mode (training BatchNorm refuses a 1x1 map of one image for another reason)."""
+    cfg = {"arch": arch, "encoder_name": encoder_name, "in_channels": in_channels, "num_classes": num_classes,
+           "encoder_weights": None}
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(cfg).eval()
+        try:
+            model(torch.empty(1, in_channels, side, side))
+        except RuntimeError:
+            return False
+    return True
+
+
 def build_model(cfg):
     import segmentation_models_pytorch as smp
 
@@ -6287,7 +6326,9 @@ def check_batches(cfg):
     resized to image_size² and to each of CHECK_SIZES, one batch per size; and where they came from."""
     images, source = check_images(cfg)
     normalize = normalizer(cfg)
-    sizes = [(cfg["image_size"],) * 2] + [(h * MODEL_STRIDE, w * MODEL_STRIDE) for h, w in CHECK_SIZES]
+    least = smallest_model_side(cfg)  # PAN: 128, so 224x64 becomes 224x128
+    sizes = [(cfg["image_size"],) * 2] + [(max(least, h * MODEL_STRIDE), max(least, w * MODEL_STRIDE))
+                                          for h, w in CHECK_SIZES]
     return [torch.stack([image_tensor(normalize(cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA)))
                          for image in images]) for h, w in sizes], source
 

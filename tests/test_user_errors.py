@@ -286,6 +286,27 @@ def test_predicts_masks_and_overlays_carry_its_mark_and_decode_unchanged(tmp_pat
     assert not train_unet.written_by_predict(tmp_path / "missing.png")
 
 
+def test_a_model_that_cannot_take_the_image_size_is_refused_before_anything_moves(make_cfg):
+    """PAN pools its 1/16 map three more times: at 64 px a traceback from inside torch at the first batch,
+    after the earlier run had been moved aside."""
+    cfg = make_cfg(arch="PAN", image_size=64)
+    ckpt = Path(cfg["checkpoint_dir"])
+    ckpt.mkdir(parents=True)
+    (ckpt / "history.csv").write_text("epoch\n1\n")  # an earlier run's
+    err = one_line_error(train_unet.train, cfg, match="arch=PAN with encoder_name=resnet18 cannot take image_size=64")
+    assert "use image_size=128 or more" in err
+    assert (ckpt / "history.csv").read_text() == "epoch\n1\n" and not (ckpt / "previous").exists()
+    assert train_unet.smallest_model_side(make_cfg(arch="Unet")) == 32
+
+
+def test_the_export_check_sizes_stay_within_what_the_model_takes(make_cfg):
+    cfg = make_cfg(arch="PAN", image_size=128)
+    batches, _ = train_unet.check_batches(cfg)
+    assert [tuple(b.shape[2:]) for b in batches] == [(128, 128), (128, 160), (224, 128)]
+    batches, _ = train_unet.check_batches(make_cfg(image_size=64))
+    assert [tuple(b.shape[2:]) for b in batches] == [(64, 64), (96, 160), (224, 64)]
+
+
 def test_an_unreadable_file_says_what_it_is(tmp_path):
     """A folder named like an image, an empty file, a broken link: each named for what it is, in one line
     (no OpenCV warning beside it)."""
