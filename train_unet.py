@@ -4858,6 +4858,7 @@ PREDICT_CONFIG = {
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
     "tta": "none",                  # test-time augmentation: "none" | "flip" (4 views) | "d4" (8 views)
     "backend": "torch",             # "torch" | "onnxruntime": checkpoint= an exported model.onnx (`export`)
+    "intensity_range": None,        # integer images wider than 8 bits: low,high mapped to 0 and 1; None = the checkpoint's
 }
 
 # What runs the model: the checkpoint's torch module, or an exported model in onnxruntime (IV.4) with the
@@ -4877,6 +4878,7 @@ def predict(opts):
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
     paths = list_images(opts["input"])
+    cfg = predict_intensity_range(cfg, opts, paths)
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
@@ -5347,7 +5349,25 @@ def validate_predict(opts):
             raise UserError(f"{key}={opts[key]!r} {rule}")
     if opts["backend"] not in PREDICT_BACKENDS:
         raise UserError(f"backend={opts['backend']!r} is not allowed: use one of {', '.join(PREDICT_BACKENDS)}")
+    if opts["intensity_range"] is not None and not valid_range(opts["intensity_range"]):
+        raise UserError(f"intensity_range={opts['intensity_range']!r} must be two numbers low,high with low < high "
+                        f"(e.g. 0,4095), or None for the checkpoint's")
     return {**opts, **PREDICT_BACKENDS[opts["backend"]]}
+
+
+def predict_intensity_range(cfg, opts, paths):
+    """The checkpoint's cfg with predict's intensity_range where one is given. Where the checkpoint has
+    none (its training images were 8-bit or float) and an input holds 16-bit pixels, a note: they are
+    scaled by 0-65535, which darkens 12-bit data 16 times (the model sees next to black)."""
+    if opts["intensity_range"] is not None:
+        return {**cfg, "intensity_range": [float(v) for v in opts["intensity_range"]]}
+    if cfg["intensity_range"] is None:
+        wide = next((p for p in paths if (image_header(p) or (0, 0, 1))[2] == 2), None)
+        if wide is not None:
+            print(f"note: {wide.name} has 16-bit pixels, but {opts['checkpoint']} has no intensity_range (its "
+                  f"training images were 8-bit or float): they are scaled from 0-65535; if their values span less "
+                  f"(12-bit data), set intensity_range=0,4095")
+    return cfg
 
 
 def archive_earlier_predictions(paths, out_dir):

@@ -307,6 +307,32 @@ def test_the_export_check_sizes_stay_within_what_the_model_takes(make_cfg):
     assert [tuple(b.shape[2:]) for b in batches] == [(64, 64), (96, 160), (224, 64)]
 
 
+def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_and_a_key(trained, tmp_path,
+                                                                                         capsys):
+    """12-bit data in 16-bit files, predicted with a model trained on 8-bit images: scaled from 0-65535,
+    16 times too dark, silently. Now a note names the file and the key; intensity_range= sets it."""
+    cfg, data = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    first = sorted((data / "images").iterdir())[0]
+    cv2.imwrite(str(inp / "twelve.png"), cv2.imread(str(first)).astype(np.uint16) * 16)
+    cv2.imwrite(str(inp / "eight.png"), cv2.imread(str(first)))
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp), "progress": False}
+    train_unet.predict({**opts, "output": str(tmp_path / "a")})
+    out = capsys.readouterr().out
+    assert "note: twelve.png has 16-bit pixels, but" in out and "set intensity_range=0,4095" in out
+    train_unet.predict({**opts, "output": str(tmp_path / "b"), "intensity_range": [0, 4095]})
+    assert "16-bit" not in capsys.readouterr().out
+    read = lambda folder, name: cv2.imread(str(tmp_path / folder / name), cv2.IMREAD_UNCHANGED)  # noqa: E731
+    assert (read("b", "twelve.png") == read("b", "eight.png")).mean() > 0.99  # 0-4095 = the 8-bit 0-255
+    seen = train_unet.predict_intensity_range({"intensity_range": None}, {"intensity_range": [0, 4095]}, [])
+    assert seen["intensity_range"] == [0.0, 4095.0]
+    one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "c"), "intensity_range": [5, 1]},
+                   match="intensity_range=.* must be two numbers low,high")
+    assert train_unet.parse_overrides(["intensity_range=0,4095"], defaults=train_unet.PREDICT_CONFIG)[
+        "intensity_range"] == [0.0, 4095.0]
+
+
 def test_an_unreadable_file_says_what_it_is(tmp_path):
     """A folder named like an image, an empty file, a broken link: each named for what it is, in one line
     (no OpenCV warning beside it)."""
