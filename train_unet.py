@@ -614,7 +614,8 @@ def stop_early(run, epoch, cfg):
     patience = cfg["early_stopping_patience"]
     if patience is None or run.since_best < patience or epoch >= cfg["epochs"]:
         return False
-    print(f"early stopping: val IoU has not improved for {patience} epochs (best {run.best_iou:.4f})")
+    print(f"early stopping: val IoU has not improved for {run.since_best} epochs (best {run.best_iou:.4f}; "
+          f"early_stopping_patience={patience})")
     return True
 
 
@@ -950,6 +951,21 @@ CHOICES = {
 }
 
 
+# amp_dtype as the banner and the benchmark name precisions: amp_dtype=bf16 is amp_dtype=bfloat16
+AMP_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_choice(key, value):
+    """A value of one of CHOICES' keys; else a one-line error listing them, with a near miss suggested."""
+    allowed = CHOICES[key]
+    if value in allowed:
+        return
+    words = [str(a) for a in allowed if a not in (None, "")]  # "" is preset's None, not a choice to list
+    close = difflib.get_close_matches(str(value).lower(), words, n=1)
+    raise UserError(f"{key}={value!r} is not allowed: use one of " + ", ".join(["None"] * (None in allowed) + words)
+                    + (f" (did you mean {close[0]}?)" if close else ""))
+
+
 # Types for keys whose default is None.
 NONE_DEFAULT_TYPES = {
     "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
@@ -980,6 +996,8 @@ AUTO_KEYS = ("batch_size", "class_weights")
 def parse_value(key, text, default):
     kind = NONE_DEFAULT_TYPES.get(key, type(default))
     low = text.strip().lower()
+    if key in CHOICES or key == "device":  # words of a fixed set, all lower case: tta=FLIP, device=CPU
+        text = text.strip().lower()
     if key in BOOL_OR_TEXT:
         return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
                 "off": False}.get(low, low)
@@ -1002,7 +1020,12 @@ def parse_value(key, text, default):
             return [float(v) for v in text.strip().strip("[]()").split(",")]
         return text
     except ValueError:
-        raise UserError(f"{key}={text!r} is not a {kind.__name__} (default {default!r})") from None
+        raise UserError(f"{key}={text!r} is not {TYPE_WORDS.get(kind, kind.__name__)} (default {default!r})") from None
+
+
+# What a value of each type is, in a message: "batch_size='x' is not a whole number"
+TYPE_WORDS = {bool: "true or false", int: "a whole number", float: "a number", str: "a word",
+              list: "a list of numbers"}
 
 
 def parse_overrides(args, base=None, defaults=None):
@@ -1051,7 +1074,7 @@ KEY_ALIASES = {"lr": "learning_rate", "bs": "batch_size", "wd": "weight_decay", 
 
 def check_types(cfg, defaults):
     """Every value has its default's type (None only where the default allows it)."""
-    names = {bool: "true or false", int: "whole number", float: "number", str: "string"}
+    names = {**TYPE_WORDS, str: "a string"}
     for key, value in cfg.items():
         if key in BOOL_OR_TEXT:
             continue  # checked against CHOICES
@@ -1068,7 +1091,7 @@ def check_types(cfg, defaults):
                 + ["None"] * (key in NONE_DEFAULT_TYPES or defaults[key] is None)
             allowed = " or ".join([", ".join(alternatives[:-1]), alternatives[-1]] if len(alternatives) > 1
                                   else alternatives)
-            raise UserError(f"{key}={value!r} must be a {allowed}")
+            raise UserError(f"{key}={value!r} must be {allowed}")
 
 
 def validate_config(cfg, model_names=True):
@@ -1077,11 +1100,10 @@ def validate_config(cfg, model_names=True):
     for key in cfg:
         check_known_key(key)
     cfg = {**CONFIG, **cfg}
+    cfg["amp_dtype"] = AMP_DTYPE_NAMES.get(cfg["amp_dtype"], cfg["amp_dtype"])
     check_types(cfg, CONFIG)
-    for key, allowed in CHOICES.items():
-        if cfg[key] not in allowed:
-            raise UserError(f"{key}={cfg[key]!r} is not allowed: use one of "
-                            + ", ".join(repr(a) if a is None else str(a) for a in allowed))
+    for key in CHOICES:
+        check_choice(key, cfg[key])
     check_counts(cfg)
     for key, ok, rule in value_rules(cfg):
         if not ok:
@@ -1997,8 +2019,12 @@ def split_pairs(cfg):
         pairs = find_pairs(root)
         order = np.random.default_rng(cfg["seed"]).permutation(len(pairs))
         n_val = max(1, round(len(pairs) * cfg["val_fraction"]))
-        if len(pairs) - n_val < 1:
+        if len(pairs) < 2:
             raise UserError(f"{root} has only {len(pairs)} image(s): need at least 2 to split train/val")
+        if len(pairs) - n_val < 1:
+            raise UserError(f"val_fraction={cfg['val_fraction']:g} of {root}'s {len(pairs)} images leaves none to "
+                            f"train on: use val_fraction={math.floor(100 * (len(pairs) - 1) / len(pairs)) / 100:g} or less "
+                            f"(e.g. 0.2)")
         val = [pairs[i] for i in sorted(order[:n_val])]
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
@@ -5341,9 +5367,9 @@ def validate_predict(opts):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
     if opts["channels_last"] not in ("auto", True, False):
         raise UserError(f"channels_last={opts['channels_last']!r} is not allowed: use auto, True or False")
+    opts = {**opts, "amp_dtype": AMP_DTYPE_NAMES.get(opts["amp_dtype"], opts["amp_dtype"])}
     for key in ("amp_dtype", "tta"):
-        if opts[key] not in CHOICES[key]:
-            raise UserError(f"{key}={opts[key]!r} is not allowed: use one of {', '.join(CHOICES[key])}")
+        check_choice(key, opts[key])
     for key, (ok, rule) in TILE_RULES.items():
         if opts[key] is not None and not ok(opts[key]):
             raise UserError(f"{key}={opts[key]!r} {rule}")

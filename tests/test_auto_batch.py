@@ -88,7 +88,7 @@ def test_auto_on_cpu_uses_the_default_and_says_why(make_cfg, capsys):
 def test_auto_is_parsed_and_validated():
     assert parse_overrides(["batch_size=auto"])["batch_size"] == "auto"
     assert parse_overrides(["batch_size=AUTO"])["batch_size"] == "auto"
-    with pytest.raises(UserError, match="batch_size='big' is not a int"):
+    with pytest.raises(UserError, match="batch_size='big' is not a whole number"):
         parse_overrides(["batch_size=big"])
     with pytest.raises(UserError, match="learning_rate"):
         parse_overrides(["learning_rate=auto"])

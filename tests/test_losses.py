@@ -316,7 +316,7 @@ def test_a_bad_weight_list_is_a_one_line_error(num_classes, weights):
 
 def test_class_weights_of_another_type_is_a_one_line_error():
     one_line_error(train_unet.validate_config, {"class_weights": "median"},
-                   match="class_weights='median' must be a list, auto or None")
+                   match="class_weights='median' must be a list of numbers, auto or None")
 
 
 def test_loss_and_class_weights_parse_from_the_command_line():

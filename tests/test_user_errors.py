@@ -24,7 +24,7 @@ def one_line_error(fn, *args, match):
 
 @pytest.mark.parametrize("key, value, words", [
     ("learning_rate", "2e-3", "learning_rate='2e-3' must be a number"),
-    ("use_amp", "False", "use_amp='False' must be a true or false"),
+    ("use_amp", "False", "use_amp='False' must be true or false"),
     ("seed", 1.5, "seed=1.5 must be a whole number"),
     ("batch_size", True, "batch_size=True must be a whole number"),
     ("init_scale", math.inf, "init_scale=inf must be a number"),
@@ -333,6 +333,24 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
         "intensity_range"] == [0.0, 4095.0]
 
 
+def test_words_are_read_in_any_case_and_near_misses_get_a_suggestion():
+    parsed = train_unet.parse_overrides(["tta=FLIP", "preset=Debug", "device=CPU", "amp_dtype=BFloat16"])
+    assert (parsed["tta"], parsed["preset"], parsed["device"], parsed["amp_dtype"]) == ("flip", "debug", "cpu", "bfloat16")
+    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):  # the names the banner and benchmark use
+        assert train_unet.validate_config({"amp_dtype": name})["amp_dtype"] == dtype
+    err = one_line_error(train_unet.validate_config, {"preset": "fsat"}, match="preset='fsat' is not allowed")
+    assert err.endswith("use one of None, fast, stable, low_memory, debug (did you mean fast?)")
+    one_line_error(train_unet.validate_config, {"tta": "flips"}, match=r"\(did you mean flip\?\)")
+
+
+def test_a_val_fraction_that_leaves_nothing_to_train_on_says_so(make_data, make_cfg):
+    data = make_data(count=12)
+    err = one_line_error(train_unet.split_pairs, make_cfg(data_dir=str(data), val_fraction=0.99),
+                         match="val_fraction=0.99 of .*'s 12 images leaves none to train on")
+    value = float(err.split("use val_fraction=")[1].split()[0])
+    assert value == 0.91 and len(train_unet.split_pairs(make_cfg(data_dir=str(data), val_fraction=value))[0]) == 1
+
+
 def test_an_unreadable_file_says_what_it_is(tmp_path):
     """A folder named like an image, an empty file, a broken link: each named for what it is, in one line
     (no OpenCV warning beside it)."""
@@ -554,3 +572,12 @@ def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, caps
     assert "2 batches of 4, 2 optimizer steps/epoch; 2 random training image(s) left out each epoch" in out
     train_unet.train(make_cfg(batch_size=5))
     assert "left out" not in capsys.readouterr().out
+
+
+def test_early_stopping_counts_the_epochs_without_improvement_not_the_patience(capsys):
+    """A resumed run can stop with more epochs since its best than the patience (the patience was raised
+    from 1 to 2 on resume, or resumed past it): the line says how many it has been."""
+    run = type("Run", (), {"since_best": 3, "best_iou": 0.5})()
+    assert train_unet.stop_early(run, 5, {"early_stopping_patience": 2, "epochs": 10})
+    assert "has not improved for 3 epochs (best 0.5000; early_stopping_patience=2)" in capsys.readouterr().out
+    assert not train_unet.stop_early(run, 10, {"early_stopping_patience": 2, "epochs": 10})  # the last epoch
