@@ -266,6 +266,7 @@ def run_command(command, args):
 def train_main(cfg, explicit=()):
     """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
     setup_distributed(cfg["device"])
+    started = time.time()
     try:
         if not DIST.is_main:
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
@@ -283,7 +284,10 @@ def train_main(cfg, explicit=()):
             # shut down at exit ("Exception ignored in ... RuntimeError: DataLoader worker ... Terminated")
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         resumable = (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
-        raise KeyboardInterrupt(INTERRUPTED["train" if resumable else "train, no checkpoint"]) from None
+        moved = None if resumable else archived_since(Path(cfg["checkpoint_dir"]), started)
+        raise KeyboardInterrupt(INTERRUPTED["train" if resumable else "train, no checkpoint"]
+                                + (f"; the earlier run is in {moved}/ (move its files back to resume it)" if moved
+                                   else "")) from None
     finally:
         cleanup_distributed()
 
@@ -389,19 +393,32 @@ def resume_state(cfg, ckpt_dir):
         raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
                         f"start without resume, or set checkpoint_dir to the run you want to continue")
     state = load_checkpoint(path)
-    for key in RESUME_KEYS:
-        if key in AUTO_KEYS and cfg[key] == "auto":  # from the checkpoint (resolve_batch_size, run_class_weights)
-            continue
-        if key == "data_dir" and state.get("data_split"):  # the files decide (same_split_as_resumed), not
-            continue                                         # how the folder is written or where it moved
-        if state["config"].get(key, CONFIG[key]) != cfg[key]:  # a key newer than the checkpoint: its default
-            raise UserError(f"cannot resume exactly: {path} was trained with {key}="
-                            f"{state['config'].get(key, CONFIG[key])!r}, this run has {key}={cfg[key]!r}: resume with "
-                            f"the same value, or start a new run in another checkpoint_dir")
+    changed = changed_resume_keys(state, cfg)
+    if changed:
+        was = state["config"].get("preset")
+        hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != cfg.get("preset") else ""
+        raise UserError(f"cannot resume exactly: {path} was trained with "
+                        + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
+                        + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
+                        + ": resume with the same values, or start a new run in another checkpoint_dir")
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
                         f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
     return state
+
+
+def changed_resume_keys(state, cfg):
+    """The RESUME_KEYS whose value differs from the checkpoint's config (all of them, so one
+    refusal names every one). A key newer than the checkpoint counts at its default; "auto" (batch size,
+    class weights) takes the checkpoint's; data_dir is judged by its files (same_split_as_resumed) where
+    the checkpoint recorded them, not by how the folder is written or where it moved."""
+    changed, saved = [], state["config"]
+    for key in RESUME_KEYS:
+        if (key in AUTO_KEYS and cfg[key] == "auto") or (key == "data_dir" and state.get("data_split")):
+            continue
+        if saved.get(key, CONFIG[key]) != cfg[key]:
+            changed.append(key)
+    return changed
 
 
 def split_record(train_pairs, val_pairs):
@@ -4691,6 +4708,13 @@ def write_json(path, data):
 
 RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard",  # what a run writes
              "confusion_matrix.csv", "confusion_counts.csv")
+
+
+def archived_since(folder, since):
+    """The folder under <folder>/previous/ that archive_previous_run made at or after `since` (a time.time()),
+    or None: where an interrupted run's predecessor went."""
+    made = [p for p in (folder / "previous").glob("*") if p.is_dir() and p.stat().st_mtime >= since - 1]
+    return max(made, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def archive_previous_run(ckpt_dir, names=RUN_FILES):

@@ -378,7 +378,7 @@ def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, da
 def test_resume_with_another_tta_is_refused(make_cfg):
     """best.pt compares every epoch's val IoU: plain epochs against a TTA one made a 'best' of a method."""
     train(make_cfg(epochs=1))
-    with pytest.raises(UserError, match="cannot resume exactly: .* tta='none', this run has tta='flip'"):
+    with pytest.raises(UserError, match="cannot resume exactly: .* tta='none'; this run has tta='flip'"):
         train(make_cfg(epochs=2, resume=True, tta="flip"))
 
 

@@ -99,9 +99,18 @@ def trained(tmp_path_factory):
 def test_resume_refuses_changed_optimisation_settings_and_finished_runs(trained):
     cfg, _ = trained
     one_line_error(train_unet.train, {**cfg, "resume": True, "epochs": 2, "learning_rate": 1e-5},
-                   match="trained with learning_rate=0.002, this run has learning_rate=1e-05")
-    one_line_error(train_unet.train, {**cfg, "resume": True, "epochs": 2, "batch_size": 4},
-                   match="batch_size")
+                   match="trained with learning_rate=0.002; this run has learning_rate=1e-05")
+    # every changed key in one refusal (forgetting preset=debug used to take a round per key)
+    one_line_error(train_unet.train, {**cfg, "resume": True, "epochs": 2, "batch_size": 4, "seed": 7},
+                   match="trained with batch_size=2, seed=42; this run has batch_size=4, seed=7: resume with the same")
+
+
+def test_a_resume_without_the_runs_preset_names_the_preset(make_data, make_cfg):
+    cfg = make_cfg(data_dir=str(make_data(count=8, size=32)), image_size=32, preset="debug", epochs=1)
+    train_unet.train(cfg)
+    err = one_line_error(train_unet.train, {**cfg, "preset": None, "resume": True, "epochs": 2},
+                         match="cannot resume exactly: .* was trained with .*max_train_images=8")
+    assert "(it ran with preset=debug: give preset=debug again)" in err
     one_line_error(train_unet.train, {**cfg, "resume": True}, match="already trained 1 epoch.*raise epochs")
 
 
@@ -201,6 +210,25 @@ def test_an_interrupted_training_says_whether_resume_can_continue(epochs_done, m
     assert capsys.readouterr().err.strip() == "interrupted: " + (
         "checkpoints written so far are intact; resume=True continues" if epochs_done else
         "no epoch had finished, so there is no checkpoint to resume: train again")
+
+
+def test_a_run_interrupted_in_epoch_1_says_where_the_earlier_run_it_moved_aside_is(monkeypatch, capsys, tmp_path):
+    """A fresh run in a folder that held a finished run moves that run to previous/<time>/; stopped before
+    its first epoch ended, the line used to say only that there was nothing to resume."""
+    (tmp_path / "history.csv").write_text("epoch\n1\n")
+    (tmp_path / "previous" / "20260101-000000").mkdir(parents=True)  # an older archive, not this run's
+    old = train_unet.time.time() - 3600
+    train_unet.os.utime(tmp_path / "previous" / "20260101-000000", (old, old))
+
+    def interrupted(cfg, explicit=()):
+        train_unet.archive_previous_run(tmp_path)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "train", interrupted)
+    assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
+    err = capsys.readouterr().err.strip()
+    [moved] = [p for p in (tmp_path / "previous").iterdir() if p.name != "20260101-000000"]
+    assert (moved / "history.csv").is_file()
+    assert err.endswith(f"train again; the earlier run is in {moved}/ (move its files back to resume it)")
 
 
 def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
