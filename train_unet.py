@@ -52,6 +52,7 @@ import datetime
 import difflib
 import errno
 import functools
+import glob
 import hashlib
 import itertools
 import json
@@ -2002,6 +2003,10 @@ def prepare_data(cfg):
         write_embedded_dataset(root)
     barrier()  # the other ranks wait until rank 0 has written it
     train, val = split_pairs(cfg)
+    unread = unread_entries(root)
+    if unread and DIST.is_main:
+        print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
+              f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used")
     check_pairs(train + val, cfg)
     samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
@@ -2120,14 +2125,30 @@ def find_pairs(folder):
                             f"the same file names in {folder}/masks")
     images, masks = (index_by_stem(folder / sub) for sub in ("images", "masks"))
     if not images:
-        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}")
+        subs = [p.name + "/" for p in sorted((folder / "images").iterdir()) if p.is_dir()]
+        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
+            f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else ""))
     for missing, have, there, fix in ((set(images) - set(masks), images, folder / "masks", "add masks"),
                                       (set(masks) - set(images), masks, folder / "images", "add images")):
         if missing:
+            unreadable = next((p.name for p in sorted(there.glob(f"{glob.escape(min(missing))}.*"))
+                               if p.suffix.lower() not in IMAGE_EXTS), None)
+            if unreadable:  # s000.webp beside s000.png: not "no partner", a format this script cannot read
+                raise UserError(f"{there / unreadable} is not a format this script reads ({', '.join(IMAGE_EXTS)}): "
+                                f"convert it (and any like it), e.g. to PNG")
             names = ", ".join(have[s].name for s in sorted(missing)[:3])
             raise UserError(f"{len(missing)} file(s) have no partner in {there} (e.g. {names}): {fix} "
                             f"with the same file stem, or remove them")
     return [(images[s], masks[s]) for s in sorted(images)]
+
+
+def unread_entries(root):
+    """What data_dir's images/ and masks/ folders (train/ and val/'s too) hold that is not read: their
+    subfolders (not searched) and files of other formats; hidden files are left out, as everywhere."""
+    folders = [root / part / sub for part in ("", "train", "val") for sub in ("images", "masks")]
+    return [f"{p.relative_to(root)}{'/' if p.is_dir() else ''}" for folder in folders if folder.is_dir()
+            for p in sorted(folder.iterdir())
+            if not p.name.startswith(".") and (p.is_dir() or p.suffix.lower() not in IMAGE_EXTS)]
 
 
 def index_by_stem(folder):

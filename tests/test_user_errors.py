@@ -609,3 +609,25 @@ def test_early_stopping_counts_the_epochs_without_improvement_not_the_patience(c
     assert train_unet.stop_early(run, 5, {"early_stopping_patience": 2, "epochs": 10})
     assert "has not improved for 3 epochs (best 0.5000; early_stopping_patience=2)" in capsys.readouterr().out
     assert not train_unet.stop_early(run, 10, {"early_stopping_patience": 2, "epochs": 10})  # the last epoch
+
+
+def test_files_training_does_not_read_are_named_not_silently_dropped(make_data, make_cfg, capsys):
+    """Half the pairs in images/sub and masks/sub trained on the other half without a word; a .webp
+    image read as "no partner" though its mask's partner was right there."""
+    data = make_data(count=12, size=32)
+    for sub in ("images", "masks"):
+        (data / sub / "sub").mkdir()
+        for path in sorted((data / sub).glob("*.png"))[:6]:
+            path.rename(data / sub / "sub" / path.name)
+    (data / "images" / "readme.txt").write_text("notes")
+    train, val = train_unet.prepare_data(make_cfg(data_dir=str(data), batch_size=2))
+    assert len(train + val) == 6
+    assert ("note: 3 entries in " in capsys.readouterr().out)  # images/sub/, masks/sub/, readme.txt
+    assert train_unet.unread_entries(data) == ["images/readme.txt", "images/sub/", "masks/sub/"]
+    for path in sorted((data / "images").glob("*.png")):
+        path.unlink()
+    one_line_error(train_unet.find_pairs, data, match=r"no images .* \(its subfolders sub/ are not searched")
+    webp = make_data(name="webp", count=4, size=32)
+    first = sorted((webp / "images").glob("*.png"))[0]
+    first.rename(first.with_suffix(".webp"))
+    one_line_error(train_unet.find_pairs, webp, match=f"{first.stem}.webp is not a format this script reads")
