@@ -83,12 +83,18 @@ from pathlib import Path
 # (a notebook). predict checks each image against the memory there is instead (MemoryBudget, IV.1).
 if "cv2" not in sys.modules:
     os.environ.setdefault("OPENCV_IO_MAX_IMAGE_PIXELS", str(1 << 40))
-import cv2  # noqa: E402
-import numpy as np
-import torch
-import torch.nn as nn
-from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
+try:  # the libraries take seconds to load: Ctrl-C then is a stop like any other, not a 30-line traceback
+    import cv2  # noqa: E402
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    from torch.utils.data import DataLoader, Dataset
+    from tqdm import tqdm
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("interrupted: while loading its libraries; nothing was written", file=sys.stderr)
+    sys.exit(130)
 
 # The LR schedule counts attempted optimizer steps, including those GradScaler skips; PyTorch warns
 # about that ordering on a skipped first step, which is expected here.
@@ -5337,6 +5343,8 @@ def check_model_images(images, cfg):
             raise UserError(f"image {i} is {what}: pass numpy arrays as read_image(path, {want}, "
                             f"cfg['intensity_range']) returns them (uint8, or float32 in [0, 1])")
         channels = 1 if image.ndim == 2 else image.shape[-1] if image.ndim == 3 else None
+        if image.ndim in (2, 3) and 0 in image.shape[:2]:
+            raise UserError(f"image {i} has shape {image.shape}: no pixels to predict")
         if channels != want:
             raise UserError(f"image {i} has shape {image.shape}, but the model takes {want} channel(s) "
                             f"({'HxW' if want == 1 else 'HxWx3'}): read it with read_image(path, {want}, "
@@ -5423,7 +5431,21 @@ def validate_predict(opts):
     if opts["intensity_range"] is not None and not valid_range(opts["intensity_range"]):
         raise UserError(f"intensity_range={opts['intensity_range']!r} must be two numbers low,high with low < high "
                         f"(e.g. 0,4095), or None for the checkpoint's")
+    note_backend_fixes(opts)
     return {**opts, **PREDICT_BACKENDS[opts["backend"]]}
+
+
+def note_backend_fixes(opts):
+    """A note where predict's backend fixes a setting the user changed from its default (onnxruntime runs
+    its exported fp32 graph in the contiguous layout: amp_dtype=bfloat16 or channels_last=True would do
+    nothing, silently)."""
+    fixed = PREDICT_BACKENDS[opts["backend"]]
+    precision = ("amp_dtype", "force_amp_dtype") if fixed.get("use_amp") is False else ()
+    ignored = [k for k in ("amp_dtype", "force_amp_dtype", "channels_last")
+               if opts[k] != PREDICT_CONFIG[k] and (k in precision or (k in fixed and opts[k] != fixed[k]))]
+    if ignored:
+        print(f"note: {', '.join(ignored)} ignored: backend={opts['backend']} runs the exported fp32 graph in the "
+              f"contiguous layout")
 
 
 def predict_intensity_range(cfg, opts, paths):

@@ -238,6 +238,18 @@ def test_the_peer_tools_keys_replace_its_defaults():
     assert len(args) == len(DEFAULTS) + 1
 
 
+def test_the_monai_tool_without_monai_says_how_to_get_it(monkeypatch, capsys):
+    """MONAI is the tool's own dependency: without it, one line and exit 2, not a ModuleNotFoundError."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import predict_vs_monai
+
+    monkeypatch.setitem(sys.modules, "monai", None)  # an import of it fails, installed or not
+    monkeypatch.setitem(sys.modules, "monai.inferers", None)
+    assert predict_vs_monai.main(["size=64"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: this tool compares with MONAI, which is not installed here: "
+                                               "pip install monai (the trainer itself does not need it)")
+
+
 def test_the_predict_phases_tool_times_every_step(tmp_path, capsys):
     """tools/predict_phases.py (BENCHMARKS.md "Predict speed"): each of fit predict's steps timed, a row each;
     each pass writes every mask into a new file and over the previous pass's; an unknown mode is one line,

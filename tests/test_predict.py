@@ -179,6 +179,9 @@ def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp
                       (torch.zeros(40, 40, 3), "a Tensor"), (None, "a NoneType")):
         with pytest.raises(train_unet.UserError, match=f"image 0 is {what}: pass numpy arrays as read_image"):
             train_unet.predict_batch(model, [bad], cfg, fp32, hw)
+    for empty in (np.zeros((0, 10, 3), np.uint8), np.zeros((10, 0), np.uint8)):  # was OpenCV's resize assertion
+        with pytest.raises(train_unet.UserError, match=r"image 0 has shape \(.*\): no pixels to predict"):
+            train_unet.predict_batch(model, [empty], cfg, fp32, hw)
 
 
 def test_a_long_library_message_is_cut_at_a_word():

@@ -631,3 +631,32 @@ def test_files_training_does_not_read_are_named_not_silently_dropped(make_data, 
     first = sorted((webp / "images").glob("*.png"))[0]
     first.rename(first.with_suffix(".webp"))
     one_line_error(train_unet.find_pairs, webp, match=f"{first.stem}.webp is not a format this script reads")
+
+
+def test_ctrl_c_while_the_libraries_load_is_a_stop_not_a_traceback():
+    """The first seconds of every command load torch; Ctrl-C there printed a 30-line traceback. Here
+    the SIGINT arrives as `import torch` starts, every time."""
+    code = ("import builtins, os, runpy, signal, sys\n"
+            "real = builtins.__import__\n"
+            "def hooked(name, *args, **kwargs):\n"
+            "    if name == 'torch' and 'torch' not in sys.modules:\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "    return real(name, *args, **kwargs)\n"
+            "builtins.__import__ = hooked\n"
+            "sys.argv = ['train_unet.py', '--help']\n"
+            f"runpy.run_path({str(Path(train_unet.__file__))!r}, run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 130 and run.stdout == ""
+    assert run.stderr.strip() == "interrupted: while loading its libraries; nothing was written"
+
+
+def test_settings_onnxruntime_fixes_are_noted_when_changed(capsys):
+    """backend=onnxruntime runs its fp32 graph: amp_dtype=bfloat16 channels_last=True did nothing, silently."""
+    opts = {**train_unet.PREDICT_CONFIG, "backend": "onnxruntime", "amp_dtype": "bf16", "channels_last": True}
+    fixed = train_unet.validate_predict(opts)
+    assert fixed["use_amp"] is False and fixed["channels_last"] is False
+    assert capsys.readouterr().out.strip() == ("note: amp_dtype, channels_last ignored: backend=onnxruntime runs the "
+                                               "exported fp32 graph in the contiguous layout")
+    train_unet.validate_predict({**train_unet.PREDICT_CONFIG, "backend": "onnxruntime", "channels_last": False})
+    train_unet.validate_predict({**opts, "backend": "torch"})
+    assert capsys.readouterr().out == ""  # as the backend runs it anyway, or a backend that does it

@@ -49,7 +49,11 @@ def run(args):
     """({run: median seconds}, a line saying what was timed, the image's megapixels)."""
     tool_args = [a for a in args if T.normalize_key(a.partition("=")[0]) in TOOL_CONFIG]
     opts = T.parse_overrides(tool_args, defaults=TOOL_CONFIG)
-    from monai.inferers import sliding_window_inference  # this tool's own dependency
+    try:
+        from monai.inferers import sliding_window_inference  # this tool's own dependency
+    except ImportError:
+        raise T.UserError("this tool compares with MONAI, which is not installed here: pip install monai "
+                          "(the trainer itself does not need it)") from None
     model, cfg, hw, prec = load(opts, [a for a in args if a not in tool_args])
     image = draw_scene(np.random.default_rng(0), opts["size"], opts["size"])[0]
     if cfg["in_channels"] == 1:
