@@ -1659,7 +1659,7 @@ CPU_PROBE_MODES = {"fp32": ("fp32", False), "fp32_cl": ("fp32", True),   # label
 # A probe during which other processes used more than this share of this process's cores is used for
 # its run and not cached: a compile or a second training beside it can flip bf16/fp32 (both modes run
 # under the load, but it comes and goes between rounds), and a cached answer would outlive the load.
-# A quiet machine measures 0-5 % here (system daemons); one busy process beside a 2-core run is 50 %.
+# Measured on a 2-core EPYC (BENCHMARKS.md "The CPU probe"): 0.5-0.6 % quiet, 37 % beside one busy process.
 CPU_PROBE_BUSY_SHARE = 0.25
 
 
