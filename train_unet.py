@@ -621,7 +621,8 @@ def announce_run(cfg, hw, run, sizes, extra):
     left = n_train - trained if cfg["data_mode"] == "fit" else 0
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
           f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
-          + (f"; {left} random training image(s) left out each epoch (a full last batch only)" if left else ""))
+          + (f"; {left} random training image(s) left out each epoch (a full last batch only)" if left else "")
+          + short_accumulation(n_batches, cfg["accumulation_steps"]))
     if cfg["data_mode"] == "patch":
         print(patch_summary(cfg, trained))
     if DIST.enabled:
@@ -631,6 +632,17 @@ def announce_run(cfg, hw, run, sizes, extra):
         write_json(Path(cfg["checkpoint_dir"]) / "config.json",
                    {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
                     "device": describe(hw), "world_size": DIST.world, **extra})
+
+
+def short_accumulation(n_batches, k):
+    """What the data line says where an epoch's batches do not fill its accumulation groups: the last
+    optimizer step (every step, where the epoch has fewer batches than k) averages fewer batches."""
+    if k == 1 or n_batches % k == 0:
+        return ""
+    if n_batches < k:
+        return (f"; accumulation_steps={k} is more than the epoch's {n_batches} batches: each epoch takes one "
+                f"optimizer step over {n_batches}")
+    return f"; each epoch's last optimizer step averages {n_batches % k} batch(es), not {k}"
 
 
 def stop_early(run, epoch, cfg):
@@ -5428,6 +5440,10 @@ def validate_predict(opts):
             raise UserError(f"{key}={opts[key]!r} {rule}")
     if opts["backend"] not in PREDICT_BACKENDS:
         raise UserError(f"backend={opts['backend']!r} is not allowed: use one of {', '.join(PREDICT_BACKENDS)}")
+    out = Path(opts["output"])
+    if out.suffix.lower() in IMAGE_EXTS and not out.is_dir():
+        raise UserError(f"output={out} names a file, but predict writes one <stem>.png mask per image into the "
+                        f"folder output= names: give a folder, e.g. output={out.parent / out.stem}")
     if opts["intensity_range"] is not None and not valid_range(opts["intensity_range"]):
         raise UserError(f"intensity_range={opts['intensity_range']!r} must be two numbers low,high with low < high "
                         f"(e.g. 0,4095), or None for the checkpoint's")

@@ -660,3 +660,20 @@ def test_settings_onnxruntime_fixes_are_noted_when_changed(capsys):
     train_unet.validate_predict({**train_unet.PREDICT_CONFIG, "backend": "onnxruntime", "channels_last": False})
     train_unet.validate_predict({**opts, "backend": "torch"})
     assert capsys.readouterr().out == ""  # as the backend runs it anyway, or a backend that does it
+
+
+def test_accumulation_groups_an_epoch_does_not_fill_are_said():
+    """accumulation_steps=8 over 4 batches took one step over 4 batches, with no word of it."""
+    assert train_unet.short_accumulation(4, 8) == ("; accumulation_steps=8 is more than the epoch's 4 batches: "
+                                                   "each epoch takes one optimizer step over 4")
+    assert train_unet.short_accumulation(10, 4) == "; each epoch's last optimizer step averages 2 batch(es), not 4"
+    assert train_unet.short_accumulation(8, 4) == train_unet.short_accumulation(5, 1) == ""
+
+
+def test_predict_output_named_like_an_image_file_is_refused(tmp_path):
+    """output=mask.png made a folder named mask.png; a folder of that name already there is still used."""
+    opts = {**train_unet.PREDICT_CONFIG, "output": str(tmp_path / "mask.png")}
+    one_line_error(train_unet.validate_predict, opts, match=f"output={tmp_path / 'mask.png'} names a file.*"
+                                                           f"e.g. output={tmp_path / 'mask'}")
+    (tmp_path / "mask.png").mkdir()
+    assert train_unet.validate_predict(opts)["output"] == str(tmp_path / "mask.png")
