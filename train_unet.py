@@ -2062,9 +2062,9 @@ def split_pairs(cfg):
         if len(pairs) < 2:
             raise UserError(f"{root} has only {len(pairs)} image(s): need at least 2 to split train/val")
         if len(pairs) - n_val < 1:
+            most = math.floor(100 * (len(pairs) - 1) / len(pairs)) / 100  # two decimals that leave one
             raise UserError(f"val_fraction={cfg['val_fraction']:g} of {root}'s {len(pairs)} images leaves none to "
-                            f"train on: use val_fraction={math.floor(100 * (len(pairs) - 1) / len(pairs)) / 100:g} or less "
-                            f"(e.g. 0.2)")
+                            f"train on: use val_fraction={most:g} or less (e.g. 0.2)")
         val = [pairs[i] for i in sorted(order[:n_val])]
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
@@ -3651,9 +3651,9 @@ def check_model_takes_image_size(cfg):
     traceback from deep inside torch at the first batch, after the earlier run was moved aside."""
     size = cfg["image_size"]
     if smallest_model_side(cfg) > size:
-        raise UserError(f"arch={cfg['arch']} with encoder_name={cfg['encoder_name']} cannot take image_size={size} "
-                        f"(its feature maps shrink below one pixel): use image_size={smallest_model_side(cfg)} or more, "
-                        f"or another arch")
+        raise UserError(f"arch={cfg['arch']} with encoder_name={cfg['encoder_name']} cannot take "
+                        f"image_size={size} (its feature maps shrink below one pixel): use "
+                        f"image_size={smallest_model_side(cfg)} or more, or another arch")
 
 
 def smallest_model_side(cfg, largest=1024):
@@ -4947,7 +4947,7 @@ PREDICT_CONFIG = {
     "tile_batch_size": None,        # patch-mode checkpoints: None = the checkpoint's
     "tta": "none",                  # test-time augmentation: "none" | "flip" (4 views) | "d4" (8 views)
     "backend": "torch",             # "torch" | "onnxruntime": checkpoint= an exported model.onnx (`export`)
-    "intensity_range": None,        # integer images wider than 8 bits: low,high mapped to 0 and 1; None = the checkpoint's
+    "intensity_range": None,        # images wider than 8 bits: low,high mapped to 0 and 1; None = the checkpoint's
 }
 
 # What runs the model: the checkpoint's torch module, or an exported model in onnxruntime (IV.4) with the
@@ -6091,12 +6091,13 @@ def inference_table(base, hw, opts, out_dir):
 def add_mask_agreement(rows, masks):
     """Each predicted row's share of mask pixels equal to fp32's in its data mode: the fp32 row's, else
     fp32_cl's (mask_reference); None where neither ran (never a bf16 row standing in for fp32)."""
+    ran = {(r["mode"], r["data_mode"]) for r in rows if r["status"] == "ok"}
     for r in rows:
-        ref = next((m for m in ("fp32", "fp32_cl") if (m, r["data_mode"]) in masks and
-                    any(x["mode"] == m and x["data_mode"] == r["data_mode"] and x["status"] == "ok" for x in rows)), None)
+        ref = next((m for m in ("fp32", "fp32_cl") if (m, r["data_mode"]) in ran), None)
         r["mask_reference"] = ref
         ok = ref is not None and r["status"] == "ok"
-        r["mask_agreement_vs_fp32"] = mask_agreement(masks[r["mode"], r["data_mode"]], masks[ref, r["data_mode"]]) if ok else None
+        r["mask_agreement_vs_fp32"] = (mask_agreement(masks[r["mode"], r["data_mode"]], masks[ref, r["data_mode"]])
+                                       if ok else None)
 
 
 def inference_inputs(base, opts, folder):
@@ -6183,7 +6184,8 @@ def predict_peak_memory(args):
     import subprocess
 
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_unet as T; T.keep_freed_memory(); "
-            "a = json.loads(sys.argv[2]); T.predict(a); print(json.dumps(T.peak_memory_mb(T.detect_hardware(a['device']))))")
+            "a = json.loads(sys.argv[2]); T.predict(a); "
+            "print(json.dumps(T.peak_memory_mb(T.detect_hardware(a['device']))))")
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), json.dumps(args)],
                           capture_output=True, text=True)
     lines = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
@@ -6231,9 +6233,10 @@ def format_inference_table(rows):
             lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", "-", r["status"]))
             continue
         agree, peak = r.get("mask_agreement_vs_fp32"), r.get("peak_mem_mb")
-        lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s", f"{r['vs_forward_only']:.3f}x",
-                      f"{r['images_per_s']:.3g}", f"{r['megapixels_per_s']:.2f}", "-" if peak is None else f"{peak:.0f} MB",
-                      "-" if agree is None else f"{100 * agree:.3f}%", inference_note(r)))
+        lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s",
+                      f"{r['vs_forward_only']:.3f}x", f"{r['images_per_s']:.3g}", f"{r['megapixels_per_s']:.2f}",
+                      "-" if peak is None else f"{peak:.0f} MB", "-" if agree is None else f"{100 * agree:.3f}%",
+                      inference_note(r)))
     return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
             "same batches, medians of alternating rounds\n" + markdown_table(lines))
 
