@@ -4967,7 +4967,7 @@ def predict(opts):
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
     paths = list_images(opts["input"])
-    cfg = predict_intensity_range(cfg, opts, paths)
+    cfg = predict_intensity_range(cfg, opts)
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
@@ -4984,19 +4984,23 @@ def predict(opts):
               f"probe {note}")
     if moved:
         print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
-    failed, start = [], time.perf_counter()
+    failed, wide, start = [], None, time.perf_counter()
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
         for batch, unreadable in read_ahead(paths, per_batch, cfg, budget, settle=writer.wait):
-            failed += unreadable
+            failed, wide = failed + unreadable, wide or sixteen_bit_input(batch, cfg)
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
             writer.write_all(batch, masks, outputs, out_dir)
             bar.update(len(batch) + len(unreadable))
             del batch, images, inputs, masks  # gone before a read that waited for this batch
     bar.close()
+    if wide is not None:
+        print(f"note: {Path(wide).name} has 16-bit pixels, but {opts['checkpoint']} has no intensity_range (its "
+              f"training images were 8-bit or float): they were scaled from 0-65535; if their values span less "
+              f"(12-bit data), predict again with intensity_range=0,4095")
     done, seconds = writer.written, time.perf_counter() - start
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
           f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
@@ -5464,19 +5468,22 @@ def note_backend_fixes(opts):
               f"contiguous layout")
 
 
-def predict_intensity_range(cfg, opts, paths):
-    """The checkpoint's cfg with predict's intensity_range where one is given. Where the checkpoint has
-    none (its training images were 8-bit or float) and an input holds 16-bit pixels, a note: they are
-    scaled by 0-65535, which darkens 12-bit data 16 times (the model sees next to black)."""
-    if opts["intensity_range"] is not None:
-        return {**cfg, "intensity_range": [float(v) for v in opts["intensity_range"]]}
-    if cfg["intensity_range"] is None:
-        wide = next((p for p in paths if (image_header(p) or (0, 0, 1))[2] == 2), None)
-        if wide is not None:
-            print(f"note: {wide.name} has 16-bit pixels, but {opts['checkpoint']} has no intensity_range (its "
-                  f"training images were 8-bit or float): they are scaled from 0-65535; if their values span less "
-                  f"(12-bit data), set intensity_range=0,4095")
-    return cfg
+def predict_intensity_range(cfg, opts):
+    """The checkpoint's cfg with predict's intensity_range where one is given."""
+    if opts["intensity_range"] is None:
+        return cfg
+    return {**cfg, "intensity_range": [float(v) for v in opts["intensity_range"]]}
+
+
+def sixteen_bit_input(batch, cfg):
+    """The first image of a read batch that was a 16-bit file scaled from 0-65535 for want of a range (the
+    checkpoint has none: its training images were 8-bit or float), else None. 12-bit data so scaled is
+    16 times too dark: predict names it in a note. Only images read_image made float are looked at (an
+    8-bit file stays uint8), from their header."""
+    if cfg["intensity_range"] is not None:
+        return None
+    return next((path for path, image, _ in batch
+                 if image.dtype == np.float32 and (image_header(path) or (0, 0, 0))[2] == 2), None)
 
 
 def archive_earlier_predictions(paths, out_dir):

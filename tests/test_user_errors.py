@@ -348,12 +348,12 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
     opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp), "progress": False}
     train_unet.predict({**opts, "output": str(tmp_path / "a")})
     out = capsys.readouterr().out
-    assert "note: twelve.png has 16-bit pixels, but" in out and "set intensity_range=0,4095" in out
+    assert "note: twelve.png has 16-bit pixels, but" in out and "again with intensity_range=0,4095" in out
     train_unet.predict({**opts, "output": str(tmp_path / "b"), "intensity_range": [0, 4095]})
     assert "16-bit" not in capsys.readouterr().out
     read = lambda folder, name: cv2.imread(str(tmp_path / folder / name), cv2.IMREAD_UNCHANGED)  # noqa: E731
     assert (read("b", "twelve.png") == read("b", "eight.png")).mean() > 0.99  # 0-4095 = the 8-bit 0-255
-    seen = train_unet.predict_intensity_range({"intensity_range": None}, {"intensity_range": [0, 4095]}, [])
+    seen = train_unet.predict_intensity_range({"intensity_range": None}, {"intensity_range": [0, 4095]})
     assert seen["intensity_range"] == [0.0, 4095.0]
     one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "c"), "intensity_range": [5, 1]},
                    match="intensity_range=.* must be two numbers low,high")
