@@ -4997,10 +4997,7 @@ def predict(opts):
             bar.update(len(batch) + len(unreadable))
             del batch, images, inputs, masks  # gone before a read that waited for this batch
     bar.close()
-    if wide is not None:
-        print(f"note: {Path(wide).name} has 16-bit pixels, but {opts['checkpoint']} has no intensity_range (its "
-              f"training images were 8-bit or float): they were scaled from 0-65535; if their values span less "
-              f"(12-bit data), predict again with intensity_range=0,4095")
+    note_sixteen_bit(wide, opts)
     done, seconds = writer.written, time.perf_counter() - start
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
           f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
@@ -5473,6 +5470,13 @@ def predict_intensity_range(cfg, opts):
     if opts["intensity_range"] is None:
         return cfg
     return {**cfg, "intensity_range": [float(v) for v in opts["intensity_range"]]}
+
+
+def note_sixteen_bit(path, opts):
+    if path is not None:
+        print(f"note: {Path(path).name} has 16-bit pixels, but {opts['checkpoint']} has no intensity_range (its "
+              f"training images were 8-bit or float): they were scaled from 0-65535; if their values span less "
+              f"(12-bit data), predict again with intensity_range=0,4095")
 
 
 def sixteen_bit_input(batch, cfg):
