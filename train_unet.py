@@ -1136,7 +1136,8 @@ def validate_config(cfg, model_names=True):
     for key in cfg:
         check_known_key(key)
     cfg = {**CONFIG, **cfg}
-    cfg["amp_dtype"] = AMP_DTYPE_NAMES.get(cfg["amp_dtype"], cfg["amp_dtype"])
+    if isinstance(cfg["amp_dtype"], str):
+        cfg["amp_dtype"] = AMP_DTYPE_NAMES.get(cfg["amp_dtype"], cfg["amp_dtype"])
     check_types(cfg, CONFIG)
     for key in CHOICES:
         check_choice(key, cfg[key])
@@ -2143,7 +2144,8 @@ def find_pairs(folder):
                             f"the same file names in {folder}/masks")
     images, masks = (index_by_stem(folder / sub) for sub in ("images", "masks"))
     if not images:
-        subs = [p.name + "/" for p in sorted((folder / "images").iterdir()) if p.is_dir()]
+        subs = [p.name + "/" for p in sorted((folder / "images").iterdir())
+                if p.is_dir() and not p.name.startswith(".")]
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
             f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else ""))
     for missing, have, there, fix in ((set(images) - set(masks), images, folder / "masks", "add masks"),
@@ -3648,38 +3650,59 @@ def patch_summary(cfg, patches):
 def check_model_takes_image_size(cfg):
     """A model that cannot take image_size x image_size (PAN pools its 1/16 feature map three more times:
     it needs 128 px) is refused before anything moves, with the smallest size it takes; else a
-    traceback from deep inside torch at the first batch, after the earlier run was moved aside."""
+    traceback from deep inside torch at the first batch, after the earlier run was moved aside. Judged on
+    the meta device; a refusal there is confirmed by a real forward (an op the meta device lacks is not
+    the model's limit), and a model that cannot be built there (mit_b* encoders) is not judged."""
     size = cfg["image_size"]
-    if smallest_model_side(cfg) > size:
-        raise UserError(f"arch={cfg['arch']} with encoder_name={cfg['encoder_name']} cannot take "
-                        f"image_size={size} (its feature maps shrink below one pixel): use "
-                        f"image_size={smallest_model_side(cfg)} or more, or another arch")
+    if model_takes(cfg, size) is not False or model_runs_on_cpu(cfg, size):
+        return
+    side = smallest_model_side(cfg)
+    raise UserError(f"arch={cfg['arch']} with encoder_name={cfg['encoder_name']} cannot take image_size={size} "
+                    f"(its feature maps shrink below one pixel): use "
+                    + (f"image_size={side} (the smallest it takes)" if side else "another image_size")
+                    + ", or another arch")
 
 
 def smallest_model_side(cfg, largest=1024):
-    """The smallest side, a multiple of MODEL_STRIDE, of a square input the model takes (largest where none
-    up to it does); cached per model keys."""
-    return smallest_side_of(*(cfg[k] for k in MODEL_KEYS), largest)
+    """The smallest side, a multiple of MODEL_STRIDE, of a square input the model takes on the meta device;
+    None where no side up to `largest` does, or the model cannot be judged there."""
+    sides = range(MODEL_STRIDE, largest + 1, MODEL_STRIDE)
+    return next((side for side in sides if model_takes(cfg, side)), None)
+
+
+def model_takes(cfg, side):
+    return model_takes_side(*(cfg[k] for k in MODEL_KEYS), side)
 
 
 @functools.lru_cache(maxsize=None)
-def smallest_side_of(arch, encoder_name, in_channels, num_classes, largest):
-    sides = range(MODEL_STRIDE, largest + 1, MODEL_STRIDE)
-    return next((side for side in sides if model_takes(arch, encoder_name, in_channels, num_classes, side)), largest)
-
-
-def model_takes(arch, encoder_name, in_channels, num_classes, side):
-    """Whether the model runs on a side x side input: traced on the meta device (shapes only: no memory,
-    ~0.1 s), in eval mode (training BatchNorm refuses a 1x1 map of one image for another reason)."""
+def model_takes_side(arch, encoder_name, in_channels, num_classes, side):
+    """Whether the model runs on a side x side input, traced on the meta device (shapes only: no memory,
+    ~0.1 s), in eval mode (training BatchNorm refuses a 1x1 map of one image for another reason); None
+    where it cannot be built there (mit_b* encoders read a value while built)."""
     cfg = {"arch": arch, "encoder_name": encoder_name, "in_channels": in_channels, "num_classes": num_classes,
            "encoder_weights": None}
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = build_model(cfg).eval()
+        try:
+            model = build_model(cfg).eval()
+        except Exception:  # noqa: BLE001 - not judged here; the real build reports its own errors
+            return None
         try:
             model(torch.empty(1, in_channels, side, side))
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 - pooling's RuntimeError, timm's AssertionError on a size
             return False
+    return True
+
+
+def model_runs_on_cpu(cfg, side):
+    """Whether a real forward of one side x side image runs (the confirmation of a meta refusal)."""
+    model = build_model({**cfg, "encoder_weights": None}).eval()
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.zeros(1, cfg["in_channels"], side, side))
+    except Exception:  # noqa: BLE001 - the same failure as on the meta device
+        return False
     return True
 
 
@@ -4750,9 +4773,11 @@ RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard", 
 
 
 def archived_since(folder, since):
-    """The folder under <folder>/previous/ that archive_previous_run made at or after `since` (a time.time()),
-    or None: where an interrupted run's predecessor went."""
-    made = [p for p in (folder / "previous").glob("*") if p.is_dir() and p.stat().st_mtime >= since - 1]
+    """The folder under <folder>/previous/ that archive_previous_run made at or after `since` (a time.time())
+    holding a run that can be resumed (its last.pt), or None: where an interrupted run's predecessor went
+    (not the leftovers of a run itself stopped in epoch 1, which hold no last.pt)."""
+    made = [p for p in (folder / "previous").glob("*")
+            if p.is_dir() and p.stat().st_mtime >= since - 1 and (p / "last.pt").is_file()]
     return max(made, key=lambda p: p.stat().st_mtime, default=None)
 
 
@@ -5433,7 +5458,8 @@ def validate_predict(opts):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
     if opts["channels_last"] not in ("auto", True, False):
         raise UserError(f"channels_last={opts['channels_last']!r} is not allowed: use auto, True or False")
-    opts = {**opts, "amp_dtype": AMP_DTYPE_NAMES.get(opts["amp_dtype"], opts["amp_dtype"])}
+    if isinstance(opts["amp_dtype"], str):
+        opts = {**opts, "amp_dtype": AMP_DTYPE_NAMES.get(opts["amp_dtype"], opts["amp_dtype"])}
     for key in ("amp_dtype", "tta"):
         check_choice(key, opts[key])
     for key, (ok, rule) in TILE_RULES.items():
@@ -5474,9 +5500,9 @@ def predict_intensity_range(cfg, opts):
 
 def note_sixteen_bit(path, opts):
     if path is not None:
-        print(f"note: {Path(path).name} has 16-bit pixels, but {opts['checkpoint']} has no intensity_range (its "
-              f"training images were 8-bit or float): they were scaled from 0-65535; if their values span less "
-              f"(12-bit data), predict again with intensity_range=0,4095")
+        print(f"note: {Path(path).name} has 16-bit pixels and {opts['checkpoint']} has no intensity_range: they "
+              f"were scaled from 0-65535. If the model was trained on 8-bit images and these hold 12-bit data, "
+              f"that is 16 times too dark: predict again with intensity_range=0,4095")
 
 
 def sixteen_bit_input(batch, cfg):
@@ -6194,6 +6220,7 @@ def predict_peak_memory(args):
     (None, why) where that process failed."""
     import subprocess
 
+    shutil.rmtree(args["output"], ignore_errors=True)  # as fresh_predict: no earlier masks moved to previous/
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_unet as T; T.keep_freed_memory(); "
             "a = json.loads(sys.argv[2]); T.predict(a); "
             "print(json.dumps(T.peak_memory_mb(T.detect_hardware(a['device']))))")
@@ -6469,7 +6496,7 @@ def check_batches(cfg):
     resized to image_size² and to each of CHECK_SIZES, one batch per size; and where they came from."""
     images, source = check_images(cfg)
     normalize = normalizer(cfg)
-    least = smallest_model_side(cfg)  # PAN: 128, so 224x64 becomes 224x128
+    least = smallest_model_side(cfg) or MODEL_STRIDE  # PAN: 128, so 224x64 becomes 224x128
     sizes = [(cfg["image_size"],) * 2] + [(max(least, h * MODEL_STRIDE), max(least, w * MODEL_STRIDE))
                                           for h, w in CHECK_SIZES]
     return [torch.stack([image_tensor(normalize(cv2.resize(image, (w, h), interpolation=cv2.INTER_AREA)))

@@ -216,6 +216,7 @@ def test_a_run_interrupted_in_epoch_1_says_where_the_earlier_run_it_moved_aside_
     """A fresh run in a folder that held a finished run moves that run to previous/<time>/; stopped before
     its first epoch ended, the line used to say only that there was nothing to resume."""
     (tmp_path / "history.csv").write_text("epoch\n1\n")
+    (tmp_path / "last.pt").write_bytes(b"")
     (tmp_path / "previous" / "20260101-000000").mkdir(parents=True)  # an older archive, not this run's
     old = train_unet.time.time() - 3600
     train_unet.os.utime(tmp_path / "previous" / "20260101-000000", (old, old))
@@ -229,6 +230,10 @@ def test_a_run_interrupted_in_epoch_1_says_where_the_earlier_run_it_moved_aside_
     [moved] = [p for p in (tmp_path / "previous").iterdir() if p.name != "20260101-000000"]
     assert (moved / "history.csv").is_file()
     assert err.endswith(f"train again; the earlier run is in {moved}/ (move its files back to resume it)")
+    train_unet.os.utime(moved, (old, old))  # that archive is from an earlier start, as it would be
+    (tmp_path / "config.json").write_text("{}")  # what a run stopped in epoch 1 leaves: nothing to resume
+    assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
+    assert capsys.readouterr().err.strip().endswith("no checkpoint to resume: train again")
 
 
 def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
@@ -322,9 +327,24 @@ def test_a_model_that_cannot_take_the_image_size_is_refused_before_anything_move
     ckpt.mkdir(parents=True)
     (ckpt / "history.csv").write_text("epoch\n1\n")  # an earlier run's
     err = one_line_error(train_unet.train, cfg, match="arch=PAN with encoder_name=resnet18 cannot take image_size=64")
-    assert "use image_size=128 or more" in err
+    assert "use image_size=128 (the smallest it takes)" in err
     assert (ckpt / "history.csv").read_text() == "epoch\n1\n" and not (ckpt / "previous").exists()
     assert train_unet.smallest_model_side(make_cfg(arch="Unet")) == 32
+
+
+def test_a_model_the_meta_device_cannot_judge_is_not_refused(make_cfg, monkeypatch):
+    """mit_b* encoders read a value while built, which the meta device cannot give: not judged (it raised
+    a traceback before anything started); a size the meta device refuses is confirmed by a real forward
+    (an op it lacks is not the model's limit)."""
+    segformer = make_cfg(arch="Segformer", encoder_name="mit_b0", image_size=64)
+    assert train_unet.model_takes(segformer, 64) is None and train_unet.smallest_model_side(segformer) is None
+    train_unet.check_model_takes_image_size(segformer)
+    assert [tuple(b.shape[2:]) for b in train_unet.check_batches(segformer)[0]] == [(64, 64), (96, 160), (224, 64)]
+    monkeypatch.setattr(train_unet, "model_takes_side", lambda *key: False)  # a meta device that refuses all
+    train_unet.check_model_takes_image_size(make_cfg(arch="Unet", image_size=64))  # the real forward runs
+    err = one_line_error(train_unet.check_model_takes_image_size, make_cfg(arch="PAN", image_size=64),
+                         match="cannot take image_size=64")
+    assert "use another image_size, or another arch" in err
 
 
 def test_the_export_check_sizes_stay_within_what_the_model_takes(make_cfg):
@@ -348,7 +368,7 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
     opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp), "progress": False}
     train_unet.predict({**opts, "output": str(tmp_path / "a")})
     out = capsys.readouterr().out
-    assert "note: twelve.png has 16-bit pixels, but" in out and "again with intensity_range=0,4095" in out
+    assert "note: twelve.png has 16-bit pixels and" in out and "again with intensity_range=0,4095" in out
     train_unet.predict({**opts, "output": str(tmp_path / "b"), "intensity_range": [0, 4095]})
     assert "16-bit" not in capsys.readouterr().out
     read = lambda folder, name: cv2.imread(str(tmp_path / folder / name), cv2.IMREAD_UNCHANGED)  # noqa: E731
@@ -369,6 +389,7 @@ def test_words_are_read_in_any_case_and_near_misses_get_a_suggestion():
     err = one_line_error(train_unet.validate_config, {"preset": "fsat"}, match="preset='fsat' is not allowed")
     assert err.endswith("use one of None, fast, stable, low_memory, debug (did you mean fast?)")
     one_line_error(train_unet.validate_config, {"tta": "flips"}, match=r"\(did you mean flip\?\)")
+    one_line_error(train_unet.validate_config, {"amp_dtype": ["bf16"]}, match="amp_dtype=.* must be a string")
 
 
 def test_a_val_fraction_that_leaves_nothing_to_train_on_says_so(make_data, make_cfg):
@@ -626,7 +647,8 @@ def test_files_training_does_not_read_are_named_not_silently_dropped(make_data, 
     assert train_unet.unread_entries(data) == ["images/readme.txt", "images/sub/", "masks/sub/"]
     for path in sorted((data / "images").glob("*.png")):
         path.unlink()
-    one_line_error(train_unet.find_pairs, data, match=r"no images .* \(its subfolders sub/ are not searched")
+    (data / "images" / ".ipynb_checkpoints").mkdir()  # hidden: neither read nor named
+    one_line_error(train_unet.find_pairs, data, match=r"no images .* \(its subfolders sub/ are not searched: ")
     webp = make_data(name="webp", count=4, size=32)
     first = sorted((webp / "images").glob("*.png"))[0]
     first.rename(first.with_suffix(".webp"))
