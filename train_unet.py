@@ -531,7 +531,8 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
-        notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}")
+        notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}"
+                     + archive_size_note(Path(moved).parent))
     run.eval_model = torch.compile(model) if cfg["compile_model"] else model
     run.run_model = run.eval_model
     if DIST.enabled:  # wrapped after compile; gradients are all-reduced in buckets during backward
@@ -4770,6 +4771,21 @@ def write_json(path, data):
 
 RUN_FILES = ("last.pt", "best.pt", "history.csv", "config.json", "tensorboard",  # what a run writes
              "confusion_matrix.csv", "confusion_counts.csv")
+
+
+# Earlier runs are kept, never deleted; past this size the banner says how much they hold (a debug run
+# is about 330 MB: six of them filled 2 GB unseen in a review)
+ARCHIVE_NOTE_BYTES = 2**30
+
+
+def archive_size_note(previous):
+    """'; previous/ holds N earlier runs, X GB: ...' where the archive is over ARCHIVE_NOTE_BYTES, else ''."""
+    runs = [p for p in previous.iterdir() if p.is_dir()]
+    size = sum(f.stat().st_size for run in runs for f in run.rglob("*") if f.is_file() and not f.is_symlink())
+    if size <= ARCHIVE_NOTE_BYTES:
+        return ""
+    return (f" ({previous} now holds {len(runs)} earlier runs, {size_text(size)}: delete those you do not need; "
+            f"nothing there is deleted for you)")
 
 
 def archived_since(folder, since):

@@ -699,3 +699,19 @@ def test_predict_output_named_like_an_image_file_is_refused(tmp_path):
                                                            f"e.g. output={tmp_path / 'mask'}")
     (tmp_path / "mask.png").mkdir()
     assert train_unet.validate_predict(opts)["output"] == str(tmp_path / "mask.png")
+
+
+def test_the_banner_says_when_earlier_runs_kept_in_previous_grow_large(tmp_path, monkeypatch):
+    """Each fresh run moves the last one to previous/ and nothing is ever deleted: six debug runs filled
+    2 GB unseen. Past ARCHIVE_NOTE_BYTES the banner says how much is kept there."""
+    previous = tmp_path / "previous"
+    for name, size in (("20260101-000000", 600), ("20260102-000000", 500)):
+        (previous / name / "tensorboard").mkdir(parents=True)
+        (previous / name / "last.pt").write_bytes(b"x" * size)
+        (previous / name / "tensorboard" / "events").write_bytes(b"x" * 100)
+    monkeypatch.setattr(train_unet, "ARCHIVE_NOTE_BYTES", 1300)  # the two runs hold 1,300 bytes
+    assert train_unet.archive_size_note(previous) == ""
+    monkeypatch.setattr(train_unet, "ARCHIVE_NOTE_BYTES", 1299)
+    assert train_unet.archive_size_note(previous).startswith(f" ({previous} now holds 2 earlier runs, ")
+    assert train_unet.archive_size_note(previous).endswith("delete those you do not need; nothing there is "
+                                                           "deleted for you)")
