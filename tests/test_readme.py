@@ -85,3 +85,8 @@ def test_the_library_functions_the_readme_names_take_the_arguments_it_shows():
     for name, args in calls:
         call = ast.parse(f"{name}({args})", mode="eval").body
         inspect.signature(getattr(train_unet, name)).bind(*call.args)  # the arguments it takes
+
+
+def test_the_readme_gives_the_archive_size_the_banner_notes_past():
+    text = " ".join(README.split())
+    assert f"past {train_unet.ARCHIVE_NOTE_BYTES // 2**30} GB there the banner says how much it holds" in text
