@@ -992,6 +992,11 @@ CHOICES = {
 AMP_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
+def amp_dtype_name(value):
+    """amp_dtype's full name for a short one (training and predict both accept both); else as given."""
+    return AMP_DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
+
+
 def check_choice(key, value):
     """A value of one of CHOICES' keys; else a one-line error listing them, with a near miss suggested."""
     allowed = CHOICES[key]
@@ -1137,8 +1142,7 @@ def validate_config(cfg, model_names=True):
     for key in cfg:
         check_known_key(key)
     cfg = {**CONFIG, **cfg}
-    if isinstance(cfg["amp_dtype"], str):
-        cfg["amp_dtype"] = AMP_DTYPE_NAMES.get(cfg["amp_dtype"], cfg["amp_dtype"])
+    cfg["amp_dtype"] = amp_dtype_name(cfg["amp_dtype"])
     check_types(cfg, CONFIG)
     for key in CHOICES:
         check_choice(key, cfg[key])
@@ -5474,8 +5478,7 @@ def validate_predict(opts):
         raise UserError(f"device={opts['device']!r} must be auto, cpu, cuda, cuda:N or mps")
     if opts["channels_last"] not in ("auto", True, False):
         raise UserError(f"channels_last={opts['channels_last']!r} is not allowed: use auto, True or False")
-    if isinstance(opts["amp_dtype"], str):
-        opts = {**opts, "amp_dtype": AMP_DTYPE_NAMES.get(opts["amp_dtype"], opts["amp_dtype"])}
+    opts = {**opts, "amp_dtype": amp_dtype_name(opts["amp_dtype"])}
     for key in ("amp_dtype", "tta"):
         check_choice(key, opts[key])
     for key, (ok, rule) in TILE_RULES.items():
@@ -5548,11 +5551,6 @@ def archive_earlier_predictions(paths, out_dir):
     return archive_previous_run(out_dir, names)
 
 
-# The PNG text chunk predict writes into its masks and overlays: it moves aside (archives) only files
-# that carry it, never a ground-truth mask or an image that merely has the same name.
-PREDICT_MARK = ("Software", "unet-amp predict")
-
-
 def png_text_chunk(keyword, text):
     import zlib
 
@@ -5560,15 +5558,18 @@ def png_text_chunk(keyword, text):
     return struct.pack(">I", len(data)) + b"tEXt" + data + struct.pack(">I", zlib.crc32(b"tEXt" + data))
 
 
+# The PNG text chunk predict writes into its masks and overlays: it moves aside (archives) only files
+# that carry it, never a ground-truth mask or an image that merely has the same name.
+PREDICT_MARK = png_text_chunk("Software", "unet-amp predict")
+
 PNG_IHDR_END = 8 + 25  # the signature, then IHDR (length, type, 13 bytes, CRC): PNG's first chunk
 
 
 def written_by_predict(path):
     """Whether a PNG carries predict's mark, right after its header where predict puts it."""
-    chunk = png_text_chunk(*PREDICT_MARK)
     try:
         with open(path, "rb") as f:
-            return f.read(PNG_IHDR_END + len(chunk))[PNG_IHDR_END:] == chunk
+            return f.read(PNG_IHDR_END + len(PREDICT_MARK))[PNG_IHDR_END:] == PREDICT_MARK
     except OSError:
         return False
 
@@ -5612,14 +5613,14 @@ def write_png(path, image, mark=None):
     """cv2.imwrite that cannot fail silently (imwrite only returns False, with no reason): encoded in
     memory, written under a temporary name and renamed, so a failed write (a removed folder, a full
     disk) raises OSError with its cause and leaves no partial file. The folder is not re-created: a
-    folder removed mid-run is an error, not a fresh start that hides the loss. `mark`: (keyword, text)
-    of a tEXt chunk put right after the header (predict's PREDICT_MARK)."""
+    folder removed mid-run is an error, not a fresh start that hides the loss. `mark`: a chunk
+    (png_text_chunk) put right after the header (predict's PREDICT_MARK)."""
     ok, data = cv2.imencode(".png", image)
     if not ok:
         raise RuntimeError(f"OpenCV could not encode a {image.dtype} {image.shape} array as PNG for {path}")
     data = data.tobytes()
     if mark is not None:
-        data = data[:PNG_IHDR_END] + png_text_chunk(*mark) + data[PNG_IHDR_END:]
+        data = data[:PNG_IHDR_END] + mark + data[PNG_IHDR_END:]
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         tmp.unlink(missing_ok=True)  # a killed run's leftover; O_EXCL below never follows a planted link
@@ -6026,13 +6027,18 @@ def summarize_history(name, history, info):
             "batch": info["config"]["batch_size"], "channels_last": info["config"]["channels_last"],
             "compile": info["config"]["compile_model"],
             "time_per_epoch_s": times[middle], "first_epoch_s": times[0], "timed_epochs": len(steady),
-            "epoch_spread": max(times[i] for i in steady) / min(times[i] for i in steady),
+            "epoch_spread": spread([times[i] for i in steady]),
             "images_per_s": rates[middle], "speedup_vs_fp32": None,
             "peak_mem_mb": max(float(r["peak_mem_mb"]) for r in history),
             "peak_mem_kind": history[-1]["peak_mem_kind"],
             "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
             "nonfinite_steps": 0 if fp16 else skipped, "scaler_skipped_steps": skipped if fp16 else 0,
             "epochs": len(history), "status": "ok"}
+
+
+def spread(seconds):
+    """The slowest of some timed rounds over the fastest."""
+    return max(seconds) / min(seconds)
 
 
 def bare_loop_speedups(base, hw, steps, probe_steps=2):
@@ -6222,11 +6228,6 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
            "round_spread": max(spread(predict_times), spread(times["forward"])), "status": "ok"}
     row["peak_mem_mb"], row["peak_mem_kind"] = predict_peak_memory(args)
     return row
-
-
-def spread(seconds):
-    """The slowest of some timed rounds over the fastest."""
-    return max(seconds) / min(seconds)
 
 
 def predict_peak_memory(args):
