@@ -1008,13 +1008,41 @@ def check_choice(key, value):
                     + (f" (did you mean {close[0]}?)" if close else ""))
 
 
-# Types for keys whose default is None.
-NONE_DEFAULT_TYPES = {
-    "num_workers": int, "max_train_images": int, "encoder_weights": str, "grad_clip_norm": float,
-    "early_stopping_patience": int, "tf32_matmul_precision": str, "preset": str, "patches_per_image": int,
-    "tile_overlap": float, "tile_batch_size": int,  # None only at predict time: "the checkpoint's"
-    "intensity_range": list, "class_weights": list, "ema_decay": float,
+# Every training and predict key's type, whatever value CONFIG holds: an edit at the top ("weight_decay": 0,
+# "batch_size": "auto") is checked and parsed as the key's type, as on the command line, not as the type
+# of the value typed there. Other keys are words. Tested against the shipped CONFIG and PREDICT_CONFIG.
+KEY_TYPES = {
+    **dict.fromkeys(("image_size", "in_channels", "num_classes", "max_train_images", "num_workers", "patches_per_image",
+                     "tile_batch_size", "epochs", "batch_size", "accumulation_steps", "early_stopping_patience",
+                     "seed", "growth_interval", "nan_patience"), int),
+    **dict.fromkeys(("val_fraction", "patch_scale", "patch_foreground", "tile_overlap", "learning_rate",
+                     "weight_decay", "warmup_fraction", "grad_clip_norm", "ema_decay", "init_scale", "growth_factor",
+                     "backoff_factor"), float),
+    **dict.fromkeys(("cache_images", "use_amp", "force_amp_dtype", "eval_amp", "cpu_probe", "compile_model",
+                     "sync_batchnorm", "nan_guard", "detect_anomaly", "resume", "progress", "overlay"), bool),
+    **dict.fromkeys(("intensity_range", "class_weights"), list),
 }
+
+# Keys that take None (each one's comment in CONFIG says what None means).
+NONE_KEYS = ("preset", "max_train_images", "num_workers", "intensity_range", "patches_per_image", "tile_overlap",
+             "tile_batch_size", "encoder_weights", "class_weights", "grad_clip_norm", "ema_decay",
+             "early_stopping_patience", "tf32_matmul_precision")
+
+
+def key_type(key, defaults):
+    """A key's type: KEY_TYPES' for training and predict keys, its default's for the other commands'."""
+    if key in KEY_TYPES:
+        return KEY_TYPES[key]
+    return str if edited_at_top(defaults) else type(defaults[key])
+
+
+def takes_none(key, defaults):
+    return key in NONE_KEYS or (not edited_at_top(defaults) and defaults[key] is None)
+
+
+def edited_at_top(defaults):
+    """Whether these are CONFIG or PREDICT_CONFIG, whose values a user's edits may have changed."""
+    return defaults is CONFIG or defaults is PREDICT_CONFIG
 
 
 # Keys that take a word or a bool (parsed as bool when the text is one, else kept as text).
@@ -1035,15 +1063,15 @@ RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train
 AUTO_KEYS = ("batch_size", "class_weights")
 
 
-def parse_value(key, text, default):
-    kind = NONE_DEFAULT_TYPES.get(key, type(default))
+def parse_value(key, text, defaults):
+    kind, default = key_type(key, defaults), defaults[key]
     low = text.strip().lower()
     if key in CHOICES or key == "device":  # words of a fixed set, all lower case: tta=FLIP, device=CPU
         text = text.strip().lower()
     if key in BOOL_OR_TEXT:
         return {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False,
                 "off": False}.get(low, low)
-    if low in ("none", "null") and (default is None or key in NONE_DEFAULT_TYPES):
+    if low in ("none", "null") and takes_none(key, defaults):
         return None
     if low == "auto" and key in AUTO_KEYS:
         return "auto"
@@ -1086,7 +1114,7 @@ def parse_overrides(args, base=None, defaults=None):
         if key in seen:
             raise UserError(f"{key} is given twice on the command line: keep one")
         seen.add(key)
-        cfg[key] = parse_value(key, text, defaults[key])
+        cfg[key] = parse_value(key, text, defaults)
     return validate_config(cfg) if defaults is CONFIG else cfg
 
 
@@ -1120,8 +1148,8 @@ def check_types(cfg, defaults):
     for key, value in cfg.items():
         if key in BOOL_OR_TEXT:
             continue  # checked against CHOICES
-        kind = NONE_DEFAULT_TYPES.get(key, type(defaults[key]))
-        if value is None and (defaults[key] is None or key in NONE_DEFAULT_TYPES):
+        kind = key_type(key, defaults)
+        if value is None and takes_none(key, defaults):
             continue
         if value == "auto" and key in AUTO_KEYS and defaults is CONFIG:
             continue
@@ -1130,7 +1158,7 @@ def check_types(cfg, defaults):
               if kind is float else isinstance(value, kind) and not isinstance(value, bool))
         if not ok:
             alternatives = [names.get(kind, kind.__name__)] + ["auto"] * (key in AUTO_KEYS and defaults is CONFIG) \
-                + ["None"] * (key in NONE_DEFAULT_TYPES or defaults[key] is None)
+                + ["None"] * takes_none(key, defaults)
             allowed = " or ".join([", ".join(alternatives[:-1]), alternatives[-1]] if len(alternatives) > 1
                                   else alternatives)
             raise UserError(f"{key}={value!r} must be {allowed}")

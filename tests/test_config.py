@@ -75,6 +75,54 @@ def test_none_default_keys_get_their_declared_type(arg, key, expected):
     assert value == expected and type(value) is type(expected)
 
 
+# ------------------------------------------------------------------------------------------------
+# A user's edits of CONFIG: read as the key's type, not as the type of the value typed there
+# ------------------------------------------------------------------------------------------------
+def test_key_types_match_the_shipped_configs():
+    for defaults in (CONFIG, train_unet.PREDICT_CONFIG):
+        for key, value in defaults.items():
+            if key in train_unet.BOOL_OR_TEXT:
+                continue
+            if value is None:
+                assert key in train_unet.NONE_KEYS, key
+                assert key in train_unet.KEY_TYPES or key in ("preset", "encoder_weights", "tf32_matmul_precision"), key
+                continue
+            assert type(value) is train_unet.key_type(key, defaults), (key, value)
+
+
+@pytest.mark.parametrize("edit, args, expected", [
+    ({"batch_size": "auto"}, [], "auto"),                       # CONFIG's own comment offers "auto"
+    ({"batch_size": "auto"}, ["batch_size=4"], 4),
+    ({"weight_decay": 0}, ["weight_decay=1e-4"], 1e-4),        # a whole number typed for a float key
+    ({"warmup_fraction": 0}, ["warmup_fraction=0.1"], 0.1),
+    ({"learning_rate": 1}, ["learning_rate=0.001"], 0.001),
+])
+def test_edited_config_values_keep_the_keys_type(monkeypatch, edit, args, expected):
+    for key, value in edit.items():
+        monkeypatch.setitem(CONFIG, key, value)
+    value = parse_overrides(args)[next(iter(edit))]
+    assert value == (expected if expected == "auto" else pytest.approx(expected))
+
+
+def test_a_run_resolved_from_an_edited_auto_batch_size_validates(monkeypatch):
+    """A checkpoint's config records the resolved batch size; predict and resume check it against CONFIG."""
+    monkeypatch.setitem(CONFIG, "batch_size", "auto")
+    assert train_unet.validate_config({"batch_size": 2})["batch_size"] == 2
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("use_amp", "False", "true or false"),   # a string would be truthy: fp16/bf16 on while the user meant off
+    ("epochs", "10", "a whole number"),
+    ("seed", None, "a whole number"),
+    ("image_size", 128.5, "a whole number"),
+    ("device", None, "a string"),
+])
+def test_a_wrong_type_typed_into_config_is_refused(monkeypatch, key, value, words):
+    monkeypatch.setitem(CONFIG, key, value)
+    message = user_error([])
+    assert key in message and words in message
+
+
 def test_none_is_refused_for_a_required_int():
     message = user_error(["epochs=none"])
     assert "epochs" in message
