@@ -490,9 +490,29 @@ def effective_config(cfg, hw, prec, state, n_train, notes):
     both confirmed by the probe at that batch (cpu_probe_decision). Returns (cfg with both resolved, as
     config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
-    prec, layout = ranks_agree(*cpu_probe_decision(cfg, hw, prec, notes), hw, notes)
+    kept = resumed_cpu_modes(cfg, hw, prec, state)
+    prec, layout = ranks_agree(*(kept or cpu_probe_decision(cfg, hw, prec, notes)), hw, notes)
     notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
     return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
+
+
+def resumed_cpu_modes(cfg, hw, prec, state):
+    """A run resumed on a CPU, after training on one: (precision, layout), each the checkpoint's where it is
+    "auto" here, so the run goes on exactly as it began. Decided afresh, by a probe measured again (its
+    cache is per machine, and a probe beside busy processes is not cached) or by the flag rule, it may pick
+    the other layout (NHWC sums a convolution's terms in another order) or precision. None where there is
+    nothing to keep: no resume, another device (a GPU decides by its own rules), a checkpoint from before
+    device_kind was saved."""
+    if state is None or hw.kind != "cpu" or state.get("device_kind") != "cpu":
+        return None
+    saved = state["precision"]
+    if autos_precision(cfg, hw, prec) and saved != prec.name and (saved == "fp32" or (saved == "bf16" and hw.bf16)):
+        prec = Precision.of(DTYPES[saved], "auto, kept from the checkpoint (a resume goes on as its run began)")
+    if cfg["channels_last"] != "auto":
+        return prec, decide_channels_last(cfg, hw, prec)
+    nhwc = state["config"]["channels_last"]
+    return prec, (nhwc, f"auto, kept from the checkpoint ({'NHWC' if nhwc else 'NCHW'}: a resume goes on as its "
+                        f"run began)")
 
 
 def ranks_agree(prec, layout, hw, notes):
@@ -523,7 +543,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     start = (0, 0) if state is None else (state["scheduler"]["last_epoch"], state["epoch"])
     scheduler = build_scheduler(optimizer, cfg, steps_per_epoch, schedule, start)
     run = Run(model, model, optimizer, scheduler, build_scaler(prec, hw, cfg), prec, lr_schedule=schedule,
-              ema=WeightEMA(model, cfg["ema_decay"], cfg["compile_model"]))
+              ema=WeightEMA(model, cfg["ema_decay"], cfg["compile_model"]), device_kind=hw.kind)
     notes.append(run.ema.note(state))
     if state is not None:
         run.load(state)
@@ -589,6 +609,7 @@ class Run:
     loss_fn: nn.Module | None = None     # SegLoss
     ema: WeightEMA = field(default_factory=lambda: WeightEMA())  # ema_decay (III.7); off: does nothing
     data_split: dict | None = None       # which files trained and validated (split_record), kept for resume
+    device_kind: str | None = None       # "cpu", "cuda", "mps": a run resumed on a CPU keeps a CPU run's modes
 
     def __post_init__(self):
         self.eval_model = self.model if self.eval_model is None else self.eval_model
@@ -600,7 +621,7 @@ class Run:
                 "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
                 "config": cfg, "history": self.history, "precision": self.prec.name,
                 "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
-                "data_split": self.data_split}
+                "data_split": self.data_split, "device_kind": self.device_kind}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])

@@ -1,6 +1,7 @@
 """Resume is right across layouts, devices, GPU counts and extended epochs (issue 20, items 11-14):
 AdamW's moments in the parameters' memory format, `fused` chosen for the device a run resumes on, an LR
 schedule defined by training progress, and an extension in warm-up that still reaches the peak LR."""
+import json
 import shutil
 from pathlib import Path
 
@@ -225,3 +226,45 @@ def test_old_extended_schedule_converts_to_epochs():
     assert schedule == {"epochs": 10, "warmup": 0.5, "tails": [[8, 20, 0.3]]}
     assert train_unet.lr_factor(8, schedule) == pytest.approx(0.3)
     assert train_unet.lr_factor(20, schedule) == pytest.approx(train_unet.LR_FLOOR)
+
+
+# ----------------------------------------------------------------------------------------------------
+# A run resumed on a CPU keeps the precision and layout its probe chose
+# ----------------------------------------------------------------------------------------------------
+FP32_NHWC_FASTEST = {"fp32": 1.0, "fp32_cl": 0.5, "bf16": 2.0, "bf16_cl": 2.0}
+NCHW_FASTEST = {"fp32": 0.5, "fp32_cl": 1.0, "bf16": 0.2, "bf16_cl": 1.0}  # bf16 too, where it is native
+
+
+def probe_answers(monkeypatch, times):
+    """The CPU probe measures `times` from now on, with its cache emptied (a probe beside busy processes
+    is not cached, and another machine has its own cache); returns the list of labels it was asked for."""
+    train_unet.cpu_probe_cache_path().unlink(missing_ok=True)
+    asked = []
+
+    def measure(cfg, hw, labels, kind):
+        asked.extend(labels)
+        return {label: times[label] for label in labels}
+    monkeypatch.setattr(train_unet, "measure_cpu_modes", measure)
+    return asked
+
+
+def test_a_resume_on_a_cpu_keeps_its_runs_probed_precision_and_layout(make_cfg, tmp_path, monkeypatch, capsys,
+                                                                      train_until):
+    """A resume whose probe would now pick the other layout (and bf16 where native) goes on in the
+    modes its run began with, without probing, and ends with the uninterrupted run's weights."""
+    cfg = make_cfg(epochs=2, batch_size=2, use_amp=True, amp_dtype="auto", channels_last="auto", cpu_probe=True)
+    probe_answers(monkeypatch, FP32_NHWC_FASTEST)
+    straight = train_unet.train({**cfg, "checkpoint_dir": str(tmp_path / "straight")})
+    assert straight["precision"] == "fp32"
+    probe_answers(monkeypatch, FP32_NHWC_FASTEST)
+    train_until(cfg, 1)
+    asked = probe_answers(monkeypatch, NCHW_FASTEST)
+    capsys.readouterr()
+    resumed = train_unet.train({**cfg, "resume": True})
+    assert asked == [] and resumed["precision"] == "fp32"
+    assert "kept from the checkpoint" in capsys.readouterr().out
+    saved = json.loads((Path(cfg["checkpoint_dir"]) / "config.json").read_text())["config"]
+    assert saved["channels_last"] is True
+    weights = [train_unet.load_checkpoint(Path(folder) / "last.pt")["model"]
+               for folder in (tmp_path / "straight", cfg["checkpoint_dir"])]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
