@@ -2563,8 +2563,8 @@ def mask_hint(path, dtype, values):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 4  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
-                         # 4: masks' pixel count per value (class_pixel_counts)
+CHECK_CACHE_VERSION = 5  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+                         # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels
 
 
 def check_pairs(pairs, cfg):
@@ -2604,7 +2604,7 @@ def checked_facts(paths, cfg, write, share=False):
     mine = [p for i, p in enumerate(paths) if i // 2 % DIST.world == DIST.rank] if share else paths
     masks = set(paths[1::2])
     stamps = {p: file_stamp(p) for p in mine}
-    facts = {p: known_facts(known, p, stamps[p], p in masks) for p in mine}
+    facts = {p: known_facts(known, p, stamps[p], p in masks, cfg["in_channels"]) for p in mine}
     todo = [p for p in mine if facts[p] is None]
 
     def check(path):
@@ -2640,7 +2640,7 @@ def image_facts(path, channels):
     check_pixels(image, path)
     values = without_alpha(image)  # what the network sees: an opaque 16-bit alpha is not data
     check_channels(values, path)
-    facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype)}  # dtype: cache_bytes' depth
+    facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype), "channels": channels}  # dtype: cache_bytes' depth
     if np.issubdtype(image.dtype, np.integer) and image.dtype != np.uint8:
         facts["range"] = [int(values.min()), int(values.max())]
     return facts
@@ -2693,11 +2693,12 @@ def stat_stamp(stat):
     return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
 
 
-def known_facts(caches, path, stamp, mask):
-    """The first cache entry for path taken from the file as it is now, or None: check it again."""
+def known_facts(caches, path, stamp, mask, channels):
+    """The first cache entry for path taken from the file as it is now, an image's read with `channels`
+    (read as gray, an RGB image has another value range), or None: check it again."""
     for cache in caches:
         entry = cache.get(path)
-        if entry_valid(entry, mask) and entry["stamp"] == stamp:
+        if entry_valid(entry, mask) and entry["stamp"] == stamp and (mask or entry.get("channels") == channels):
             return entry
     return None
 

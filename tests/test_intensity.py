@@ -96,6 +96,34 @@ def test_the_range_is_the_training_images_min_and_max(make_cfg, tmp_path):
     assert learnt(np.full((8, 8), 7, np.uint16)) is None  # one value: nothing to learn, the dtype's range
 
 
+def test_the_range_learnt_as_gray_is_not_an_rgb_runs_cached_one(make_cfg, tmp_path):
+    """The data check's cache keeps each image's range as read with one in_channels: a run with the other
+    reads its images again (RGB 16-bit images whose channels span different values: their gray range is
+    narrower), so the same command learns the same range whatever ran before it."""
+    folder = tmp_path / "rgb16"
+    for sub in ("images", "masks"):
+        (folder / sub).mkdir(parents=True)
+    rng = np.random.default_rng(3)
+    for i in range(8):
+        image = np.stack([rng.integers(0, 100, (32, 32)), rng.integers(200, 300, (32, 32)),
+                          rng.integers(400, 4000, (32, 32))], axis=-1).astype(np.uint16)
+        cv2.imwrite(str(folder / "images" / f"{i}.png"), image)
+        mask = np.zeros((32, 32), np.uint8)
+        mask[8:20, 8:20] = 255
+        cv2.imwrite(str(folder / "masks" / f"{i}.png"), mask)
+
+    def learnt(channels, cache):
+        if not cache:
+            (folder / train_unet.CHECK_CACHE_NAME).unlink(missing_ok=True)
+        cfg = make_cfg(data_dir=str(folder), in_channels=channels, image_size=32, batch_size=2)
+        train_unet.check_pairs(train_unet.prepare_data(cfg)[0], cfg)
+        return run_cfg(make_cfg, folder, in_channels=channels, image_size=32, batch_size=2)[0]["intensity_range"]
+
+    gray, rgb = learnt(1, cache=False), learnt(3, cache=False)
+    assert gray[1] < rgb[1]  # the gray conversion averages the channels
+    assert learnt(1, cache=True) == gray and learnt(3, cache=True) == rgb  # after the other's cache too
+
+
 def train_and_predict(make_cfg, data, tmp_path, name, **overrides):
     cfg = make_cfg(data_dir=str(data), checkpoint_dir=str(tmp_path / name), **overrides)
     train_unet.train(cfg)
