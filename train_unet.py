@@ -374,7 +374,7 @@ def set_up_training(cfg, explicit):
     seed_everything(cfg["seed"])
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
-    data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg)
+    data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
@@ -418,10 +418,12 @@ def changed_resume_keys(state, cfg):
     """The RESUME_KEYS whose value differs from the checkpoint's config (all of them, so one
     refusal names every one). A key newer than the checkpoint counts at its default; "auto" (batch size,
     class weights) takes the checkpoint's; data_dir is judged by its files (same_split_as_resumed) where
-    the checkpoint recorded them, not by how the folder is written or where it moved."""
+    the checkpoint recorded them, not by how the folder is written or where it moved, unless it holds no
+    data (no_data_elsewhere)."""
     changed, saved = [], state["config"]
     for key in RESUME_KEYS:
-        if (key in AUTO_KEYS and cfg[key] == "auto") or (key == "data_dir" and state.get("data_split")):
+        if (key in AUTO_KEYS and cfg[key] == "auto") or (key == "data_dir" and state.get("data_split")
+                                                          and not no_data_elsewhere(saved.get(key), cfg[key])):
             continue
         if saved.get(key, CONFIG[key]) != cfg[key]:
             changed.append(key)
@@ -429,26 +431,46 @@ def changed_resume_keys(state, cfg):
 
 
 def split_record(train_pairs, val_pairs):
-    """Which files a run trains and validates on: their counts and a digest of their stems (the seeded
-    split's order; not their folder: a data set moved, or given as ./data, is the same split)."""
+    """Which files a run trains and validates on: their counts, a digest of their stems (the seeded split's
+    order; not their folder: a data set moved, or given as ./data, is the same split) and one of their
+    sizes in bytes (another data set with the same file names, e.g. 0001.png, ... differs in them)."""
     names = lambda pairs: "\n".join(Path(image).stem for image, _ in pairs)  # noqa: E731
     digest = hashlib.sha256(f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode()).hexdigest()[:16]
-    return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest}
+    sizes = ",".join(str(os.stat(path).st_size) for pair in (*train_pairs, *val_pairs) for path in pair)
+    return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest,
+            "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16]}
 
 
-def same_split_as_resumed(state, train_pairs, val_pairs, cfg):
+def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
     """This run's split_record; a resumed run's must be its checkpoint's. Images added to or removed from
     data_dir reshuffle the seeded split: images the model trained on would be validated (leakage), and
-    best.pt would compare IoUs over two different validation sets. A checkpoint from before the record: not
-    checked."""
-    record = split_record(train_pairs, val_pairs)
-    saved = (state or {}).get("data_split")
-    if saved and saved != record:
+    best.pt would compare IoUs over two different validation sets. Files of the same names with other
+    sizes: in another folder, another data set (refused); in the run's own folder, edited (a note). A
+    checkpoint from before the record (or before its sizes): not checked (or not by size)."""
+    record, saved = split_record(train_pairs, val_pairs), (state or {}).get("data_split")
+    if not saved:
+        return record
+    was = state["config"].get("data_dir", cfg["data_dir"])
+    elsewhere = os.path.realpath(was) != os.path.realpath(cfg["data_dir"])
+    if [saved[k] for k in ("train", "val", "digest")] != [record[k] for k in ("train", "val", "digest")]:
+        fix = f"give data_dir={was}" if elsewhere else "put the folder back as it was"
         raise UserError(f"cannot resume exactly: {cfg['data_dir']} is not the data set this run started on "
                         f"({saved['train']} train / {saved['val']} val images then, {record['train']} / "
-                        f"{record['val']} now, or other files): put the folder back as it was, or start a "
-                        f"new run in another checkpoint_dir")
+                        f"{record['val']} now, or other files): {fix}, or start a new run in another checkpoint_dir")
+    if saved.get("sizes", record["sizes"]) != record["sizes"]:
+        if elsewhere:
+            raise UserError(f"cannot resume exactly: {cfg['data_dir']} holds files named as those this run trained "
+                            f"on in {was}, with other contents: give data_dir={was}, or start a new run in another "
+                            f"checkpoint_dir")
+        notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other sizes): the "
+                     f"resume trains and validates on them as they are now")
     return record
+
+
+def no_data_elsewhere(was, data_dir):
+    """Whether a resume's data_dir holds no data and is not the folder its run trained on (data_dir left
+    out: the embedded set's folder, which would be written before the split could be compared)."""
+    return was is not None and os.path.realpath(was) != os.path.realpath(data_dir) and not has_files(data_dir)
 
 
 def setup_precision(cfg, state=None):

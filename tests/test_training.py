@@ -4,6 +4,7 @@ import json
 import math
 from pathlib import Path
 
+import cv2
 import pytest
 import torch
 import torch.nn as nn
@@ -373,6 +374,35 @@ def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, da
     assert len(train(make_cfg(epochs=2, resume=True, data_dir="./data"))["history"]) == 2
     data_dir.rename(tmp_path / "moved")
     assert len(train(make_cfg(epochs=3, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 3
+
+
+def test_resume_on_another_data_set_with_the_same_file_names_is_refused(make_cfg, make_data, tmp_path, capsys):
+    """img000.png ... in another folder, other pictures: the stems matched, so the run went on over two
+    validation sets. Same names, other sizes: refused elsewhere, a note in the run's own folder (edited)."""
+    train(make_cfg(epochs=1))
+    other = make_data(name="other", count=12, size=96, seed=7)
+    with pytest.raises(UserError, match=r"cannot resume exactly: .*other holds files named as those this run "
+                                        r"trained on in .*data, with other contents: give data_dir=.*data"):
+        train(make_cfg(epochs=2, resume=True, data_dir=str(other)))
+    data = Path(make_cfg()["data_dir"])
+    mask = data / "masks" / sorted(p.name for p in (data / "masks").iterdir())[0]
+    fixed = cv2.imread(str(mask), cv2.IMREAD_GRAYSCALE)
+    fixed[5:20, 7:30] = fixed.max()  # a label fixed
+    cv2.imwrite(str(mask), fixed)
+    capsys.readouterr()
+    assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2
+    assert "changed since this run began (same names, other sizes)" in capsys.readouterr().out
+
+
+def test_resume_with_data_dir_left_out_names_the_runs_folder_and_writes_nothing(make_cfg, tmp_path, monkeypatch):
+    """Left out, data_dir is the embedded set's folder: the 300 shapes pairs were written there before the
+    split told the user, in words that pointed at that folder, to put it back as it was."""
+    cfg = make_cfg(epochs=1)
+    train(cfg)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"was trained with data_dir='.*data'; this run has data_dir='data/shapes'"):
+        train({**cfg, "epochs": 2, "resume": True, "data_dir": train_unet.CONFIG["data_dir"]})
+    assert not (tmp_path / "data" / "shapes").exists()
 
 
 def test_resume_with_another_tta_is_refused(make_cfg):
