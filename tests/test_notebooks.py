@@ -93,6 +93,28 @@ def test_benchmark_notebook_skips_rows_with_missing_numbers(tiny_run, tmp_path):
     assert "best.pt" in text
 
 
+def test_benchmark_notebook_plots_a_validation_set_of_one_image(tiny_run, tmp_path):
+    """plt.subplots(1, 3) returns one row of axes, not a grid: the predictions cell raised 'Axes' object is
+    not iterable on a benchmark whose validation set held one image."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "five", count=5, size=64, num_classes=3)
+    bench = tmp_path / "bench"
+    shutil.copytree(tiny_run, bench / "fp32")
+    state = train_unet.load_checkpoint(bench / "fp32" / "best.pt")
+    state["config"] = {**state["config"], "data_dir": str(data), "val_fraction": 0.2}
+    assert len(train_unet.prepare_data(state["config"])[1]) == 1
+    train_unet.save_checkpoint(bench / "fp32" / "best.pt", state)
+    history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
+    row = {"config": "fp32", "status": "ok", "batch": 4, "precision": "fp32", "channels_last": False,
+           "compile": False, "time_per_epoch_s": 1.0, "first_epoch_s": 1.5, "images_per_s": 10.0,
+           "speedup_vs_fp32": 1.0, "peak_mem_mb": 100.0, "peak_mem_kind": "process_peak_rss",
+           "final_val_iou": 0.5, "final_val_dice": 0.6}
+    (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {}, "rows": [row],
+                                                      "histories": {"fp32": history}, "bare_loop_s_per_step": {}}))
+    (bench / "benchmark.csv").write_text("")
+    outputs, text = execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    assert f"model: {bench / 'fp32' / 'best.pt'}" in text
+
+
 def test_every_make_target_the_readme_names_exists():
     readme = (ROOT / "README.md").read_text()
     named = set(re.findall(r"\bmake ([a-z][a-z-]*[a-z])\b", readme))
