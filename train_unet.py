@@ -2132,6 +2132,7 @@ def split_pairs(cfg):
                         f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
     if all(split):
         train, val = find_pairs(root / "train"), find_pairs(root / "val")
+        check_no_image_in_both(train, val, root)
     else:
         pairs = find_pairs(root)
         order = np.random.default_rng(cfg["seed"]).permutation(len(pairs))
@@ -2146,6 +2147,20 @@ def split_pairs(cfg):
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     return train, val
+
+
+def check_no_image_in_both(train, val, root):
+    """A file copied into both train/ and val/ (same name, same bytes) would be validated after training on
+    it: the val IoU would flatter the model. Only names in both are compared, so a large set costs nothing."""
+    import filecmp
+
+    train_images = {Path(image).stem: image for image, _ in train}
+    both = [Path(image).stem for image, _ in val if Path(image).stem in train_images
+            and filecmp.cmp(train_images[Path(image).stem], image, shallow=False)]
+    if both:
+        raise UserError(f"{len(both)} image(s) in both {root}/train and {root}/val (e.g. {both[0]}, the same file "
+                        f"in each): validating on images the model trains on flatters its val IoU; remove them "
+                        f"from one of the two")
 
 
 def generate_shapes_dataset(root, count=300, size=128, num_classes=1, seed=0):
