@@ -2619,8 +2619,8 @@ def check_pairs(pairs, cfg):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
         if image["hw"] != mask["hw"]:
-            raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]} but its mask is "
-                            f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
+            raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{exif_turn(image_path)} but its "
+                            f"mask is {mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
     if all(v <= {0} for v in values):
         raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
@@ -2629,6 +2629,21 @@ def check_pairs(pairs, cfg):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
+
+
+def exif_turn(path):
+    """Where an image's EXIF Orientation tag turns it a quarter on reading (OpenCV applies it, as cameras and
+    viewers do; file managers and Pillow's .size give the stored size): words saying so, else ""."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            turn, (w, h) = image.getexif().get(0x0112), image.size
+    except Exception:  # noqa: BLE001 - any file Pillow cannot open: nothing to add to the message
+        return ""
+    if turn not in (5, 6, 7, 8):
+        return ""
+    return f" as read (stored {w}x{h}, turned by its EXIF Orientation tag {turn}; draw the mask on the turned image)"
 
 
 def checked_facts(paths, cfg, write, share=False):

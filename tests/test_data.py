@@ -354,3 +354,25 @@ def test_loader_is_the_same_for_any_worker_count_and_epoch_restart(make_cfg, cpu
     assert same(epoch2, epoch_batches(0, 2))
     assert same(epoch2, epoch_batches(2, 2))
     assert not same(epoch2, epoch_batches(0, 3))
+
+
+def test_a_size_mismatch_from_an_exif_turn_says_so(make_cfg, tmp_path):
+    """A phone's JPEG, stored 96x64 with EXIF Orientation 6, reads 64x96 (OpenCV turns it, as viewers do);
+    its mask, drawn on the stored pixels, is 96x64. The message named two sizes the user's tools disagree
+    with; now it says where the turn comes from."""
+    from PIL import Image
+
+    root = tmp_path / "exif"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    for i in range(3):
+        image = Image.fromarray(np.full((64, 96, 3), 40 * i, np.uint8))
+        exif = image.getexif()
+        exif[0x0112] = 6
+        image.save(root / "images" / f"e{i}.jpg", exif=exif.tobytes())
+        mask = np.zeros((64, 96), np.uint8)
+        mask[10:30, 10:30] = 255
+        cv2.imwrite(str(root / "masks" / f"e{i}.png"), mask)
+    message = data_error(make_cfg(data_dir=str(root)))
+    assert "is 64x96 as read (stored 96x64, turned by its EXIF Orientation tag 6" in message
+    assert "but its mask is 96x64" in message
