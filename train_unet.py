@@ -239,7 +239,8 @@ def main(argv=None):
         return 2
     except KeyboardInterrupt as exc:
         left = exc.args[0] if exc.args else INTERRUPTED.get(command, "files written so far are complete")
-        print(f"interrupted: {left}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone says it (DIST is reset by now)
+            print(f"interrupted: {left}", file=sys.stderr)
         return 130
 
 

@@ -212,6 +212,17 @@ def test_an_interrupted_training_says_whether_resume_can_continue(epochs_done, m
         "no epoch had finished, so there is no checkpoint to resume: train again")
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(rank, monkeypatch, capsys, tmp_path):
+    """Each process printed the interrupt's line: one per GPU, where the README says rank 0 alone prints."""
+    def interrupted(cfg, explicit=()):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "train", interrupted)
+    monkeypatch.setenv("RANK", rank)
+    assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
+    assert capsys.readouterr().err.startswith("interrupted: ") == (rank == "0")
+
+
 def test_a_run_interrupted_in_epoch_1_says_where_the_earlier_run_it_moved_aside_is(monkeypatch, capsys, tmp_path):
     """A fresh run in a folder that held a finished run moves that run to previous/<time>/; stopped before
     its first epoch ended, the line used to say only that there was nothing to resume."""
