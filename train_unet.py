@@ -6656,6 +6656,10 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
             "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
 
 
+# What pads an image (fit_transforms, pad_to): the pixel value 0, before to_unit_range and normalize
+PAD_WORDS = "pixel value 0, before to_unit_range and normalize (not 0 after them)"
+
+
 def preprocessing(cfg):
     """How predict turns an image file into the model's input, for other runtimes: the numbers are those
     of the functions predict calls (normalizer's, the run's intensity_range); tests check them against
@@ -6663,12 +6667,13 @@ def preprocessing(cfg):
     normalize = normalizer(cfg).by_dtype[np.dtype(np.uint8)]
     size = cfg["image_size"]
     geometry = ({"mode": "fit", "resize": f"longest side to {size} (bilinear), then pad bottom and right with "
-                                          f"0 to {size}x{size}",
+                                          f"{PAD_WORDS} to {size}x{size}",
                  "back": "crop the image's area from the logits, resize them bilinearly to the image's size"}
                 if cfg["data_mode"] == "fit" else
                 {"mode": "patch", "resize": f"by patch_scale ({cfg['patch_scale']:g})",
                  "tiles": f"{size}x{size}, overlap tile_overlap ({cfg['tile_overlap']:g}), blended with Gaussian "
-                          f"weights (sigma = tile / 8); an image smaller than a tile is padded bottom/right",
+                          f"weights (sigma = tile / 8); an image smaller than a tile is padded bottom/right "
+                          f"with {PAD_WORDS}",
                  "back": "resize the logits bilinearly to the image's size"})
     return {"channels": "RGB" if cfg["in_channels"] == 3 else "gray (RGB averaged by luminance)",
             "to_unit_range": {"uint8": [0, normalize.max_pixel_value],

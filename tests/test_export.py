@@ -226,6 +226,18 @@ def sidecar_input(image, spec):
     return ((unit - np.array(spec["normalize"]["mean"])) / np.array(spec["normalize"]["std"])).astype(np.float32)
 
 
+def test_the_sidecar_says_what_pads_a_fit_image_and_predict_pads_so(make_cfg):
+    """"pad ... with 0" was read as 0 after normalising by a user's own runtime, which then agreed with
+    predict on 98.6 % of a 120x40 image's mask pixels: the padding is the pixel value 0, normalised."""
+    cfg = make_cfg(image_size=64)
+    geometry = train_unet.preprocessing(cfg)["geometry"]
+    assert "pixel value 0, before to_unit_range and normalize" in geometry["resize"]
+    image = np.random.default_rng(0).integers(0, 256, (40, 120, 3)).astype(np.uint8)  # 64 x 22 once resized
+    padded = train_unet.fit_input(image, cfg)
+    by_hand = sidecar_input(np.zeros((1, 1, 3), np.uint8), train_unet.preprocessing(cfg))[0, 0]
+    assert np.allclose(np.asarray(padded)[:, 30:, :], by_hand[:, None, None], atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["uint8", "uint16", "float32"])
 def test_sidecar_preprocessing_gives_predicts_input(kind, tmp_path, make_cfg):
     """The sidecar's scaling and normalisation numbers, applied by hand, give what read_image and
