@@ -6068,14 +6068,15 @@ def probe_row(name, base, hw, steps, fp32_times):
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
     layout, _ = decide_channels_last(cfg, hw, Precision.of(torch.bfloat16, "probe"))
     if cfg["batch_size"] not in fp32_times:
-        fp32_times[cfg["batch_size"]] = time_train_steps(cfg, hw, torch.float32, False, steps)
-    bf16 = time_train_steps(cfg, hw, torch.bfloat16, layout, steps)
-    ref = fp32_times[cfg["batch_size"]]
+        fp32_times[cfg["batch_size"]] = train_step_times(cfg, hw, torch.float32, False, steps)
+    times = {"bf16": train_step_times(cfg, hw, torch.bfloat16, layout, steps), "fp32": fp32_times[cfg["batch_size"]]}
+    bf16, ref = (float(np.median(times[k])) for k in ("bf16", "fp32"))
     print(f"[benchmark] {name}: probe, {steps} steps: bf16 (not native) {bf16:.3f} s/step, fp32 {ref:.3f} s/step: "
           f"{slower_than_fp32(bf16 / ref)}", flush=True)
     return {"config": name, "device": describe(hw), "precision": "bf16 (not native)", "batch": cfg["batch_size"],
             "channels_last": layout, "compile": False, "speedup_vs_fp32": ref / bf16,
-            "slowdown_vs_fp32": bf16 / ref, "status": f"probe: {steps} bare steps, {hw.bf16_feature}"}
+            "slowdown_vs_fp32": bf16 / ref, "step_spread": max(map(spread, times.values())),
+            "status": f"probe: {steps} bare steps, {hw.bf16_feature}"}
 
 
 def slower_than_fp32(slowdown):
@@ -6159,8 +6160,13 @@ def bare_loop_speedups(base, hw, steps, probe_steps=2):
 
 
 def time_train_steps(base, hw, dtype, channels_last, steps):
-    """Median seconds per bare training step (bare_training_step, after one warm-up step) at base's
-    batch and image size."""
+    """Median seconds per bare training step (train_step_times)."""
+    return float(np.median(train_step_times(base, hw, dtype, channels_last, steps)))
+
+
+def train_step_times(base, hw, dtype, channels_last, steps):
+    """Seconds of each of `steps` bare training steps (bare_training_step, after one warm-up step) at
+    base's batch and image size."""
     step, times = bare_step_runner(base, hw, dtype, channels_last), []
     for _ in range(steps + 1):
         synchronize(hw)
@@ -6168,7 +6174,7 @@ def time_train_steps(base, hw, dtype, channels_last, steps):
         step()
         synchronize(hw)
         times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
+    return times[1:]
 
 
 def bare_step_runner(base, hw, dtype, channels_last):
@@ -6188,29 +6194,34 @@ def add_speedups(rows):
 
 def format_benchmark_table(rows):
     header = ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU", "Note")
-    lines = [header]
+    lines, ref = [header], next((r for r in rows if r.get("config") == "fp32" and r.get("status") == "ok"), None)
     for r in rows:
         if r.get("status", "").startswith("probe"):
+            noisy = (r.get("step_spread") or 1) > NOISY_SPREAD
             lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
-                          "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"))
+                          "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"
+                          + (f"; noisy: steps {r['step_spread']:.2f}x apart; more probe_steps, a quiet machine"
+                             if noisy else "")))
             continue
         if r.get("status") != "ok":
             lines.append((r["config"], "-", "-", "-", "-", "-", "-", r.get("status", "")))
             continue
         speed = f"{r['speedup_vs_fp32']:.2f}x" if r["speedup_vs_fp32"] else "-"
         lines.append((r["config"], str(r["batch"]), r["precision"], f"{r['time_per_epoch_s']:.1f}s",
-                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", benchmark_note(r)))
+                      speed, f"{r['peak_mem_mb']:.0f} MB", f"{r['final_val_iou']:.4f}", benchmark_note(r, ref)))
     return markdown_table(lines)
 
 
 NOISY_SPREAD = 1.25  # the slowest timed epoch over the fastest above which a row's figures are called noisy
 
 
-def benchmark_note(row):
+def benchmark_note(row, ref=None):
     """The Note column of a trained row: compile time, and whether its time can be trusted: one epoch
-    only (start-up included), or timed epochs far apart (a busy machine, or a warm-up still going: on a
-    CPU, epochs of a second or two ran epoch 2 1.35x slower than 3 and 4, 11-25). A row of an older
-    benchmark.json (the notebook reads them) may lack the counts: then nothing is said of them."""
+    only (start-up included), timed epochs far apart (a busy machine, or a warm-up still going: on a
+    CPU, epochs of a second or two ran epoch 2 1.35x slower than 3 and 4, 11-25), or timed epochs far
+    slower than the untimed first one, warm-up and all (the machine got busy: 0.85 s, then 29 s and 29 s
+    in a review); and, for the others, whether the fp32 row their speed-up divides by has such a note. A
+    row of an older benchmark.json (the notebook reads them) may lack the counts: then nothing is said."""
     notes = [f"compiled: epoch 1 took {row['first_epoch_s']:.0f}s"] if row.get("compile") else []
     if row.get("epochs") == 1:
         notes.append("1 epoch: its time includes start-up; use epochs=4 or more")
@@ -6218,6 +6229,12 @@ def benchmark_note(row):
         notes.append("1 timed epoch: no spread to judge its noise by; use epochs=4 or more")
     elif (row.get("epoch_spread") or 1) > NOISY_SPREAD:
         notes.append(f"noisy: epoch times {row['epoch_spread']:.2f}x apart; more epochs, a quiet machine")
+    elif not row.get("compile") and row.get("first_epoch_s") and \
+            row["time_per_epoch_s"] > NOISY_SPREAD * row["first_epoch_s"]:
+        notes.append(f"noisy: timed epochs {row['time_per_epoch_s'] / row['first_epoch_s']:.1f}x slower than the "
+                     f"first, warm-up and all (the machine got busy); a quiet machine")
+    if ref is not None and ref is not row and row.get("speedup_vs_fp32") and benchmark_note(ref):
+        notes.append("speed-up against the fp32 row's time, which has a note")
     return "; ".join(notes)
 
 

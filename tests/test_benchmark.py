@@ -199,6 +199,26 @@ def test_a_row_says_when_its_time_cannot_be_trusted():
     assert "1 timed epoch: no spread to judge its noise by; use epochs=4" in table(two)
 
 
+def test_a_row_timed_slower_than_its_first_epoch_and_the_rows_measured_against_it_say_so():
+    """A review's fp32 row: epochs of 0.85 s, then 29.0 s and 29.1 s (the machine got busy), no note, and
+    every other row 34-50x faster than it, no note either."""
+    fp32 = train_unet.summarize_history("fp32", history([0.85, 29.04, 29.09]), INFO)
+    bf16 = train_unet.summarize_history("bf16", history([1.0, 0.86, 0.87]), INFO)
+    table = train_unet.format_benchmark_table(train_unet.add_speedups([fp32, bf16]))
+    fp32_line, bf16_line = (line for line in table.splitlines() if line.startswith(("| fp32 ", "| bf16 ")))
+    assert "noisy: timed epochs 34.2x slower than the first" in fp32_line
+    assert "speed-up against the fp32 row's time, which has a note" in bf16_line
+    quiet = train_unet.summarize_history("fp32", history([1.0, 0.86, 0.87]), INFO)
+    assert "note" not in train_unet.format_benchmark_table(train_unet.add_speedups([quiet, bf16]))
+
+
+def test_a_probe_row_says_when_its_steps_were_far_apart():
+    row = {"config": "bf16", "precision": "bf16 (not native)", "batch": 4, "speedup_vs_fp32": 0.1,
+           "slowdown_vs_fp32": 10.0, "status": "probe: 2 bare steps, no AVX512-BF16"}
+    assert "noisy: steps 3.00x apart" in train_unet.format_benchmark_table([{**row, "step_spread": 3.0}])
+    assert "noisy" not in train_unet.format_benchmark_table([{**row, "step_spread": 1.1}])
+
+
 def test_unknown_configuration_is_a_clear_error():
     with pytest.raises(train_unet.UserError, match="unknown fp8.*fp32"):
         train_unet.parse_benchmark_args(["configs=fp32,fp8"])
