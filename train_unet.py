@@ -409,6 +409,9 @@ def resume_state(cfg, ckpt_dir):
                         + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
                         + ": resume with the same values, or start a new run in another checkpoint_dir")
+    if "optimizer" not in state:
+        raise UserError(f"{path} holds a model's weights without the optimizer state a resume continues from (a "
+                        f"best.pt copied there?): put back the last.pt training wrote, or start a new run")
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
                         f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
@@ -657,6 +660,17 @@ class Run:
         self.ema.load(state.get("ema"), self.model)
 
 
+# What only a resume needs, which last.pt keeps and best.pt leaves out: AdamW's two moments per weight made
+# best.pt three times the model's size (172 MB for resnet18's U-Net), written again at every better epoch.
+RESUME_ONLY = ("optimizer", "scaler", "rng")
+
+
+def best_checkpoint(state):
+    """best.pt: the run's state but what only a resume needs (predict, export and the notebooks read the
+    model, its EMA, config and history)."""
+    return {key: value for key, value in state.items() if key not in RESUME_ONLY}
+
+
 def announce_run(cfg, hw, run, sizes, extra):
     """Print the config and the data/distributed summary; rank 0 writes config.json."""
     n_train, n_val, n_batches, steps_per_epoch = sizes
@@ -754,7 +768,7 @@ def finish_epoch(run, row, cfg):
             state = run.state(cfg)
             save_checkpoint(ckpt_dir / "last.pt", state)
             if improved:
-                save_checkpoint(ckpt_dir / "best.pt", state)
+                save_checkpoint(ckpt_dir / "best.pt", best_checkpoint(state))
                 save_confusion(ckpt_dir, run.confusion, run.class_names or [])
             write_history(ckpt_dir / "history.csv", run.history)
         print(epoch_summary(row, cfg, improved))

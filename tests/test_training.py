@@ -405,6 +405,24 @@ def test_resume_with_data_dir_left_out_names_the_runs_folder_and_writes_nothing(
     assert not (tmp_path / "data" / "shapes").exists()
 
 
+def test_best_pt_keeps_no_optimizer_state_and_a_resume_from_it_is_a_one_line_error(make_cfg):
+    """best.pt held AdamW's two moments per weight: three times the model (172 MB for resnet18's U-Net),
+    written at every better epoch. Predict and export need none of it; a resume reads last.pt."""
+    import shutil
+
+    cfg = make_cfg(epochs=1)
+    train(cfg)
+    ckpt = Path(cfg["checkpoint_dir"])
+    best, last = (train_unet.load_checkpoint(ckpt / name) for name in ("best.pt", "last.pt"))
+    assert not set(train_unet.RESUME_ONLY) & set(best) and set(train_unet.RESUME_ONLY) <= set(last)
+    assert all(torch.equal(best["model"][k], last["model"][k]) for k in last["model"])  # epoch 1 was the best
+    assert (ckpt / "best.pt").stat().st_size < 0.5 * (ckpt / "last.pt").stat().st_size
+    shutil.copy(ckpt / "best.pt", ckpt / "last.pt")
+    with pytest.raises(UserError, match="without the optimizer state a resume continues from") as info:
+        train(make_cfg(epochs=2, resume=True))
+    assert "\n" not in str(info.value)
+
+
 def test_resume_with_another_tta_is_refused(make_cfg):
     """best.pt compares every epoch's val IoU: plain epochs against a TTA one made a 'best' of a method."""
     train(make_cfg(epochs=1))
