@@ -71,6 +71,18 @@ def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
 
+def test_benchmark_notebook_runs_nothing_in_a_folder_the_user_named(tmp_path):
+    """Pointed at an interrupted benchmark (no benchmark.json), it started a 5-minute benchmark there, moving
+    the partial results aside, as my_run.ipynb no longer does with a run's folder."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "fp32.log").write_text("[benchmark] fp32: ...\n")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="no benchmark.json in .*bench"):
+        execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
 def test_benchmark_notebook_skips_rows_with_missing_numbers(tiny_run, tmp_path):
     """A row without some numbers (e.g. a probe row) must not break the plots."""
     history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
