@@ -574,7 +574,8 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
     if state is not None:
         run.load(state)
         set_rng_state(state["rng"])
-        notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}")
+        notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
+                     + other_world_size(state, cfg))
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}"
@@ -585,6 +586,17 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         ids = [hw.device] if hw.kind == "cuda" else None
         run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
     return run
+
+
+def other_world_size(state, cfg):
+    """What the resume note adds where the run trained on another number of processes: the effective
+    batch and the data order change (the LR curve does not: resumed_schedule)."""
+    was = state.get("world_size", DIST.world)
+    if was == DIST.world:
+        return ""
+    per = cfg["batch_size"] * cfg["accumulation_steps"]
+    return (f", trained on {was} process(es), now {DIST.world}: the effective batch is {per * DIST.world} "
+            f"instead of {per * was}, and the data order changes; the LR curve does not")
 
 
 def resumed_schedule(state, cfg, steps_per_epoch, notes):
@@ -647,7 +659,7 @@ class Run:
                 "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
                 "config": cfg, "history": self.history, "precision": self.prec.name,
                 "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
-                "data_split": self.data_split, "device_kind": self.device_kind}
+                "data_split": self.data_split, "device_kind": self.device_kind, "world_size": DIST.world}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])

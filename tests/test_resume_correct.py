@@ -268,3 +268,14 @@ def test_a_resume_on_a_cpu_keeps_its_runs_probed_precision_and_layout(make_cfg, 
     weights = [train_unet.load_checkpoint(Path(folder) / "last.pt")["model"]
                for folder in (tmp_path / "straight", cfg["checkpoint_dir"])]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_a_resume_on_another_number_of_processes_says_what_changes(monkeypatch):
+    """Resumed from 2 processes to 1, the banner said only "resumed from ...": the effective batch halved."""
+    cfg = {"batch_size": 2, "accumulation_steps": 3}
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=1))
+    assert train_unet.other_world_size({"world_size": 2}, cfg) == (
+        ", trained on 2 process(es), now 1: the effective batch is 6 instead of 12, and the data order changes; "
+        "the LR curve does not")
+    assert train_unet.other_world_size({"world_size": 1}, cfg) == ""
+    assert train_unet.other_world_size({}, cfg) == ""  # a checkpoint from before world_size was saved
