@@ -376,6 +376,7 @@ def set_up_training(cfg, explicit):
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
+    notes.append(unused_val_fraction(cfg, explicit))
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
@@ -393,6 +394,16 @@ def set_up_training(cfg, explicit):
     announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch),
                  {"preset": preset_line, "batch_size_auto": auto_batch})
     return cfg, hw, run, loaders
+
+
+def unused_val_fraction(cfg, explicit):
+    """A note where val_fraction was given (on the command line, or changed in CONFIG) but data_dir's own
+    train/ and val/ folders are the split; else None."""
+    root = Path(cfg["data_dir"])
+    given = "val_fraction" in explicit or cfg["val_fraction"] != CONFIG["val_fraction"]
+    if not (given and (root / "train").is_dir() and (root / "val").is_dir()):
+        return None
+    return f"val_fraction={cfg['val_fraction']:g} not used: {root} has train/ and val/ folders, which are the split"
 
 
 def resume_state(cfg, ckpt_dir):

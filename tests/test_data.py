@@ -275,6 +275,18 @@ def test_an_image_copied_into_both_train_and_val_is_refused(make_cfg, make_data,
     assert "remove them from one of the two" in message
 
 
+def test_val_fraction_given_beside_train_and_val_folders_gets_a_note(make_cfg, make_data, tmp_path):
+    root = tmp_path / "split"
+    make_data("split/train", count=8, seed=1)
+    make_data("split/val", count=3, seed=2)
+    cfg = make_cfg(data_dir=str(root), val_fraction=0.5)
+    assert train_unet.unused_val_fraction(cfg, ()) == (f"val_fraction=0.5 not used: {root} has train/ and val/ "
+                                                       f"folders, which are the split")
+    assert train_unet.unused_val_fraction(make_cfg(data_dir=str(root)), ()) is None  # not given
+    assert train_unet.unused_val_fraction(make_cfg(data_dir=str(root)), {"val_fraction"}) is not None
+    assert train_unet.unused_val_fraction(make_cfg(val_fraction=0.5), ()) is None  # images/ and masks/: used
+
+
 def test_val_folder_is_checked_too(make_cfg, make_data, tmp_path):
     root = tmp_path / "split"
     make_data("split/train", count=8, seed=1)
