@@ -445,15 +445,16 @@ def changed_resume_keys(state, cfg):
     return changed
 
 
-def split_record(train_pairs, val_pairs):
+def split_record(train_pairs, val_pairs, data_dir):
     """Which files a run trains and validates on: their counts, a digest of their stems (the seeded split's
     order; not their folder: a data set moved, or given as ./data, is the same split) and one of their
-    sizes in bytes (another data set with the same file names, e.g. 0001.png, ... differs in them)."""
+    sizes in bytes (another data set with the same file names, e.g. 0001.png, ... differs in them), and
+    the folder, resolved (a relative data_dir is then the same folder from any working directory)."""
     names = lambda pairs: "\n".join(Path(image).stem for image, _ in pairs)  # noqa: E731
     digest = hashlib.sha256(f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode()).hexdigest()[:16]
     sizes = ",".join(str(os.stat(path).st_size) for pair in (*train_pairs, *val_pairs) for path in pair)
     return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest,
-            "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16]}
+            "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16], "folder": os.path.realpath(data_dir)}
 
 
 def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
@@ -462,11 +463,11 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
     best.pt would compare IoUs over two different validation sets. Files of the same names with other
     sizes: in another folder, another data set (refused); in the run's own folder, edited (a note). A
     checkpoint from before the record (or before its sizes): not checked (or not by size)."""
-    record, saved = split_record(train_pairs, val_pairs), (state or {}).get("data_split")
+    record, saved = split_record(train_pairs, val_pairs, cfg["data_dir"]), (state or {}).get("data_split")
     if not saved:
         return record
     was = state["config"].get("data_dir", cfg["data_dir"])
-    elsewhere = os.path.realpath(was) != os.path.realpath(cfg["data_dir"])
+    elsewhere = saved.get("folder", os.path.realpath(was)) != record["folder"]
     if [saved[k] for k in ("train", "val", "digest")] != [record[k] for k in ("train", "val", "digest")]:
         fix = f"give data_dir={was}" if elsewhere else "put the folder back as it was"
         raise UserError(f"cannot resume exactly: {cfg['data_dir']} is not the data set this run started on "
@@ -542,8 +543,10 @@ def resumed_cpu_modes(cfg, hw, prec, state):
     device_kind was saved."""
     if state is None or hw.kind != "cpu" or state.get("device_kind") != "cpu":
         return None
-    saved = state["precision"]
-    if autos_precision(cfg, hw, prec) and saved != prec.name and (saved == "fp32" or (saved == "bf16" and hw.bf16)):
+    saved, was = state["precision"], state["config"]
+    was_auto = was.get("use_amp", True) and amp_dtype_name(was.get("amp_dtype", "auto")) == "auto"
+    native = saved == "fp32" or (saved == "bf16" and hw.bf16)
+    if autos_precision(cfg, hw, prec) and was_auto and saved != prec.name and native:
         prec = Precision.of(DTYPES[saved], "auto, kept from the checkpoint (a resume goes on as its run began)")
     if cfg["channels_last"] != "auto":
         return prec, decide_channels_last(cfg, hw, prec)
@@ -982,7 +985,7 @@ def window_pieces(model, batch, cfg, prec, hw):
 
 
 # ----------------------------------------------------------------------------------------------------
-# III.1 Command line and config: key=value overrides parsed to the default's type, validated; presets.
+# III.1 Command line and config: key=value overrides parsed to each key's type, validated; presets.
 # Presets: "explicit" keys (given on the command line, or passed to train() with a value that differs from
 # CONFIG) keep their value; the preset sets the others.
 # ----------------------------------------------------------------------------------------------------
@@ -2140,6 +2143,7 @@ def prepare_data(cfg):
     if unread and DIST.is_main:
         print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
               f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used")
+    check_no_image_in_both(train, val, root)
     check_pairs(train + val, cfg)
     samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
@@ -2170,7 +2174,6 @@ def split_pairs(cfg):
                         f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
     if all(split):
         train, val = find_pairs(root / "train"), find_pairs(root / "val")
-        check_no_image_in_both(train, val, root)
     else:
         pairs = find_pairs(root)
         order = np.random.default_rng(cfg["seed"]).permutation(len(pairs))
@@ -2657,8 +2660,9 @@ def check_pairs(pairs, cfg):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
         if image["hw"] != mask["hw"]:
-            raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{exif_turn(image_path)} but its "
-                            f"mask is {mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
+            turned = exif_turn(image_path, image["hw"])
+            raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "
+                            f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
     if all(v <= {0} for v in values):
         raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
@@ -2669,17 +2673,20 @@ def check_pairs(pairs, cfg):
                         f"0/255 masks use num_classes=1")
 
 
-def exif_turn(path):
-    """Where an image's EXIF Orientation tag turns it a quarter on reading (OpenCV applies it, as cameras and
-    viewers do; file managers and Pillow's .size give the stored size): words saying so, else ""."""
+def exif_turn(path, hw):
+    """Where an image read as `hw` was turned a quarter by its EXIF Orientation tag (OpenCV applies it, as
+    cameras and viewers do; file managers and Pillow's .size give the stored size; tifffile ignores it):
+    words saying so, else ""."""
     from PIL import Image
 
+    if is_tiff(path):  # read by tifffile, as stored (Pillow's .size of such a TIFF is its turned size)
+        return ""
     try:
         with Image.open(path) as image:
             turn, (w, h) = image.getexif().get(0x0112), image.size
     except Exception:  # noqa: BLE001 - any file Pillow cannot open: nothing to add to the message
         return ""
-    if turn not in (5, 6, 7, 8):
+    if turn not in (5, 6, 7, 8) or w == h or list(hw) != [w, h]:  # read as (h, w) = stored (w, h): turned
         return ""
     return f" as read (stored {w}x{h}, turned by its EXIF Orientation tag {turn}; draw the mask on the turned image)"
 
@@ -5966,7 +5973,7 @@ BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patie
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "timed_epochs", "epoch_spread", "images_per_s",
                     "speedup_vs_fp32", "peak_mem_mb", "peak_mem_kind", "final_val_iou", "final_val_dice",
-                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status", "slowdown_vs_fp32")
+                    "nonfinite_steps", "scaler_skipped_steps", "epochs", "status", "slowdown_vs_fp32", "step_spread")
 
 
 def run_benchmark(args=()):
@@ -6710,8 +6717,9 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
             "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
 
 
-# What pads an image (fit_transforms, pad_to): the pixel value 0, before to_unit_range and normalize
-PAD_WORDS = "pixel value 0, before to_unit_range and normalize (not 0 after them)"
+# What pads an image (fit_transforms, pad_to, on scale_image's output): 0 in the [0, 1] range to_unit_range
+# gives (an 8-bit pixel of 0; a wider image's range low end), before normalize
+PAD_WORDS = "0 after to_unit_range, before normalize (not 0 after normalize)"
 
 
 def preprocessing(cfg):

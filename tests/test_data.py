@@ -388,3 +388,13 @@ def test_a_size_mismatch_from_an_exif_turn_says_so(make_cfg, tmp_path):
     message = data_error(make_cfg(data_dir=str(root)))
     assert "is 64x96 as read (stored 96x64, turned by its EXIF Orientation tag 6" in message
     assert "but its mask is 96x64" in message
+
+
+def test_a_tiff_with_an_orientation_tag_is_not_called_turned(tmp_path):
+    """tifffile ignores the tag: a TIFF is read as stored, so the size message must not say it was turned."""
+    import tifffile
+
+    path = tmp_path / "t.tif"
+    tifffile.imwrite(path, np.zeros((64, 96, 3), np.uint8), photometric="rgb", extratags=[(274, 3, 1, 6, True)])
+    assert train_unet.decode_image(path).shape[:2] == (64, 96)
+    assert train_unet.exif_turn(path, [64, 96]) == ""

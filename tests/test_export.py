@@ -228,14 +228,15 @@ def sidecar_input(image, spec):
 
 def test_the_sidecar_says_what_pads_a_fit_image_and_predict_pads_so(make_cfg):
     """"pad ... with 0" was read as 0 after normalising by a user's own runtime, which then agreed with
-    predict on 98.6 % of a 120x40 image's mask pixels: the padding is the pixel value 0, normalised."""
-    cfg = make_cfg(image_size=64)
-    geometry = train_unet.preprocessing(cfg)["geometry"]
-    assert "pixel value 0, before to_unit_range and normalize" in geometry["resize"]
-    image = np.random.default_rng(0).integers(0, 256, (40, 120, 3)).astype(np.uint8)  # 64 x 22 once resized
-    padded = train_unet.fit_input(image, cfg)
-    by_hand = sidecar_input(np.zeros((1, 1, 3), np.uint8), train_unet.preprocessing(cfg))[0, 0]
-    assert np.allclose(np.asarray(padded)[:, 30:, :], by_hand[:, None, None], atol=1e-6)
+    predict on 98.6 % of a 120x40 image's mask pixels: the padding is 0 in [0, 1], then normalised."""
+    for dtype, span in ((np.uint8, None), (np.uint16, [1000, 4000])):  # pixel 0 is not 0 in [0, 1] there
+        cfg = make_cfg(image_size=64, intensity_range=span)
+        spec = train_unet.preprocessing(cfg)
+        assert "0 after to_unit_range, before normalize" in spec["geometry"]["resize"]
+        image = np.random.default_rng(0).integers(1000, 4001, (40, 120, 3)).astype(dtype)  # 64 x 22 resized
+        padded = train_unet.fit_input(train_unet.scale_image(image, intensity_range=span), cfg)
+        by_hand = (0 - np.array(spec["normalize"]["mean"])) / np.array(spec["normalize"]["std"])
+        assert np.allclose(np.asarray(padded)[:, 30:, :], by_hand[:, None, None], atol=1e-6), dtype
 
 
 @pytest.mark.parametrize("kind", ["uint8", "uint16", "float32"])

@@ -279,3 +279,16 @@ def test_a_resume_on_another_number_of_processes_says_what_changes(monkeypatch):
         "the LR curve does not")
     assert train_unet.other_world_size({"world_size": 1}, cfg) == ""
     assert train_unet.other_world_size({}, cfg) == ""  # a checkpoint from before world_size was saved
+
+
+def test_a_resume_keeps_only_a_precision_its_run_chose_by_auto(make_cfg):
+    """A run that began in fp32 because use_amp=False, resumed with use_amp=True: the user asked for AMP,
+    so auto decides again; a run that began with auto keeps its precision."""
+    hw = train_unet.Hardware("cpu", "cpu", "Fake EPYC", None, bf16=True, fp16=False, bf16_feature="AVX512-BF16")
+    cfg = make_cfg(use_amp=True, amp_dtype="auto", channels_last="auto", cpu_probe=True)
+    prec = train_unet.decide_precision(hw, True, "auto")
+    state = {"device_kind": "cpu", "precision": "fp32", "config": {**cfg, "channels_last": True}}
+    kept, layout = train_unet.resumed_cpu_modes(cfg, hw, prec, state)
+    assert kept.name == "fp32" and layout[0] is True
+    state["config"]["use_amp"] = False
+    assert train_unet.resumed_cpu_modes(cfg, hw, prec, state)[0].name == "bf16"
