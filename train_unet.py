@@ -2143,7 +2143,9 @@ def prepare_data(cfg):
     if unread and DIST.is_main:
         print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
               f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used")
-    check_no_image_in_both(train, val, root)
+    both = pairs_in_both(train, val, root)
+    if both and DIST.is_main:
+        print(both)
     check_pairs(train + val, cfg)
     samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
@@ -2190,18 +2192,20 @@ def split_pairs(cfg):
     return train, val
 
 
-def check_no_image_in_both(train, val, root):
-    """A file copied into both train/ and val/ (same name, same bytes) would be validated after training on
-    it: the val IoU would flatter the model. Only names in both are compared, so a large set costs nothing."""
+def pairs_in_both(train, val, root):
+    """A note where a pair was copied into both train/ and val/ (same name; image and mask the same bytes):
+    validated after training on it, it flatters the val IoU. A note, not an error: tiled data sets can hold
+    byte-identical blank tiles of the same name in both. Only names in both are compared. Else None."""
     import filecmp
 
-    train_images = {Path(image).stem: image for image, _ in train}
-    both = [Path(image).stem for image, _ in val if Path(image).stem in train_images
-            and filecmp.cmp(train_images[Path(image).stem], image, shallow=False)]
-    if both:
-        raise UserError(f"{len(both)} image(s) in both {root}/train and {root}/val (e.g. {both[0]}, the same file "
-                        f"in each): validating on images the model trains on flatters its val IoU; remove them "
-                        f"from one of the two")
+    same = lambda a, b: filecmp.cmp(a, b, shallow=False)  # noqa: E731
+    train_pairs = {Path(image).stem: (image, mask) for image, mask in train}
+    both = [Path(image).stem for image, mask in val if Path(image).stem in train_pairs
+            and all(map(same, train_pairs[Path(image).stem], (image, mask)))]
+    if not both:
+        return None
+    return (f"note: {len(both)} image(s) in both {root}/train and {root}/val with the same mask (e.g. {both[0]}): "
+            f"validating on images the model trains on flatters its val IoU; remove them from one of the two")
 
 
 def generate_shapes_dataset(root, count=300, size=128, num_classes=1, seed=0):
