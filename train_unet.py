@@ -2687,10 +2687,10 @@ def exif_turn(path, hw):
         return ""
     try:
         with Image.open(path) as image:
-            turn, (w, h) = image.getexif().get(0x0112), image.size
+            turn, (w, h) = image.getexif().get(EXIF_ORIENTATION), image.size
     except Exception:  # noqa: BLE001 - any file Pillow cannot open: nothing to add to the message
         return ""
-    if turn not in (5, 6, 7, 8) or w == h or list(hw) != [w, h]:  # read as (h, w) = stored (w, h): turned
+    if turn not in QUARTER_TURNS or w == h or list(hw) != [w, h]:  # read as (h, w) = stored (w, h): turned
         return ""
     return f" as read (stored {w}x{h}, turned by its EXIF Orientation tag {turn}; draw the mask on the turned image)"
 
