@@ -222,7 +222,7 @@ PRESET_USES = {
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
-    if command in ("-h", "--help", "help"):
+    if command in ("-h", "--help", "help") or (command == "train" and set(args) & {"-h", "--help", "help"}):
         print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
@@ -4375,7 +4375,8 @@ def load_class_names(cfg):
     if not path.is_file():
         return ["foreground"] if n == 1 else [str(i) for i in range(n)]
     try:
-        names = [line.strip() for line in path.read_text(encoding="utf-8").rstrip("\n").splitlines()]
+        # utf-8-sig: the byte-order mark Windows Notepad writes is not part of class 0's name
+        names = [line.strip() for line in path.read_text(encoding="utf-8-sig").rstrip("\n").splitlines()]
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path} ({type(exc).__name__}): save it as UTF-8 text, one class "
                         f"name per line") from None
@@ -4386,8 +4387,8 @@ def load_class_names(cfg):
                         f"name per line, class 0 first (e.g. background)")
     slugs = [class_slug(name) for name in names]
     if not all(slugs) or len(set(slugs)) < len(slugs):
-        raise UserError(f"{path}: every line needs a distinct, non-empty name (letters, digits, _), "
-                        f"got {names}")
+        raise UserError(f"{path}: every line needs a name of its own once spaces and punctuation become _ "
+                        f"(as in history.csv's columns: {', '.join(map(repr, slugs))}), got {names}")
     return names[-1:] if n == 1 else names
 
 

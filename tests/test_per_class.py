@@ -72,10 +72,17 @@ def test_binary_runs_keep_the_fixed_columns(tmp_path):
     assert load_class_names({"data_dir": str(tmp_path), "num_classes": 1}) == ["road"]
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
+    """Windows Notepad saves UTF-8 with a BOM (and CRLF): class 0 was named '\ufeffbg' in the confusion CSVs."""
+    (tmp_path / "class_names.txt").write_bytes(b"\xef\xbb\xbfbg\r\ncellA\r\ncellB\r\n")
+    assert load_class_names({"data_dir": str(tmp_path), "num_classes": 3}) == ["bg", "cellA", "cellB"]
+
+
 @pytest.mark.parametrize("text, match", [
     ("background\nbox\n", r"has 2 line\(s\) but num_classes=3 needs 3: one class name per line"),
-    ("background\n\nbox\n", "distinct, non-empty name"),
-    ("a\nA b\na\n", "distinct, non-empty name"),
+    ("background\n\nbox\n", r"a name of its own once spaces and punctuation become _ .*'background', '', 'box'"),
+    ("a\nA b\na\n", "a name of its own once spaces and punctuation become _"),
+    ("cell A\ncell_A\nbox\n", r"\('cell_A', 'cell_A', 'box'\)|'cell_A', 'cell_A', 'box'"),  # the same once sanitised
 ])
 def test_bad_class_names_file_is_a_one_line_error(make_cfg, multi_data, text, match, capsys):
     (multi_data / "class_names.txt").write_text(text)

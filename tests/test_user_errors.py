@@ -42,8 +42,9 @@ def test_batch_of_one_at_32px_is_refused_but_fine_at_64px():
 
 def test_duplicate_keys_and_help(capsys):
     one_line_error(train_unet.parse_overrides, ["--batch-size=2", "batch_size=3"], match="given twice")
-    assert train_unet.main(["--help"]) == 0
-    assert "batch_size" in capsys.readouterr().out
+    for argv in (["--help"], ["train", "--help"], ["epochs=1", "--help"]):  # the last two: "not key=value"
+        assert train_unet.main(argv) == 0
+        assert "batch_size" in capsys.readouterr().out
 
 
 def test_embedded_data_is_never_mixed_into_a_users_folder(tmp_path, monkeypatch):
