@@ -440,6 +440,8 @@ def changed_resume_keys(state, cfg):
         if (key in AUTO_KEYS and cfg[key] == "auto") or (key == "data_dir" and state.get("data_split")
                                                           and not no_data_elsewhere(saved.get(key), cfg[key])):
             continue
+        if key == "tile_overlap" and cfg["data_mode"] != "patch":  # fit mode's validation has no window
+            continue
         if saved.get(key, CONFIG[key]) != cfg[key]:
             changed.append(key)
     return changed
@@ -1135,12 +1137,13 @@ BOOL_OR_TEXT = ("channels_last",)
 # Keys that define the model's shape: a resumed run or a checkpoint must agree on them.
 MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 
-# ... and those that define the data, the optimisation and what validation measures (tta: best.pt
-# compares every epoch's val IoU): a resume continues exactly only if they are unchanged (epochs may grow;
+# ... and those that define the data, the optimisation and what validation measures (tta, and patch
+# mode's tile_overlap: best.pt compares every epoch's val IoU): a resume continues exactly only if they are unchanged (epochs may grow;
 # precision, speed and output settings may change).
 RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "class_weights",
                             "batch_size", "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction",
-                            "seed", "data_mode", "patch_scale", "patch_foreground", "patches_per_image", "tta")
+                            "seed", "data_mode", "patch_scale", "patch_foreground", "patches_per_image", "tta",
+                            "tile_overlap")
 
 
 # Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).

@@ -423,6 +423,15 @@ def test_best_pt_keeps_no_optimizer_state_and_a_resume_from_it_is_a_one_line_err
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("data_mode, refused", [("patch", True), ("fit", False)])
+def test_resume_with_another_tile_overlap_is_refused_in_patch_mode(make_cfg, data_mode, refused):
+    """Patch mode's validation slides a window: epochs scored at overlap 0.25 and 0.5 were compared by best.pt
+    without a word. Fit mode has no window: the key is unused there."""
+    cfg = make_cfg(data_mode=data_mode)
+    state = {"config": dict(cfg), "data_split": None}
+    assert train_unet.changed_resume_keys(state, {**cfg, "tile_overlap": 0.5}) == (["tile_overlap"] if refused else [])
+
+
 def test_resume_with_another_tta_is_refused(make_cfg):
     """best.pt compares every epoch's val IoU: plain epochs against a TTA one made a 'best' of a method."""
     train(make_cfg(epochs=1))
