@@ -379,7 +379,7 @@ def set_up_training(cfg, explicit):
     notes.append(unused_val_fraction(cfg, explicit))
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
-    class_names = load_class_names(cfg)  # a bad class_names.txt stops the run before anything moves
+    class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
     # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
     cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
                                                      notes)
@@ -394,6 +394,17 @@ def set_up_training(cfg, explicit):
     announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch),
                  {"preset": preset_line, "batch_size_auto": auto_batch})
     return cfg, hw, run, loaders
+
+
+def same_class_names(state, names, cfg):
+    """class_names.txt's names (a bad file stops the run here); a resumed run's must be its checkpoint's:
+    history.csv's per-class columns carry the run's names, and a renamed class's values had no column."""
+    was = (state or {}).get("class_names")
+    if was is None or was == names:
+        return names
+    raise UserError(f"cannot resume exactly: {Path(cfg['data_dir']) / 'class_names.txt'} names the classes "
+                    f"{', '.join(names)}; this run began with {', '.join(was)} (history.csv's columns): put the "
+                    f"names back to resume (rename after the run), or start a new run in another checkpoint_dir")
 
 
 def unused_val_fraction(cfg, explicit):
@@ -675,7 +686,8 @@ class Run:
                 "best_iou": self.best_iou, "epochs_since_best": self.since_best, "rng": rng_state(),
                 "config": cfg, "history": self.history, "precision": self.prec.name,
                 "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
-                "data_split": self.data_split, "device_kind": self.device_kind, "world_size": DIST.world}
+                "data_split": self.data_split, "device_kind": self.device_kind, "world_size": DIST.world,
+                "class_names": self.class_names}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])

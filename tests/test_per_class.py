@@ -46,6 +46,21 @@ def test_named_classes_get_columns_tensorboard_tags_and_a_table(make_cfg, multi_
     assert {f"class/val_iou_{n}" for n in names} <= set(acc.Tags()["scalars"])
 
 
+def test_a_resume_with_renamed_classes_is_refused_and_the_same_names_resume(make_cfg, multi_data):
+    """Renamed between two epochs, the classes' values of epoch 2 had no column in history.csv: blank."""
+    (multi_data / "class_names.txt").write_text("bg\ncellA\ncellB\n")
+    cfg = make_cfg(data_dir=str(multi_data), num_classes=3, epochs=1)
+    train(cfg)
+    (multi_data / "class_names.txt").write_text("background\nnucleus\nmembrane\n")
+    with pytest.raises(UserError, match="names the classes background, nucleus, membrane; this run began with "
+                                        "bg, cellA, cellB"):
+        train({**cfg, "epochs": 2, "resume": True})
+    (multi_data / "class_names.txt").write_text("bg\ncellA\ncellB\n")
+    train({**cfg, "epochs": 2, "resume": True})
+    _, rows = history_csv(cfg["checkpoint_dir"])
+    assert all(row["val_iou_cellA"] != "" for row in rows)
+
+
 def test_per_class_values_are_the_metric_s(multi_data):
     metric = SegMetric(3)
     logits = torch.zeros(1, 3, 2, 2)
