@@ -1332,6 +1332,10 @@ def value_rules(cfg):
          f"must be None, auto, or {max(2, cfg['num_classes'])} weights >= 0, one per class"
          f"{' [background, foreground]' if cfg['num_classes'] == 1 else ''}, not all 0, e.g. "
          f"class_weights={','.join(['1'] + ['5'] * max(1, cfg['num_classes'] - 1))}"),
+        ("class_weights", cfg["class_weights"] is None or not loss_terms(cfg["loss"])
+         or bool({"ce", "focal"} & set(loss_terms(cfg["loss"]))),
+         f"weighs the ce and focal terms, and loss={cfg['loss']} has neither: add one (e.g. loss={cfg['loss']}+ce), "
+         f"or set class_weights=None"),
         *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
         ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // MODEL_STRIDE) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "

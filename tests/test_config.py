@@ -123,6 +123,14 @@ def test_a_wrong_type_typed_into_config_is_refused(monkeypatch, key, value, word
     assert key in message and words in message
 
 
+def test_class_weights_with_a_loss_they_cannot_weigh_is_refused():
+    """loss=dice+lovasz class_weights=auto trained byte-identical epochs to class_weights=None, while the
+    banner printed the weights as if applied."""
+    message = user_error(["loss=dice+lovasz", "class_weights=auto"])
+    assert "weighs the ce and focal terms, and loss=dice+lovasz has neither" in message
+    assert parse_overrides(["loss=focal+dice", "class_weights=1,5"])["class_weights"] == [1.0, 5.0]
+
+
 def test_none_is_refused_for_a_required_int():
     message = user_error(["epochs=none"])
     assert "epochs" in message
