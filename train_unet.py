@@ -365,6 +365,7 @@ def set_up_training(cfg, explicit):
     cfg, preset_line = apply_preset(validate_config(cfg), explicit)
     check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
     check_worker_count(cfg)
+    check_class_weights_weigh(cfg)
     check_model_takes_image_size(cfg)
     if DIST.is_main:
         check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
@@ -415,6 +416,15 @@ def unused_val_fraction(cfg, explicit):
     if not (given and (root / "train").is_dir() and (root / "val").is_dir()):
         return None
     return f"val_fraction={cfg['val_fraction']:g} not used: {root} has train/ and val/ folders, which are the split"
+
+
+def check_class_weights_weigh(cfg):
+    """class_weights weigh the ce and focal terms: with a loss that has neither they would change nothing
+    while the banner shows them. Checked at training's start, not in validate_config: a checkpoint saved
+    so before this check still loads for predict and export."""
+    if cfg["class_weights"] is not None and not {"ce", "focal"} & set(loss_terms(cfg["loss"])):
+        raise UserError(f"class_weights={cfg['class_weights']!r} weighs the ce and focal terms, and loss={cfg['loss']} "
+                        f"has neither: add one (e.g. loss={cfg['loss']}+ce), or set class_weights=None")
 
 
 def resume_state(cfg, ckpt_dir):
@@ -1332,10 +1342,6 @@ def value_rules(cfg):
          f"must be None, auto, or {max(2, cfg['num_classes'])} weights >= 0, one per class"
          f"{' [background, foreground]' if cfg['num_classes'] == 1 else ''}, not all 0, e.g. "
          f"class_weights={','.join(['1'] + ['5'] * max(1, cfg['num_classes'] - 1))}"),
-        ("class_weights", cfg["class_weights"] is None or not loss_terms(cfg["loss"])
-         or bool({"ce", "focal"} & set(loss_terms(cfg["loss"]))),
-         f"weighs the ce and focal terms, and loss={cfg['loss']} has neither: add one (e.g. loss={cfg['loss']}+ce), "
-         f"or set class_weights=None"),
         *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
         ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // MODEL_STRIDE) ** 2 > 1,
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "

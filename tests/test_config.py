@@ -123,12 +123,15 @@ def test_a_wrong_type_typed_into_config_is_refused(monkeypatch, key, value, word
     assert key in message and words in message
 
 
-def test_class_weights_with_a_loss_they_cannot_weigh_is_refused():
+def test_class_weights_with_a_loss_they_cannot_weigh_is_refused_at_training_start(capsys):
     """loss=dice+lovasz class_weights=auto trained byte-identical epochs to class_weights=None, while the
-    banner printed the weights as if applied."""
-    message = user_error(["loss=dice+lovasz", "class_weights=auto"])
-    assert "weighs the ce and focal terms, and loss=dice+lovasz has neither" in message
-    assert parse_overrides(["loss=focal+dice", "class_weights=1,5"])["class_weights"] == [1.0, 5.0]
+    banner printed the weights as if applied. (At training's start: a checkpoint saved so still loads.)"""
+    with pytest.raises(UserError, match="weighs the ce and focal terms, and loss=dice\\+lovasz has neither"):
+        train_unet.check_class_weights_weigh(parse_overrides(["loss=dice+lovasz", "class_weights=auto"]))
+    train_unet.check_class_weights_weigh(parse_overrides(["loss=focal+dice", "class_weights=1,5"]))
+    train_unet.check_class_weights_weigh(parse_overrides(["loss=dice+lovasz"]))
+    assert train_unet.main(["loss=dice", "class_weights=auto", "data_dir=/nonexistent"]) == 2
+    assert "weighs the ce and focal terms" in capsys.readouterr().err  # before the data is looked at
 
 
 def test_none_is_refused_for_a_required_int():
