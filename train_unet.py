@@ -573,7 +573,7 @@ def resumed_cpu_modes(cfg, hw, prec, state):
         prec = Precision.of(DTYPES[saved], "auto, kept from the checkpoint (a resume goes on as its run began)")
     if cfg["channels_last"] != "auto":
         return prec, decide_channels_last(cfg, hw, prec)
-    nhwc = state["config"]["channels_last"]
+    nhwc = was["channels_last"]
     return prec, (nhwc, f"auto, kept from the checkpoint ({'NHWC' if nhwc else 'NCHW'}: a resume goes on as its "
                         f"run began)")
 
