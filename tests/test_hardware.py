@@ -304,6 +304,26 @@ def test_gpu_check_passes_on_a_gpu():
     assert "all checks passed" in proc.stdout
 
 
+def test_gpu_check_records_the_benchmarks_inference_table(tmp_path):
+    """gpu-check runs the benchmark's inference table (issue 24's figures for a GPU): run here on the CPU
+    at tiny sizes; on a GPU it takes INFERENCE_ARGS, which the benchmark accepts as they are."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check
+
+    train_unet.parse_benchmark_args(list(gpu_check.INFERENCE_ARGS))
+    train_unet.generate_shapes_dataset(tmp_path / "shapes", count=12, size=32)
+    hw = train_unet.detect_hardware("cpu")
+    args = ("configs=fp32", "epochs=1", "bare_steps=0", "inference=fp32,bf16_cl", "inference_size=96",
+            "inference_images=4", "inference_rounds=1", "image_size=32", "batch_size=2", "max_train_images=8",
+            "encoder_name=resnet18", "cpu_probe=False")
+    detail = gpu_check.check_inference(hw, tmp_path, args)
+    first, *table = detail.splitlines()
+    assert "fp32 fit " in first and "fp32 patch " in first and ("bf16_cl patch " in first) == hw.bf16
+    assert any("| Masks = fp32's" in line for line in table)
+    assert table[-1].strip().startswith("command: python train_unet.py benchmark configs=fp32")
+    assert (tmp_path / "benchmark" / "inference" / "inference.json").is_file()
+
+
 def test_gpu_check_trains_fp32_on_a_gpu_without_fast_half_precision(monkeypatch, tmp_path):
     """A Pascal GPU (capability 6.1): the fp32 training check (torch.compile at auto's fp32) was skipped as
     "fp32 is not native", so no best.pt existed and the predict checks failed: exit 1 on a working GPU."""

@@ -4,8 +4,10 @@
 
 Checks: the capability check on the real device, bf16 autocast, fp16 + GradScaler, channels_last,
 torch.compile, max_memory_allocated, predict, the sliding window's device memory (1,000² vs 8,000²),
-a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC)
-and, with 2+ GPUs visible, DDP over nccl under torchrun. Tiny synthetic data; a few minutes at most.
+a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC), the benchmark's inference table (predict
+against the forwards alone per precision and layout, as BENCHMARKS.md gives it for CPUs) and, with 2+
+GPUs visible, DDP over nccl under torchrun. Tiny synthetic data, but for the inference table (the shapes
+set and one 4000² image); a few minutes.
 Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible.
 """
 import contextlib
@@ -127,6 +129,32 @@ def check_bare_loop(hw, tmp):
     return "s/step at 128 px, batch 8: " + ", ".join(f"{k} {v * 1000:.1f} ms ({ref / v:.2f}x)" for k, v in times.items())
 
 
+# The benchmark's inference table as BENCHMARKS.md "Predict speed" took it on CPUs: the same command on the
+# GPU, so the GPU's rows read beside the CPUs' (a fresh copy of the shapes set stands in for data/shapes).
+INFERENCE_ARGS = ("configs=fp32", "epochs=2", "bare_steps=0", "inference=fp32,fp32_cl,bf16,bf16_cl",
+                  "inference_size=4000", "inference_images=200", "inference_rounds=5")
+
+
+def check_inference(hw, tmp, args=INFERENCE_ARGS):
+    """Predict (reading and writing included) per precision and layout against the forward passes alone
+    over the same batches: fit mode over 200 images of 128², patch mode on one 4000² image, with peak
+    memory and mask agreement with fp32. The table follows the line: what a GPU section of BENCHMARKS.md
+    needs. A row that fails fails the check; bf16 rows are skipped where bf16 is not native."""
+    data = tmp / "shapes"
+    if not data.is_dir():
+        T.generate_shapes_dataset(data)  # the embedded set's images
+    run = [*args, f"data_dir={data}", f"output={tmp / 'benchmark'}", f"device={hw.device}"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = T.run_benchmark(run)["inference"]
+    failed = [f"{r['mode']} {r['data_mode']}: {r['status']}" for r in rows
+              if r["status"] != "ok" and not r["status"].startswith("skipped")]
+    assert rows and not failed, "; ".join(failed) or "no inference rows"
+    ratios = ", ".join(f"{r['mode']} {r['data_mode']} {r['vs_forward_only']:.3f}x" for r in rows if r["status"] == "ok")
+    table = "\n".join("      " + line for line in T.format_inference_table(rows).splitlines())
+    return (f"predict vs the forwards alone: {ratios}\n{table}\n"
+            f"      command: python train_unet.py benchmark {' '.join(args)} device={hw.device}")
+
+
 def check_ddp(hw, tmp):
     if torch.cuda.device_count() < 2:
         return f"skipped: {torch.cuda.device_count()} GPU visible (needs 2+)"
@@ -154,7 +182,7 @@ def main():
               ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
                                                                       compile_model=True)),
               ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
-              ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
+              ("bare loop", check_bare_loop), ("inference table", check_inference), ("DDP (nccl)", check_ddp)]
     print(f"gpu-check on {T.describe(hw)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.device_count()} GPU(s)")
     failed = 0
