@@ -5518,14 +5518,20 @@ def list_images(path):
         return [path]
     if not path.is_dir():
         raise UserError(f"input {path} not found: give an image file or a folder of images")
-    images = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
+    with os.scandir(path) as scan:  # each entry's type without a stat per file (a large folder)
+        entries = [e for e in scan if not e.name.startswith(".")]
+    images = sorted(Path(e.path) for e in entries if e.is_file() and Path(e.name).suffix.lower() in IMAGE_EXTS)
+    folders = sorted(e.name + "/" for e in entries if e.is_dir())  # sub/ or a folder named x.png: not read
+    others = sorted(e.name for e in entries if e.is_file() and Path(e.name).suffix.lower() not in IMAGE_EXTS)
     if not images:
-        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}")
-    others = sorted(p.name for p in path.iterdir() if p.is_file() and p.suffix.lower() not in IMAGE_EXTS
-                    and not p.name.startswith("."))
+        inside = f" (its subfolders are not read: {', '.join(folders[:3])})" if folders else ""
+        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}{inside}")
     if others:
         print(f"note: {len(others)} other file(s) in {path} skipped (e.g. {others[0]}): only "
               f"{', '.join(IMAGE_EXTS)} are read")
+    if folders:
+        print(f"note: {len(folders)} folder(s) in {path} skipped (e.g. {folders[0]}): predict reads the images "
+              f"directly in it; give each folder as its own input=")
     return images
 
 

@@ -446,6 +446,20 @@ def test_a_folder_says_which_files_predict_skips(tmp_path, capsys):
                                        f"{', '.join(train_unet.IMAGE_EXTS)} are read\n")
 
 
+def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path, capsys):
+    """A folder x.png in predict's input was taken for an image and reported unreadable (exit 1); a
+    subfolder of images was left out without a word."""
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "x.png").mkdir()
+    (tmp_path / "more").mkdir()
+    assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
+    assert capsys.readouterr().out == (f"note: 2 folder(s) in {tmp_path} skipped (e.g. more/): predict reads "
+                                       f"the images directly in it; give each folder as its own input=\n")
+    (tmp_path / "a.png").unlink()
+    with pytest.raises(train_unet.UserError, match=r"no images .* \(its subfolders are not read: more/, x.png/\)$"):
+        train_unet.list_images(tmp_path)
+
+
 @pytest.mark.parametrize("args, defaults, hint", [
     (["lr=0.1"], None, "did you mean 'learning_rate'?"),
     (["bs=4"], None, "did you mean 'batch_size'?"),
