@@ -6029,7 +6029,7 @@ def run_benchmark(args=()):
     apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision.of(torch.float32, "benchmark"))
     print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
           f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
-    bare = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
+    bare, bare_spread = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
     rows, histories, fp32_times = [], {}, {}
     for name in names:
         if probe_instead(name, base, hw):
@@ -6046,10 +6046,10 @@ def run_benchmark(args=()):
     result = {"device": describe(hw), "machine": benchmark_machine(hw, args),
               "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
-              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare}
+              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare, "bare_loop_step_spread": bare_spread}
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
-    print_benchmark_summary(rows, bare, hw)
+    print_benchmark_summary(rows, bare, hw, bare_spread)
     result["inference"] = inference_table(base, hw, opts, out_dir)
     write_json(out_dir / "benchmark.json", result)
     return result
@@ -6063,14 +6063,19 @@ def benchmark_machine(hw, args):
             "cpu_bf16": hw.bf16_feature, "command": shlex.join(["python", "train_unet.py", "benchmark", *args])}
 
 
-def print_benchmark_summary(rows, bare, hw):
-    """The table, the bare loop's speeds, and what each column means."""
+def print_benchmark_summary(rows, bare, hw, bare_spread=None):
+    """The table, the bare loop's speeds (noted as noisy where a mode's steps were NOISY_SPREAD apart, as
+    the rows are: on a 2-core Xeon one run's bare loop read bf16_cl 1.40x fp32, its trained rows 2.37x and a
+    rerun 2.27x), and what each column means."""
     print(format_benchmark_table(rows))
     if bare:
+        label, worst = max((bare_spread or {"fp32": 1.0}).items(), key=lambda item: item[1])
+        noisy = (f"; noisy: {label}'s steps {worst:.2f}x apart, so these ratios are not the machine's: run "
+                 f"again on a quiet machine, or compare the rows above" if worst > NOISY_SPREAD else "")
         print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16{'' if hw.bf16 else ' (not native)'} "
               f"{bare['bf16']:.3f} "
               f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
-              f"({bare['fp32'] / bare['bf16_cl']:.2f}x)")
+              f"({bare['fp32'] / bare['bf16_cl']:.2f}x){noisy}")
     print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
           "first_epoch_s in the CSV); Speedup: images/s of that epoch vs fp32's; Final IoU: last epoch, "
           "evaluated in fp32.\n"
@@ -6228,15 +6233,18 @@ def spread(seconds):
 def bare_loop_speedups(base, hw, steps, probe_steps=2):
     """Reference: a bare forward/backward/step loop on random data, no loader, metrics or bars.
 
-    Returns {"fp32": s/step, "bf16": ..., "bf16_cl": ...} (medians after a warm-up step). Where bf16 is
-    emulated (no native kernels) it runs min(steps, probe_steps) steps: the answer, not a long wait.
+    Returns ({"fp32": s/step, "bf16": ..., "bf16_cl": ...}, {label: its slowest step over its fastest}):
+    medians after a warm-up step, and the spread that tells a busy machine (print_benchmark_summary).
+    Where bf16 is emulated (no native kernels) it runs min(steps, probe_steps) steps: the answer, not a
+    long wait.
     """
     if steps < 1:
-        return {}
+        return {}, {}
     bf16_steps = steps if hw.bf16 else max(1, min(steps, probe_steps))
-    return {label: time_train_steps(base, hw, dtype, channels_last, steps if dtype == torch.float32 else bf16_steps)
-            for label, dtype, channels_last in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                                                ("bf16_cl", torch.bfloat16, True))}
+    times = {label: train_step_times(base, hw, dtype, channels_last, steps if dtype == torch.float32 else bf16_steps)
+             for label, dtype, channels_last in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
+                                                 ("bf16_cl", torch.bfloat16, True))}
+    return {k: float(np.median(v)) for k, v in times.items()}, {k: spread(v) for k, v in times.items()}
 
 
 def time_train_steps(base, hw, dtype, channels_last, steps):

@@ -63,6 +63,7 @@ def test_benchmark_rows_files_and_table(bench, capsys):
     assert [r["config"] for r in csv_rows] == ["fp32", "bf16", "fp16"]
     assert set(train_unet.BENCHMARK_FIELDS) == set(csv_rows[0])
     assert set(result["bare_loop_s_per_step"]) == {"fp32", "bf16", "bf16_cl"}
+    assert set(saved["bare_loop_step_spread"]) == {"fp32", "bf16", "bf16_cl"}
     table = train_unet.format_benchmark_table(result["rows"])
     for column in ("Config", "Batch", "Precision", "Time/Epoch", "Speedup vs FP32", "Peak memory", "Final IoU"):
         assert column in table.splitlines()[0]
@@ -141,6 +142,25 @@ def test_benchmark_answers_for_bf16_on_a_cpu_without_native_bf16(tmp_path, monke
     bare = json.loads((out / "benchmark.json").read_text())["bare_loop_s_per_step"]
     assert set(bare) == {"fp32", "bf16", "bf16_cl"} and all(v > 0 for v in bare.values())
     assert "bf16 (not native)" in text and "strict fp32" in text
+
+
+def test_the_bare_loop_line_says_when_its_steps_were_noisy(monkeypatch, capsys):
+    """A busy moment made a Xeon's bare loop read bf16_cl 1.40x fp32 beside trained rows at 2.37x, with no
+    word of doubt (a rerun read 2.27x): the line now says so, as the rows' Note does."""
+    steps = {torch.float32: [0.50, 0.52, 0.51], torch.bfloat16: [0.20, 0.21, 0.20]}
+    monkeypatch.setattr(train_unet, "train_step_times", lambda base, hw, dtype, nhwc, n: list(steps[dtype]))
+    hw = train_unet.detect_hardware("cpu")
+    bare, spreads = train_unet.bare_loop_speedups(dict(train_unet.CONFIG), hw, 3)
+    assert bare == {"fp32": 0.51, "bf16": 0.20, "bf16_cl": 0.20} and spreads["fp32"] == pytest.approx(1.04)
+    train_unet.print_benchmark_summary([], bare, hw, spreads)
+    assert "noisy" not in capsys.readouterr().out
+    steps[torch.bfloat16] = [0.20, 0.37, 0.36]
+    bare, spreads = train_unet.bare_loop_speedups(dict(train_unet.CONFIG), hw, 3)
+    train_unet.print_benchmark_summary([], bare, hw, spreads)
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("bare loop"))
+    assert line.endswith("; noisy: bf16's steps 1.85x apart, so these ratios are not the machine's: run again "
+                         "on a quiet machine, or compare the rows above")
+    assert train_unet.bare_loop_speedups(dict(train_unet.CONFIG), hw, 0) == ({}, {})
 
 
 def test_slowdown_wording():
