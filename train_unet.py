@@ -5520,8 +5520,10 @@ def list_images(path):
         raise UserError(f"input {path} not found: give an image file or a folder of images")
     with os.scandir(path) as scan:  # each entry's type without a stat per file (a large folder)
         entries = [e for e in scan if not e.name.startswith(".")]
-    images = sorted(Path(e.path) for e in entries if e.is_file() and Path(e.name).suffix.lower() in IMAGE_EXTS)
-    folders = sorted(e.name + "/" for e in entries if e.is_dir())  # sub/ or a folder named x.png: not read
+    # A folder is never an image, whatever its name (x.png/); a broken link a.png stays one, so that
+    # predict names it among the unreadable
+    folders = sorted(e.name + "/" for e in entries if e.is_dir())
+    images = sorted(Path(e.path) for e in entries if not e.is_dir() and Path(e.name).suffix.lower() in IMAGE_EXTS)
     others = sorted(e.name for e in entries if e.is_file() and Path(e.name).suffix.lower() not in IMAGE_EXTS)
     if not images:
         inside = f" (its subfolders are not read: {', '.join(folders[:3])})" if folders else ""

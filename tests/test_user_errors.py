@@ -455,7 +455,10 @@ def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path,
     assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
     assert capsys.readouterr().out == (f"note: 2 folder(s) in {tmp_path} skipped (e.g. more/): predict reads "
                                        f"the images directly in it; give each folder as its own input=\n")
+    (tmp_path / "b.png").symlink_to(tmp_path / "gone.png")  # a broken link stays an input: named unreadable
+    assert train_unet.list_images(tmp_path) == [tmp_path / "a.png", tmp_path / "b.png"]
     (tmp_path / "a.png").unlink()
+    (tmp_path / "b.png").unlink()
     with pytest.raises(train_unet.UserError, match=r"no images .* \(its subfolders are not read: more/, x.png/\)$"):
         train_unet.list_images(tmp_path)
 
