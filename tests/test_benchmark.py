@@ -145,8 +145,8 @@ def test_benchmark_answers_for_bf16_on_a_cpu_without_native_bf16(tmp_path, monke
 
 
 def test_the_bare_loop_line_says_when_its_steps_were_noisy(monkeypatch, capsys):
-    """A busy moment made a Xeon's bare loop read bf16_cl 1.40x fp32 beside trained rows at 2.37x, with no
-    word of doubt (a rerun read 2.27x): the line now says so, as the rows' Note does."""
+    """One run's bare loop on a Xeon read bf16_cl 1.40x fp32 beside its trained rows at 2.37x, with no word
+    of doubt (a rerun read 2.27x): where a mode's steps spread, the line now says so, as the rows' Note does."""
     steps = {torch.float32: [0.50, 0.52, 0.51], torch.bfloat16: [0.20, 0.21, 0.20]}
     monkeypatch.setattr(train_unet, "train_step_times", lambda base, hw, dtype, nhwc, n: list(steps[dtype]))
     hw = train_unet.detect_hardware("cpu")
