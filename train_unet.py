@@ -5184,9 +5184,7 @@ def predict(opts):
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_predictor(opts, hw)
     tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
-    if tiling and cfg["data_mode"] == "fit":
-        print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
-              f"(each image resized to {cfg['image_size']} px, no sliding window)")
+    note_checkpoint_settings(cfg, opts, tiling)
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
     paths = list_images(opts["input"])
     cfg = predict_intensity_range(cfg, opts)
@@ -5227,6 +5225,20 @@ def predict(opts):
         print(f"  failed: {reason}")
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir)}
+
+
+def note_checkpoint_settings(cfg, opts, tiling):
+    """Notes where predict's options meet the checkpoint's settings: tiling options that a fit-mode
+    checkpoint ignores, and a checkpoint validated with test-time augmentation while predict runs other
+    views (its IoU was measured on the average of those views, not on the masks predict writes)."""
+    if tiling and cfg["data_mode"] == "fit":
+        print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
+              f"(each image resized to {cfg['image_size']} px, no sliding window)")
+    validated = cfg["tta"]  # an exported model's sidecar keeps no tta (EXPORT_KEYS): nothing to say of it
+    if opts["backend"] == "torch" and validated != "none" and opts["tta"] != validated:
+        print(f"note: {opts['checkpoint']} was validated with tta={validated} (the average of "
+              f"{len(TTA(validated))} views); predict runs tta={opts['tta']}: add tta={validated} for the masks "
+              f"its validation IoU describes, at {len(TTA(validated))}x the forwards")
 
 
 def masks_within_memory(model, paths, images, inputs, run):

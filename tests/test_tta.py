@@ -349,3 +349,23 @@ def test_the_measurement_tool_runs(fit_model, capsys):
     assert tta_measure.main([f"checkpoint={fit_model[0]}", "rounds=1", "batch_size=4"]) == 0
     out = capsys.readouterr().out
     assert all(f"| `{name}`" in out for name in TTA_VIEWS) and "val IoU" in out
+
+
+@pytest.mark.parametrize("predict_tta, noted", [("none", True), ("d4", True), ("flip", False)])
+def test_predict_notes_when_its_views_differ_from_the_validated_ones(predict_tta, noted, fit_model, tmp_path,
+                                                                     monkeypatch, capsys):
+    """A checkpoint validated with tta=flip: predict at its default (none) or with other views says that the
+    validation IoU describes other masks, and how to get them; with the same views it says nothing."""
+    ckpt, data = fit_model
+    state = train_unet.load_checkpoint(ckpt)
+    state["config"] = {**state["config"], "tta": "flip"}
+    train_unet.save_checkpoint(tmp_path / "flip.pt", state)
+    write_images(tmp_path / "in", data, [(32, 32)])
+    result, _ = counted_predict(monkeypatch, checkpoint=str(tmp_path / "flip.pt"), input=str(tmp_path / "in"),
+                                output=str(tmp_path / "out"), tta=predict_tta)
+    out = capsys.readouterr().out
+    assert result["predicted"] == 1
+    notes = [line for line in out.splitlines() if "was validated with tta=flip" in line]
+    assert len(notes) == int(noted)
+    if noted:
+        assert f"predict runs tta={predict_tta}" in notes[0] and "add tta=flip" in notes[0]
