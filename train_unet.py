@@ -5462,11 +5462,18 @@ class MaskWriter:
         try:
             save_prediction(path, mask_to_png(mask, self.num_classes), self.written)
             if self.overlay:
-                save_prediction(overlay_path, overlay_image(image, mask), self.written)
+                self.save_overlay(path, overlay_path, image, mask)
         except BaseException:
             self.failed = True
             raise
         self.written += 1
+
+    def save_overlay(self, mask_path, overlay_path, image, mask):
+        """The overlay, after its mask: a failed write's error also names that mask, which stands."""
+        try:
+            save_prediction(overlay_path, overlay_image(image, mask), self.written)
+        except UserError as exc:
+            raise UserError(f"{exc}, and this image's mask {mask_path}") from None
 
     def wait(self):
         """Until every mask handed over is written (a failed write raises its error here)."""

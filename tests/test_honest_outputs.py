@@ -285,6 +285,8 @@ def test_a_full_disk_keeps_what_was_written_and_counts_honestly(checkpoint, data
     monkeypatch.undo()
     assert str(out / name) in str(err.value) and f"the {kept} image(s) predicted before it" in str(err.value)
     assert not (out / name).exists()  # no partial file that looks like a prediction
+    if overlay:  # the image's mask was written before its overlay failed: it stands, and the error says so
+        assert str(err.value).endswith(f"are kept, and this image's mask {out / 'shape_0000.png'}")
     want = ["shape_0000.png"] if overlay else [f"shape_{i:04d}.png" for i in range(kept)]
     assert sorted(p.name for p in out.iterdir()) == want
     for path in out.iterdir():  # complete PNGs, no temporary files left
