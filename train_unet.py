@@ -231,6 +231,7 @@ def main(argv=None):
               + format_config(COMMAND_KEYS[command]()))
         return 0
     keep_freed_memory()
+    printable_file_names()
     try:
         with sigterm_as_exit():
             return run_command(command, args)
@@ -474,7 +475,8 @@ def split_record(train_pairs, val_pairs, data_dir):
     sizes in bytes (another data set with the same file names, e.g. 0001.png, ... differs in them), and
     the folder, resolved (a relative data_dir is then the same folder from any working directory)."""
     names = lambda pairs: "\n".join(Path(image).stem for image, _ in pairs)  # noqa: E731
-    digest = hashlib.sha256(f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode()).hexdigest()[:16]
+    stems = f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode("utf-8", "surrogateescape")  # a non-UTF-8 name's bytes
+    digest = hashlib.sha256(stems).hexdigest()[:16]
     sizes = ",".join(str(os.stat(path).st_size) for pair in (*train_pairs, *val_pairs) for path in pair)
     return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest,
             "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16], "folder": os.path.realpath(data_dir)}
@@ -1065,6 +1067,15 @@ def sigterm_as_exit():
 MMAP_THRESHOLD_BYTES = 32 * 2**20  # blocks up to this come from the heap: glibc's largest allowed value
 TRIM_THRESHOLD_BYTES = 2**31 - 1   # free memory at the heap's top kept up to this (mallopt takes an int)
 MALLOC_TUNING_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+
+
+def printable_file_names():
+    """Let the commands' messages print any file name: one whose bytes are not UTF-8 (Python keeps them as
+    surrogates) stopped print with UnicodeEncodeError where stdout's encoding is strict (a UTF-8 locale
+    such as en_US.UTF-8); such characters are now printed as escapes."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure") and stream.errors == "strict":
+            stream.reconfigure(errors="backslashreplace")
 
 
 def keep_freed_memory():
@@ -2385,7 +2396,7 @@ def opencv_read(path, flags, kind):
     if not Path(path).is_file():  # before OpenCV, which would print its own warning for it
         raise UserError(f"cannot read {kind} {path} ({unreadable_why(path)}): fix or remove it")
     try:
-        array = cv2.imread(str(path), flags)
+        array = opencv_decode(path, flags, kind)
     except cv2.error as exc:
         if "MAX_IMAGE_PIXELS" in str(exc):
             raise UserError(f"{kind} {path} has more pixels than OpenCV may read here (OPENCV_IO_MAX_IMAGE_"
@@ -2397,6 +2408,50 @@ def opencv_read(path, flags, kind):
         raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} ({unreadable_why(path)}): "
                                                        f"fix or remove it")
     return array
+
+
+def opencv_decode(path, flags, kind):
+    """cv2.imread(path, flags), but decoded from the file's bytes (cv2.imdecode, which turns a JPEG upright
+    by its EXIF as imread does) where imread cannot be trusted: a JPEG, whose end is checked first
+    (libjpeg decodes a truncated one with grey in place of the missing rows, and only warns), and a name
+    that is not UTF-8 (cv2.imread crashed the process on one)."""
+    name = str(path)
+    if Path(path).suffix.lower() not in JPEG_EXTS and utf8_name(name):
+        return cv2.imread(name, flags)
+    with open(path, "rb") as f:
+        data = f.read()
+    if data[:2] == b"\xff\xd8" and not jpeg_complete(data):
+        raise UserError(f"cannot read {kind} {path} (a truncated JPEG: its data stop before the end-of-image "
+                        f"marker): fix or remove it")
+    return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+
+
+JPEG_EXTS = (".jpg", ".jpeg", ".jpe", ".jfif")
+
+
+def utf8_name(name):
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # bytes no encoding decodes, kept by Python as surrogates
+        return False
+    return True
+
+
+def jpeg_complete(data):
+    """Whether a JPEG's bytes hold its end-of-image marker (FF D9) after its first scan begins. The
+    segments before the scan are stepped over by their lengths; inside the entropy-coded data an FF byte
+    is always followed by 00 or a restart marker, so the first FF D9 there is the real end (a camera's
+    trailer after it, a motion photo's video, does not matter)."""
+    i = 2
+    while i + 4 <= len(data):
+        if data[i] != 0xFF:
+            return True  # not the markers a JPEG has here: imdecode judges it
+        marker = data[i + 1]
+        if marker == 0xDA:  # start of scan
+            return data.find(b"\xff\xd9", i) >= 0
+        i += 1 if marker == 0xFF else 2 if 0xD0 <= marker <= 0xD9 or marker == 0x01 else \
+            2 + int.from_bytes(data[i + 2:i + 4], "big")
+    return False  # the file stops among the headers
 
 
 def unreadable_why(path):
@@ -2437,16 +2492,24 @@ def read_tiff(path, mask=False):
             series = tif.series[0]
             planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
             check_single_image(path, tif, series, planar, "mask" if mask else "image")
-            if series.keyframe.photometric == tifffile.PHOTOMETRIC.PALETTE and not mask:
+            if series.keyframe.photometric in OPENCV_PHOTOMETRICS and not mask:
                 return None
             try:
                 image = series.asarray()  # level 0
             except (ValueError, NotImplementedError, KeyError):
                 return None
+            except Exception as exc:  # noqa: BLE001 - damaged data: zlib.error, imagecodecs' errors, EOFError
+                raise UserError(f"cannot read {'mask' if mask else 'image'} {path} (corrupt TIFF data: "
+                                f"{first_line(exc)}): fix or remove it") from None
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError, TypeError, struct.error):
         # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then says it cannot read it
         return None
+
+
+# TIFF colour spaces read_tiff leaves to OpenCV (libtiff's conversion to RGB): palette colours (3) and
+# CMYK (5; tifffile would return its 4 inks, and K would be dropped as if it were alpha)
+OPENCV_PHOTOMETRICS = (3, 5)
 
 
 def check_single_image(path, tif, series, planar, kind):
@@ -2472,7 +2535,8 @@ def scale_image(image, path="image", intensity_range=None):
     Wider integers are mapped from `intensity_range` [low, high] to [0, 1] (float32): the training
     images' [min, max] (learnt_intensity_range: 12-bit data in 16-bit files -> about [0, 4095]), stored
     in the checkpoint's config so validation, predict and the notebook use the same one. None
-    (checkpoints from before the range was learnt) = the dtype's range, uint16 / 65535. Values outside
+    (checkpoints from before the range was learnt) = the dtype's range, uint16 / 65535; wider integers
+    need a range (over int32's, an image is one flat grey): a UserError. Values outside
     the range are not clipped. Floats have no bit depth: each image is mapped by its
     own min/max to [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the
     objects).
@@ -2481,6 +2545,10 @@ def scale_image(image, path="image", intensity_range=None):
         return image
     check_pixels(image, path)
     if np.issubdtype(image.dtype, np.integer):
+        if intensity_range is None and image.dtype.itemsize > 2:  # over the whole int32 range: one flat grey
+            raise UserError(f"image {path} has {image.dtype} pixels ({image.min()} to {image.max()}) and no "
+                            f"intensity_range maps them to 0-1 (none was learnt from the training images, "
+                            f"or given): set intensity_range=low,high, the span of such images' values")
         low, high = intensity_range or dtype_range(image.dtype)
         return unit_scale(image.astype(np.float32), low, high)
     image = image.astype(np.float32)
@@ -5797,7 +5865,9 @@ def output_paths(paths, out_dir, overlay=False):
     and the mask of an input named a_overlay.*)."""
     outputs = [out_dir / prediction_names(p)[0] for p in paths]
     inputs = {p.resolve() for p in paths}
-    if out_dir.resolve() in {p.parent for p in inputs}:
+    # the folders that list the inputs (a link's own, where it points elsewhere) and hold the files
+    folders = {p.absolute().parent.resolve() for p in paths} | {p.parent for p in inputs}
+    if out_dir.resolve() in folders:
         raise UserError(f"output={out_dir} holds the input images: masks would be written among them (over "
                         f"any image named like one); choose another output=... folder")
     clash = next((o for o in outputs if o.resolve() in inputs), None)

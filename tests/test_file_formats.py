@@ -514,3 +514,100 @@ def test_class_indices_saved_with_pillows_default_palette_stay_indices(tmp_path)
     values = np.array([[0, 1, 1], [1, 1, 0]], np.uint8)
     Image.fromarray(values, mode="P").save(tmp_path / "mask.png")
     assert np.array_equal(train_unet.read_mask(tmp_path / "mask.png", 1), values)
+
+
+# Damaged and unusual files as users have them: each one named in one line, or read right; never a crash,
+# a traceback or a silently wrong image.
+def rgb_image(h=40, w=48):
+    """Smooth colours (JPEG keeps them within a few levels)."""
+    noise = (np.random.default_rng(3).random((h, w, 3)) * 255).astype(np.uint8)
+    return cv2.GaussianBlur(noise, (0, 0), 3)
+
+
+def test_a_truncated_compressed_tiff_is_one_line_not_a_traceback(tmp_path):
+    path = tmp_path / "z.tif"
+    tifffile.imwrite(path, rgb_image(), photometric="rgb", compression="zlib")
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])  # zlib.error inside tifffile
+    one_line_error(train_unet.read_image, path, 3, match=r"cannot read image .*z.tif \(corrupt TIFF data: .*\): fix "
+                                                         r"or remove it")
+
+
+def test_a_truncated_jpeg_is_refused_and_a_whole_one_with_a_trailer_is_read(tmp_path):
+    """libjpeg decodes a cut JPEG with grey for the missing rows and only a warning; a JPEG with bytes after
+    its end (a camera's trailer, a motion photo's video) is whole, and an EXIF-turned one still upright."""
+    image = rgb_image()
+    data = cv2.imencode(".jpg", image[..., ::-1])[1].tobytes()
+    whole = train_unet.read_image(write(tmp_path / "whole.jpg", data), 3)
+    assert np.abs(whole.astype(int) - image).mean() < 8  # JPEG's loss, in RGB order
+    one_line_error(train_unet.read_image, write(tmp_path / "cut.jpg", data[:len(data) // 2]), 3,
+                   match=r"cannot read image .*cut.jpg \(a truncated JPEG: .*\): fix or remove it")
+    trailer = write(tmp_path / "trailer.jpg", data + b"\x00" * 7 + b"ftypmp42" + bytes(range(256)))
+    assert np.array_equal(train_unet.read_image(trailer, 3), whole)
+    turned = tmp_path / "turned.jpg"
+    exif = Image.new("RGB", (1, 1)).getexif()
+    exif[0x0112] = 6  # shown turned a quarter clockwise
+    Image.fromarray(image).save(turned, exif=exif, quality=95)
+    assert train_unet.read_image(turned, 3).shape == (48, 40, 3)
+
+
+def write(path, data):
+    path.write_bytes(data)
+    return path
+
+
+@pytest.fixture
+def fresh_checkpoint(tmp_path):
+    """An untrained fit-mode model's checkpoint at 32 px: predict needs a model, not a good one."""
+    cfg = train_unet.validate_config({"image_size": 32, "encoder_weights": None})
+    path = tmp_path / "fresh.pt"
+    train_unet.save_checkpoint(path, {"model": train_unet.build_model(cfg).state_dict(), "config": cfg})
+    return path
+
+
+def test_an_image_whose_name_is_not_utf8_is_read_predicted_and_named(fresh_checkpoint, tmp_path):
+    """A name of Latin-1 bytes (an old archive's): cv2.imread crashed the whole process on it (a segfault,
+    no mask written); predict reads it, writes its mask, and names another such file that is damaged,
+    also where stdout's encoding is strict. Run in a child process, where a crash cannot take pytest."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    png = cv2.imencode(".png", rgb_image())[1].tobytes()
+    write(Path(os.fsdecode(bytes(folder) + b"/caf\xe9.png")), png)
+    write(Path(os.fsdecode(bytes(folder) + b"/cut\xe9.jpg")), cv2.imencode(".jpg", rgb_image())[1].tobytes()[:300])
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "train_unet.py"), "predict", f"checkpoint={fresh_checkpoint}",
+                           f"input={folder}", f"output={out}", "progress=False", "cpu_probe=False", "use_amp=False"],
+                          capture_output=True, env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"})
+    assert proc.returncode == 1, proc.stderr[-2000:]  # one image failed: its name printed, no traceback
+    assert sorted(os.listdir(bytes(out))) == [b"caf\xe9.png"]
+    assert b"failed: cannot read image " in proc.stdout and b"cut\\udce9.jpg (a truncated JPEG" in proc.stdout
+    assert b"Traceback" not in proc.stderr
+
+
+def test_the_split_record_of_a_name_that_is_not_utf8(tmp_path):
+    """Training on such a name: the split's digest hashed the stems as UTF-8 and stopped the run."""
+    image = write(Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.png")), b"x")
+    record = train_unet.split_record([(str(image), str(image))], [], tmp_path)
+    assert record["train"] == 1 and len(record["digest"]) == 16
+
+
+def test_wide_integer_pixels_need_a_range(tmp_path):
+    """int32 pixels over the whole int32 range are one flat grey (0.5 +- 1e-6): without a range they are
+    refused with the fix; with one they are scaled by it."""
+    pixels = (np.random.default_rng(0).random((16, 16)) * 1000).astype(np.int32)
+    tifffile.imwrite(tmp_path / "i.tif", pixels)
+    one_line_error(train_unet.read_image, tmp_path / "i.tif", 1,
+                   match=r"i.tif has int32 pixels \(\d+ to \d+\) and no intensity_range .*set intensity_range=low,high")
+    np.testing.assert_allclose(train_unet.read_image(tmp_path / "i.tif", 1, [0, 1000]), pixels / 1000, atol=1e-6)
+
+
+def test_a_cmyk_tiff_is_read_as_its_rgb_colours(tmp_path):
+    """tifffile returns a CMYK TIFF's four inks; K was dropped as if it were alpha and C, M, Y read as R, G,
+    B (inverted colours). OpenCV converts it to RGB, as Pillow converts it back."""
+    image = rgb_image()
+    Image.fromarray(image).convert("CMYK").save(tmp_path / "c.tif")
+    assert tifffile.TiffFile(tmp_path / "c.tif").pages[0].photometric == 5  # really CMYK (SEPARATED)
+    expected = np.asarray(Image.open(tmp_path / "c.tif").convert("RGB"))
+    assert np.array_equal(train_unet.read_image(tmp_path / "c.tif", 3), expected)

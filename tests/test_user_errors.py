@@ -161,6 +161,21 @@ def test_predict_writes_no_mask_among_the_input_images(trained, tmp_path):
     assert {p.name: p.read_bytes() for p in photos.iterdir()} == before
 
 
+def test_predict_writes_no_mask_among_links_to_images_kept_elsewhere(trained, tmp_path):
+    """A folder of links to images stored in another folder, given as input and as output: the masks would
+    stand among the links (and be read as images next time); refused as for the images themselves."""
+    cfg, data = trained
+    links = tmp_path / "links"
+    links.mkdir()
+    for src in sorted((data / "images").iterdir())[:2]:
+        (links / f"{src.stem}.jpg").symlink_to(src)  # other names than their targets': nothing overwritten
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "progress": False}
+    one_line_error(train_unet.predict, {**opts, "input": str(links), "output": str(links)},
+                   match=f"output={links} holds the input images")
+    assert sorted(p.name for p in links.iterdir()) == sorted(f"{p.stem}.jpg" for p in sorted(
+        (data / "images").iterdir())[:2])
+
+
 @pytest.mark.parametrize("overlay", [True, False])
 def test_an_overlay_and_a_mask_of_one_name_are_refused(trained, tmp_path, overlay):
     """With overlay, a.png's a_overlay.png and the mask of an input named a_overlay.png are one file."""
