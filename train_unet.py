@@ -475,7 +475,8 @@ def split_record(train_pairs, val_pairs, data_dir):
     sizes in bytes (another data set with the same file names, e.g. 0001.png, ... differs in them), and
     the folder, resolved (a relative data_dir is then the same folder from any working directory)."""
     names = lambda pairs: "\n".join(Path(image).stem for image, _ in pairs)  # noqa: E731
-    stems = f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode("utf-8", "surrogateescape")  # a non-UTF-8 name's bytes
+    # surrogateescape: a name whose bytes are not UTF-8 is hashed as those bytes (strict UTF-8 stopped the run)
+    stems = f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode("utf-8", "surrogateescape")
     digest = hashlib.sha256(stems).hexdigest()[:16]
     sizes = ",".join(str(os.stat(path).st_size) for pair in (*train_pairs, *val_pairs) for path in pair)
     return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest,
