@@ -238,6 +238,13 @@ def main(argv=None):
     except UserError as exc:
         print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full disk under any write that has no message of its own (history, logs)
+        if exc.errno not in FULL_DISK:
+            raise
+        print(f"error: cannot write {exc.filename or 'a file'} ({exc.strerror}): free disk space there or choose "
+              f"another folder; files are written under temporary names, so those written before are intact",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt as exc:
         left = exc.args[0] if exc.args else INTERRUPTED.get(command, "files written so far are complete")
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone says it (DIST is reset by now)
@@ -344,20 +351,21 @@ def train(cfg, explicit=()):
     `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
     win over the preset (apply_preset).
     """
-    cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
-    epoch = run.epoch + 1
-    while epoch <= cfg["epochs"]:
-        snapshot = rollback_point(run, cfg)  # the last known-good state, on the host (nan_guard)
-        try:
-            row = run_epoch(run, epoch, train_loader, val_loader, hw, cfg)
-        except NonFiniteStreak as bad:
-            fall_back(run, bad, snapshot, hw, cfg, epoch)
-            continue  # the same epoch again, same data order, safer precision
-        finish_epoch(run, row, cfg)
-        if stop_early(run, epoch, cfg):
-            break
-        epoch += 1
-    return finish_run(run, hw, cfg)
+    with checkpoint_dir_held():  # no other run writes into this run's checkpoint folder meanwhile
+        cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
+        epoch = run.epoch + 1
+        while epoch <= cfg["epochs"]:
+            snapshot = rollback_point(run, cfg)  # the last known-good state, on the host (nan_guard)
+            try:
+                row = run_epoch(run, epoch, train_loader, val_loader, hw, cfg)
+            except NonFiniteStreak as bad:
+                fall_back(run, bad, snapshot, hw, cfg, epoch)
+                continue  # the same epoch again, same data order, safer precision
+            finish_epoch(run, row, cfg)
+            if stop_early(run, epoch, cfg):
+                break
+            epoch += 1
+        return finish_run(run, hw, cfg)
 
 
 def set_up_training(cfg, explicit):
@@ -370,6 +378,7 @@ def set_up_training(cfg, explicit):
     check_model_takes_image_size(cfg)
     if DIST.is_main:
         check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
+        hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
     # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
     state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
     hw, prec, notes = setup_precision(cfg, state)
@@ -4905,6 +4914,45 @@ def check_writable(folder, key="output"):
                         f"{key}=...") from None
 
 
+def hold_checkpoint_dir(folder):
+    """Lock the run's checkpoint folder until train returns (checkpoint_dir_held; a flock on the folder
+    itself: no file is added, and the kernel drops it however the process ends). A second run into the
+    same folder would move the first one's files aside, then both would write the same checkpoints, and
+    the first run's results would be lost: it is refused. A folder this process holds is not taken twice."""
+    key = os.path.realpath(folder)
+    if key in HELD_FOLDERS:
+        return
+    try:
+        import fcntl
+    except ImportError:  # Windows: not locked
+        return
+    fd = os.open(key, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a file system without flock: not locked
+            return
+        raise UserError(f"checkpoint_dir={folder} is in use by another training run (it holds the folder's "
+                        f"lock): let it finish, or choose another checkpoint_dir=...") from None
+    HELD_FOLDERS[key] = fd
+
+
+HELD_FOLDERS = {}  # checkpoint folders this process has locked: {real path: descriptor}
+
+
+@contextlib.contextmanager
+def checkpoint_dir_held():
+    """The scope of a training run: the checkpoint folder locked inside it (hold_checkpoint_dir) is let go
+    at its end, so a notebook that trained can start the script on the same folder afterwards."""
+    before = set(HELD_FOLDERS)
+    try:
+        yield
+    finally:
+        for key in set(HELD_FOLDERS) - before:
+            os.close(HELD_FOLDERS.pop(key))
+
+
 def atomic_write(path, write):
     """write(tmp_path), then rename over path: a crash never leaves a half-written file. The temporary
     file is created new (mkstemp: O_EXCL, an unpredictable name), so a file or symlink planted under its
@@ -4935,7 +4983,15 @@ def current_umask():
 
 
 def save_checkpoint(path, state):
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    """torch.save under atomic_write. A failed write is a one-line UserError (torch's zip writer reports
+    a full disk as a RuntimeError, "unexpected pos", not an OSError); the file it replaces stays intact."""
+    try:
+        atomic_write(path, lambda tmp: torch.save(state, tmp))
+    except (OSError, RuntimeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            f"the write stopped short, as on a full disk: {first_line(exc, 60)}"
+        raise UserError(f"cannot write {path} ({why}): free disk space there or choose another folder; the "
+                        f"files written before it are intact") from None
 
 
 def load_checkpoint(path, map_location="cpu"):

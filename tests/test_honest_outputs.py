@@ -2,6 +2,7 @@
 original size, against its original mask); the benchmark archives only its own earlier outputs; predict
 never counts a mask it could not write."""
 import errno
+import os
 import shutil
 import time
 from pathlib import Path
@@ -332,3 +333,62 @@ def test_an_earlier_inference_table_is_archived_with_its_benchmark_and_a_users_f
     assert train_unet.benchmark_outputs(users.parent, ["fp32"]) == []  # no table this time: left alone
     with pytest.raises(UserError, match="inference is not an inference table, but the inference table writes"):
         train_unet.benchmark_outputs(users.parent, ["fp32", "inference"])
+
+
+# Training's own outputs: one run per checkpoint folder, and a full disk said in one line.
+def test_a_second_run_into_a_folder_in_use_is_refused_and_moves_nothing(make_cfg, tmp_path):
+    """Another run holds the folder (its lock taken here through another descriptor, as another process
+    would hold it): this run stops before anything moves, so the other run's files stay where it writes
+    them (the second run used to move them to previous/, and both then wrote the same checkpoints)."""
+    import fcntl
+
+    folder = tmp_path / "in_use"
+    folder.mkdir()
+    (folder / "last.pt").write_bytes(b"the other run's")
+    other = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UserError, match=r"checkpoint_dir=.*in_use is in use by another training run .*choose "
+                                            r"another checkpoint_dir") as err:
+            train_unet.train(make_cfg(checkpoint_dir=str(folder)))
+        assert "\n" not in str(err.value)
+        assert sorted(p.name for p in folder.iterdir()) == ["last.pt"]
+        assert (folder / "last.pt").read_bytes() == b"the other run's"
+    finally:
+        os.close(other)
+    result = train_unet.train(make_cfg(checkpoint_dir=str(folder)))  # the other run is over: the folder is free
+    assert result["best_iou"] is not None and (folder / "best.pt").is_file()
+    after = os.open(folder, os.O_RDONLY)  # this run is over too: another process could take the folder now
+    try:
+        fcntl.flock(after, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(after)
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_last_one_stays(make_cfg, tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as a RuntimeError ("unexpected pos"): that was a 30-line
+    traceback out of finish_epoch. Now one line; the checkpoint it would have replaced is intact."""
+    cfg = make_cfg(epochs=1)
+    train_unet.train(cfg)
+    last = Path(cfg["checkpoint_dir"]) / "last.pt"
+    before = last.read_bytes()
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save({"half": torch.zeros(10)}, f)
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 98546880 vs 98546768")
+    monkeypatch.setattr(train_unet.torch, "save", full_disk)
+    with pytest.raises(UserError, match=r"cannot write .*last.pt \(the write stopped short, as on a full disk: .*\): "
+                                        r"free disk space there") as err:
+        train_unet.train({**cfg, "resume": True, "epochs": 2})
+    assert "\n" not in str(err.value)
+    assert last.read_bytes() == before and not list(last.parent.glob(".last.pt.*"))
+
+
+def test_a_full_disk_under_any_other_write_is_one_line(monkeypatch, capsys):
+    def fails(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", "/runs/history.csv")
+    monkeypatch.setattr(train_unet, "train_main", fails)
+    assert train_unet.main(["epochs=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: cannot write /runs/history.csv (No space left on device)")
