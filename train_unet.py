@@ -2189,9 +2189,9 @@ def prepare_data(cfg):
     if unread and DIST.is_main:
         print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
               f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used")
-    both = pairs_in_both(train, val, root)
-    if both and DIST.is_main:
-        print(both)
+    for note in (pairs_in_both(train, val, root), pairs_beside_the_split(root)):
+        if note and DIST.is_main:
+            print(note)
     check_pairs(train + val, cfg)
     samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
@@ -2236,6 +2236,19 @@ def split_pairs(cfg):
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     return train, val
+
+
+def pairs_beside_the_split(root):
+    """A note where data_dir has train/ and val/ and also images/ or masks/ with files in them: the split
+    is train/ and val/, so those files are not read (a silent loss of data). Else None."""
+    if not ((root / "train").is_dir() and (root / "val").is_dir()):
+        return None
+    extra = {f"{sub}/": len(index_by_stem(root / sub)) for sub in ("images", "masks") if (root / sub).is_dir()}
+    extra = {name: n for name, n in extra.items() if n}
+    if not extra:
+        return None
+    return (f"note: {root} has train/ and val/, so the {' and '.join(f'{n} file(s) in {name}' for name, n in extra.items())} "
+            f"beside them are not read: move those pairs into train/ or val/ to use them")
 
 
 def pairs_in_both(train, val, root):
@@ -2321,6 +2334,10 @@ def find_pairs(folder):
     """Match <folder>/images/* with <folder>/masks/* by file stem."""
     folder = Path(folder)
     for sub in ("images", "masks"):
+        if not (folder / sub).is_dir() and (folder.parent / "masks").is_dir() and index_by_stem(folder):
+            root = folder.parent.parent if folder.parent.name in ("train", "val") else folder.parent
+            raise UserError(f"{folder} holds the images themselves: give the folder that holds images/ and "
+                            f"masks/{' (in train/ and val/)' if root != folder.parent else ''}, data_dir={root}")
         if not (folder / sub).is_dir():
             raise UserError(f"{folder / sub} not found: put images in {folder}/images and masks with "
                             f"the same file names in {folder}/masks")
@@ -2778,6 +2795,20 @@ def check_pairs(pairs, cfg):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
+    mixed = mixed_binary_masks(pairs, values, cfg)
+    if mixed and DIST.is_main:
+        print(mixed)
+
+
+def mixed_binary_masks(pairs, values, cfg):
+    """A note where, with classes, some masks hold only 0 and 255 while others hold class 1: the two binary
+    conventions (0/1, 0/255) mixed in one set. 255 is void there, so those masks' foreground is ignored."""
+    void_only = [mask for (_, mask), v in zip(pairs, values) if IGNORE_INDEX in v and v <= {0, IGNORE_INDEX}]
+    if cfg["num_classes"] < 2 or not void_only or not any(1 in v for v in values):
+        return None
+    return (f"note: {len(void_only)} mask(s) hold only 0 and {IGNORE_INDEX} (e.g. {Path(void_only[0]).name}) while "
+            f"others hold class 1: with num_classes={cfg['num_classes']} {IGNORE_INDEX} is void, so their "
+            f"foreground is ignored; if {IGNORE_INDEX} is their foreground, save them as 0/1 like the others")
 
 
 def exif_turn(path, hw):

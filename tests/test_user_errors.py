@@ -1,6 +1,7 @@
 """What a demanding user runs into: wrong types, unsafe outputs, inexact resumes, misleading hints."""
 import math
 import os
+import re
 import subprocess
 import sys
 import shutil
@@ -74,6 +75,50 @@ def test_train_folder_without_val_folder_is_named(make_data, make_cfg):
     (root / "imgs").rename(root / "train" / "images")
     (root / "masks").rename(root / "train" / "masks")
     one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root)), match="has train/ but no val/")
+
+
+def test_pairs_beside_train_and_val_are_named_as_not_read(make_data, make_cfg, capsys):
+    """train/ and val/ are the split: images/ and masks/ beside them were left out without a word."""
+    root = make_data("split", count=8, size=32)
+    for part, names in (("train", range(0, 4)), ("val", range(4, 6))):
+        for sub in ("images", "masks"):
+            (root / part / sub).mkdir(parents=True)
+            for i in names:
+                (root / sub / f"shape_{i:04d}.png").rename(root / part / sub / f"shape_{i:04d}.png")
+    train, val = train_unet.prepare_data(make_cfg(data_dir=str(root), batch_size=2))
+    assert (len(train), len(val)) == (4, 2)
+    out = capsys.readouterr().out
+    assert f"note: {root} has train/ and val/, so the 2 file(s) in images/ and 2 file(s) in masks/ beside them " \
+           f"are not read: move those pairs into train/ or val/" in out
+
+
+@pytest.mark.parametrize("inside", ["", "train"])
+def test_data_dir_given_as_the_images_folder_names_the_folder_above(make_data, make_cfg, inside):
+    root = make_data("mine", count=6, size=32)
+    if inside:  # data_dir=<root>/train/images, with val/ beside train/
+        for part in ("train", "val"):
+            shutil.copytree(root / "images", root / part / "images")
+            shutil.copytree(root / "masks", root / part / "masks")
+    images = root / inside / "images"
+    one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(images)),
+                   match=f"{images} holds the images themselves: give the folder that holds images/ and masks/"
+                         f"{' [(]in train/ and val/[)]' if inside else ''}, data_dir={root}$")
+
+
+def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, make_cfg, capsys):
+    """num_classes=2 with half the masks 0/1 and half 0/255: the 0/255 ones have no foreground (255 is
+    void); the run goes on (void-only masks can be meant), and the note says how to fix it if not."""
+    root = make_data("mixed", count=8, size=32)
+    for mask in sorted((root / "masks").iterdir())[:4]:
+        cv2.imwrite(str(mask), (cv2.imread(str(mask), cv2.IMREAD_UNCHANGED) > 0).astype(np.uint8))
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=2, batch_size=2))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "hold only 0 and 255" in line]
+    assert len(notes) == 1 and re.fullmatch(
+        r"note: 4 mask\(s\) hold only 0 and 255 \(e.g. shape_000[4-7].png\) while others hold class 1: with "
+        r"num_classes=2 255 is void, so their foreground is ignored; if 255 is their foreground, save them as 0/1 "
+        r"like the others", notes[0])
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=1, batch_size=2))  # binary: both read as 0/1
+    assert "hold only 0 and 255" not in capsys.readouterr().out
 
 
 def test_mask_hints_point_to_the_right_fix(tmp_path, make_cfg, data_dir):
