@@ -2243,7 +2243,7 @@ def pairs_beside_the_split(root):
     is train/ and val/, so those files are not read (a silent loss of data). Else None."""
     if not ((root / "train").is_dir() and (root / "val").is_dir()):
         return None
-    extra = {f"{sub}/": len(index_by_stem(root / sub)) for sub in ("images", "masks") if (root / sub).is_dir()}
+    extra = {f"{sub}/": image_file_count(root / sub) for sub in ("images", "masks") if (root / sub).is_dir()}
     extra = {name: n for name, n in extra.items() if n}
     if not extra:
         return None
@@ -2334,7 +2334,7 @@ def find_pairs(folder):
     """Match <folder>/images/* with <folder>/masks/* by file stem."""
     folder = Path(folder)
     for sub in ("images", "masks"):
-        if not (folder / sub).is_dir() and (folder.parent / "masks").is_dir() and index_by_stem(folder):
+        if not (folder / sub).is_dir() and (folder.parent / "masks").is_dir() and image_file_count(folder):
             root = folder.parent.parent if folder.parent.name in ("train", "val") else folder.parent
             raise UserError(f"{folder} holds the images themselves: give the folder that holds images/ and "
                             f"masks/{' (in train/ and val/)' if root != folder.parent else ''}, data_dir={root}")
@@ -2368,6 +2368,12 @@ def unread_entries(root):
     return [f"{p.relative_to(root)}{'/' if p.is_dir() else ''}" for folder in folders if folder.is_dir()
             for p in sorted(folder.iterdir())
             if not p.name.startswith(".") and (p.is_dir() or p.suffix.lower() not in IMAGE_EXTS)]
+
+
+def image_file_count(folder):
+    """Files of an image format in a folder, as index_by_stem would take them, for a note or a hint only:
+    nothing is checked (a folder no run reads must not stop one)."""
+    return sum(1 for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
 
 
 def index_by_stem(folder):

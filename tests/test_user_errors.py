@@ -85,10 +85,12 @@ def test_pairs_beside_train_and_val_are_named_as_not_read(make_data, make_cfg, c
             (root / part / sub).mkdir(parents=True)
             for i in names:
                 (root / sub / f"shape_{i:04d}.png").rename(root / part / sub / f"shape_{i:04d}.png")
+    # a second file of one stem there would stop a run that read the folder: this run does not read it
+    shutil.copy(root / "images" / "shape_0006.png", root / "images" / "shape_0006.jpg")
     train, val = train_unet.prepare_data(make_cfg(data_dir=str(root), batch_size=2))
     assert (len(train), len(val)) == (4, 2)
     out = capsys.readouterr().out
-    assert f"note: {root} has train/ and val/, so the 2 file(s) in images/ and 2 file(s) in masks/ beside them " \
+    assert f"note: {root} has train/ and val/, so the 3 file(s) in images/ and 2 file(s) in masks/ beside them " \
            f"are not read: move those pairs into train/ or val/" in out
 
 
