@@ -4963,7 +4963,10 @@ def hold_checkpoint_dir(folder):
         import fcntl
     except ImportError:  # Windows: not locked
         return
-    fd = os.open(key, os.O_RDONLY)
+    try:
+        fd = os.open(key, os.O_RDONLY)
+    except OSError:  # a folder this user may write but not list: not locked
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
