@@ -2247,8 +2247,9 @@ def pairs_beside_the_split(root):
     extra = {name: n for name, n in extra.items() if n}
     if not extra:
         return None
-    return (f"note: {root} has train/ and val/, so the {' and '.join(f'{n} file(s) in {name}' for name, n in extra.items())} "
-            f"beside them are not read: move those pairs into train/ or val/ to use them")
+    counts = " and ".join(f"{n} file(s) in {name}" for name, n in extra.items())
+    return f"note: {root} has train/ and val/, so the {counts} beside them are not read: move those pairs into " \
+           f"train/ or val/ to use them"
 
 
 def pairs_in_both(train, val, root):
@@ -5030,8 +5031,17 @@ def save_checkpoint(path, state):
     except (OSError, RuntimeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
             f"the write stopped short, as on a full disk: {first_line(exc, 60)}"
-        raise UserError(f"cannot write {path} ({why}): free disk space there or choose another folder; the "
-                        f"files written before it are intact") from None
+        raise UserError(f"cannot write {path} ({why}): {write_fix(exc)}; the files written before it are "
+                        f"intact") from None
+
+
+def write_fix(exc, key=None):
+    """The fix in a failed write's message: room, for a full disk (and torch's RuntimeError, which is one
+    in practice), else the folder (removed, or not writable); `key` names the option that chose it."""
+    other = f"choose another {key}=..." if key else "choose another folder"
+    if isinstance(exc, OSError) and exc.errno not in FULL_DISK:
+        return f"check that the {key + ' ' if key else ''}folder still exists and is writable, or {other}"
+    return f"free disk space there or {other}"
 
 
 def load_checkpoint(path, map_location="cpu"):
@@ -6010,10 +6020,8 @@ def save_prediction(path, image, done):
     try:
         write_png(path, image, PREDICT_MARK)
     except OSError as exc:
-        fix = ("free disk space there or choose another output=..." if exc.errno in FULL_DISK else
-               "check that the output folder still exists and is writable, or choose another output=...")
-        raise UserError(f"cannot write {path} ({exc.strerror or exc}): {fix}; the {done} image(s) predicted "
-                        f"before it are kept") from None
+        raise UserError(f"cannot write {path} ({exc.strerror or exc}): {write_fix(exc, 'output')}; the {done} "
+                        f"image(s) predicted before it are kept") from None
 
 
 def predict_setting(cfg, opts):

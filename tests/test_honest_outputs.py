@@ -392,3 +392,15 @@ def test_a_full_disk_under_any_other_write_is_one_line(monkeypatch, capsys):
     assert train_unet.main(["epochs=1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: cannot write /runs/history.csv (No space left on device)")
+
+
+def test_a_checkpoint_write_refused_for_another_reason_names_the_folder_not_the_disk(tmp_path, monkeypatch):
+    """Only a full disk asks for disk space; a folder that refuses the write (permissions) is named as such,
+    in the words predict uses for its masks (write_fix)."""
+    def refused(obj, f, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(f))
+    monkeypatch.setattr(train_unet.torch, "save", refused)
+    with pytest.raises(UserError) as err:
+        train_unet.save_checkpoint(tmp_path / "last.pt", {})
+    assert str(err.value) == (f"cannot write {tmp_path / 'last.pt'} (Permission denied): check that the folder still "
+                              f"exists and is writable, or choose another folder; the files written before it are intact")
