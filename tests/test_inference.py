@@ -268,6 +268,30 @@ def test_the_predict_phases_tool_times_every_step(tmp_path, capsys):
     assert "mode='fp16' is not allowed" in capsys.readouterr().err
 
 
+def test_the_predict_phases_tool_times_each_step_to_its_end(tmp_path, monkeypatch):
+    """On CUDA a step's kernels run after its call returns: each step's time includes a synchronize (here a
+    10 ms stand-in), so "forward" is the GPU's time and "to numpy" not also the forward's wait
+    (tools/gpu_check.py runs the tool on the GPU)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import predict_phases
+
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=2, size=32)
+    monkeypatch.setattr(train_unet, "synchronize", lambda hw: time.sleep(0.01))
+    ms, _, _ = predict_phases.measure({**predict_phases.TOOL_CONFIG, "input": str(data / "images"),
+                                       "mode": "fp32", "rounds": 1, "batch_size": 2}, tmp_path)
+    assert all(value >= 10 / 2 for value in ms.values()), ms  # per image: one 10 ms wait a batch, or more
+
+
+def test_gpu_check_times_fit_predicts_steps(tmp_path):
+    """gpu-check's phases line (run here on the CPU, on a tiny copy of the shapes set it would make)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_check
+
+    train_unet.generate_shapes_dataset(tmp_path / "shapes", count=3, size=32)
+    line = gpu_check.check_phases(train_unet.detect_hardware("cpu"), tmp_path)
+    assert ", 3 images of the shapes set, batch 8, ms per image: read " in line and "write, over a file" in line
+
+
 def test_the_host_blend_waits_for_each_copy_on_the_copys_own_gpu(monkeypatch):
     """CUDA, blended sum too large for the device: each batch's weighted logits are copied to pinned host
     memory without blocking, and added one batch later once that copy's event has passed. On cuda:1 the

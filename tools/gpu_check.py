@@ -3,11 +3,14 @@
     make gpu-check                     # or: python tools/gpu_check.py
 
 Checks: the capability check on the real device, bf16 autocast, fp16 + GradScaler, channels_last,
-torch.compile, max_memory_allocated, predict, the sliding window's device memory (1,000² vs 8,000²),
-a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC), the benchmark's inference table (predict
-against the forwards alone per precision and layout, as BENCHMARKS.md gives it for CPUs) and, with 2+
-GPUs visible, DDP over nccl under torchrun. Tiny synthetic data, but for the inference table (the shapes
-set and one 4000² image); a few minutes.
+max_memory_allocated, predict, the sliding window's device memory (1,000² vs 8,000²), fit predict's
+steps timed one by one (tools/predict_phases.py), the benchmark's inference table (predict against the
+forwards alone per precision and layout, as BENCHMARKS.md gives it for CPUs), a bare-loop timing
+(strict fp32, TF32, bf16, NCHW/NHWC), torch.compile and, with 2+ GPUs visible, DDP over nccl under
+torchrun. Tiny synthetic data, but for the inference table (the shapes set and one 4000² image).
+On an H100 (2026-11-26) the checks but the inference table took 2.6 minutes (torch.compile 68 s of it) and
+the table's eight rows about 3.5 more, after its training run: give it 10 minutes. Each check's line is
+printed as it ends, the slowest checks last.
 Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible.
 """
 import contextlib
@@ -21,7 +24,7 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -135,15 +138,33 @@ INFERENCE_ARGS = ("configs=fp32", "epochs=2", "bare_steps=0", "inference=fp32,fp
                   "inference_size=4000", "inference_images=200", "inference_rounds=5")
 
 
+def shapes_set(tmp):
+    """The embedded set's images (300 of 128²), made once: the inference table's and the phases' input."""
+    data = tmp / "shapes"
+    if not data.is_dir():
+        T.generate_shapes_dataset(data)
+    return data
+
+
+def check_phases(hw, tmp):
+    """Fit predict's steps on this GPU, each timed alone to its end (tools/predict_phases.py): what the
+    inference table's fit rows spend beside the forward (reading, encoding, writing) in ms per image."""
+    import predict_phases
+
+    mode, out = "bf16_cl" if hw.bf16 else "fp32", tmp / "phases"
+    out.mkdir()
+    ms, count, _ = predict_phases.measure({**predict_phases.TOOL_CONFIG, "input": str(shapes_set(tmp) / "images"),
+                                           "mode": mode, "device": hw.device}, out)
+    return (f"{mode}, {count} images of the shapes set, batch {predict_phases.TOOL_CONFIG['batch_size']}, ms per image: "
+            + ", ".join(f"{step} {value:.3f}" for step, value in ms.items()))
+
+
 def check_inference(hw, tmp, args=INFERENCE_ARGS):
     """Predict (reading and writing included) per precision and layout against the forward passes alone
     over the same batches: fit mode over 200 images of 128², patch mode on one 4000² image, with peak
     memory and mask agreement with fp32. The table follows the line: what a GPU section of BENCHMARKS.md
     needs. A row that fails fails the check; bf16 rows are skipped where bf16 is not native."""
-    data = tmp / "shapes"
-    if not data.is_dir():
-        T.generate_shapes_dataset(data)  # the embedded set's images
-    run = [*args, f"data_dir={data}", f"output={tmp / 'benchmark'}", f"device={hw.device}"]
+    run = [*args, f"data_dir={shapes_set(tmp)}", f"output={tmp / 'benchmark'}", f"device={hw.device}"]
     with contextlib.redirect_stdout(io.StringIO()):
         rows = T.run_benchmark(run)["inference"]
     failed = [f"{r['mode']} {r['data_mode']}: {r['status']}" for r in rows
@@ -179,10 +200,12 @@ def main():
     checks = [("capability check", check_capability),
               ("bf16 autocast + channels_last", lambda h, t: check_train(h, t, "bfloat16", "bf16", channels_last=True)),
               ("fp16 + GradScaler", lambda h, t: check_train(h, t, "float16", "fp16", channels_last=False)),
+              ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
+              ("predict phases (fit)", check_phases), ("inference table", check_inference),
+              ("bare loop", check_bare_loop),
               ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
                                                                       compile_model=True)),
-              ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
-              ("bare loop", check_bare_loop), ("inference table", check_inference), ("DDP (nccl)", check_ddp)]
+              ("DDP (nccl)", check_ddp)]
     print(f"gpu-check on {T.describe(hw)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.device_count()} GPU(s)")
     failed = 0

@@ -11,7 +11,8 @@ old file). Predict runs the reading and writing on threads beside the forward; w
 forward, the sum of the host steps is about what they add (BENCHMARKS.md "Predict speed").
 Keys: input (a folder of images; default: the embedded shapes set), checkpoint (default: a fresh
 resnet18, CONFIG's), mode (fp32, fp32_cl, bf16, bf16_cl; default: bf16_cl where bf16 is native, else
-fp32), rounds, batch_size.
+fp32), rounds, batch_size, device (cpu, or cuda: there each device step is timed to its end, with a
+synchronize, so "forward" is the GPU's time and "to numpy" the copy alone; tools/gpu_check.py runs it).
 """
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_unet as T  # noqa: E402
 
-TOOL_CONFIG = {"input": "", "checkpoint": "", "mode": "auto", "rounds": 3, "batch_size": 8}
+TOOL_CONFIG = {"input": "", "checkpoint": "", "mode": "auto", "rounds": 3, "batch_size": 8, "device": "cpu"}
 STEPS = ("read", "preprocess", "stack", "forward", "masks", "to numpy", "encode", "write, new file",
          "write, over a file")
 
@@ -39,7 +40,7 @@ def main(argv=None):
     except T.UserError as exc:
         print(f"error: {T.user_message(exc)}", file=sys.stderr)
         return 2
-    print(f"{T.describe(T.detect_hardware('cpu'))}; {mode}, {count} images, batch {opts['batch_size']}, "
+    print(f"{T.describe(T.detect_hardware(opts['device']))}; {mode}, {count} images, batch {opts['batch_size']}, "
           f"{opts['rounds']} rounds, medians, ms per image")
     print(T.markdown_table([("step", "ms per image", "vs forward")] + [
         (step, f"{ms[step]:.3f}", f"{ms[step] / ms['forward']:.1%}") for step in STEPS]))
@@ -48,7 +49,7 @@ def main(argv=None):
 
 def measure(opts, tmp):
     """({step: median ms per image}, images, mode) of opts' folder and checkpoint."""
-    hw = T.detect_hardware("cpu")
+    hw = T.detect_hardware(opts["device"])
     mode = opts["mode"] if opts["mode"] != "auto" else "bf16_cl" if hw.bf16 else "fp32"
     if mode not in T.CPU_PROBE_MODES:
         raise T.UserError(f"mode={mode!r} is not allowed: use auto or one of {', '.join(T.CPU_PROBE_MODES)}")
@@ -74,6 +75,7 @@ def one_batch(model, paths, cfg, prec, hw, out, r, passed):
     def timed(step, f, *args):
         start = time.perf_counter()
         result = f(*args)
+        T.synchronize(hw)  # CUDA: the step's kernels done, not only launched
         passed[step] += time.perf_counter() - start
         return result
     with torch.inference_mode():
