@@ -5379,12 +5379,13 @@ def predict(opts):
               f"probe {note}")
     if moved:
         print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
-    failed, wide, start = [], None, time.perf_counter()
+    failed, wide, start, waits = [], None, time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
-        for batch, unreadable in read_ahead(paths, per_batch, cfg, budget, settle=writer.wait):
+        batches = read_ahead(paths, per_batch, cfg, budget, settle=writer.wait)
+        for batch, unreadable in waiting_for_reads(batches, writer, waits):
             failed, wide = failed + unreadable, wide or sixteen_bit_input(batch, cfg)
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
@@ -5393,13 +5394,37 @@ def predict(opts):
             del batch, images, inputs, masks  # gone before a read that waited for this batch
     bar.close()
     note_sixteen_bit(wide, opts)
-    done, seconds = writer.written, time.perf_counter() - start
-    print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) "
-          f"-> {out_dir}/" + (f"; {len(failed)} failed:" if failed else ""))
+    done, seconds, waits["writing"] = writer.written, time.perf_counter() - start, writer.waited
+    print_predict_summary(done, seconds, waits, failed, out_dir)
+    return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
+            "output": str(out_dir), "waited_s": waits}
+
+
+def waiting_for_reads(batches, writer, waits):
+    """read_ahead's batches, the seconds predict's main thread waited for each (its images still being
+    read and decoded) added to waits["reading"]; a wait for the writer inside it (read_ahead's settle)
+    is the writer's own (MaskWriter.waited), not counted twice."""
+    while True:
+        start, writing = time.perf_counter(), writer.waited
+        item = next(batches, None)
+        waits["reading"] += time.perf_counter() - start - (writer.waited - writing)
+        if item is None:
+            return
+        yield item
+
+
+# predict's last line says what the model waited for where the waits were at least this share of the run:
+# then the disk, decoding or encoding set the pace, not the model.
+PREDICT_WAIT_SHARE = 0.1
+
+
+def print_predict_summary(done, seconds, waits, failed, out_dir):
+    waited = sum(waits.values()) >= PREDICT_WAIT_SHARE * seconds
+    print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) -> {out_dir}/"
+          + (f" (the model waited {waits['reading']:.2f}s for images to be read, {waits['writing']:.2f}s for "
+             f"masks to be written)" if waited else "") + (f"; {len(failed)} failed:" if failed else ""))
     for path, reason in failed:
         print(f"  failed: {reason}")
-    return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
-            "output": str(out_dir)}
 
 
 def note_checkpoint_settings(cfg, opts, tiling):
@@ -5611,6 +5636,7 @@ class MaskWriter:
     def __init__(self, num_classes, overlay):
         self.num_classes, self.overlay, self.written, self.pending, self.failed = num_classes, overlay, 0, [], False
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
+        self.waited = 0.0  # seconds the caller waited for writes to finish (predict's summary)
 
     def __enter__(self):
         return self
@@ -5623,7 +5649,15 @@ class MaskWriter:
     def write(self, path, overlay_path, image, mask):
         self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask]))
         while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
-            self.pending.pop(0).result()  # raises a failed write's UserError here, in predict
+            self.result()  # raises a failed write's UserError here, in predict
+
+    def result(self):
+        """The oldest pending write's result, waited for (the wait counted in `waited`)."""
+        start = time.perf_counter()
+        try:
+            return self.pending.pop(0).result()
+        finally:
+            self.waited += time.perf_counter() - start
 
     def save(self, job):
         # The job's list is emptied here, so the image and mask are let go when save returns, before its
@@ -5653,7 +5687,7 @@ class MaskWriter:
     def wait(self):
         """Until every mask handed over is written (a failed write raises its error here)."""
         while self.pending:
-            self.pending.pop(0).result()
+            self.result()
 
     def __exit__(self, kind, *exc):
         try:
@@ -6629,7 +6663,9 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
            "images": len(sizes), "predict_s": predict_s, "forward_only_s": forward_s,
            "vs_forward_only": predict_s / forward_s, "images_per_s": len(sizes) / predict_s,
            "megapixels_per_s": pixels / 1e6 / predict_s, "rounds": len(predict_times),
-           "round_spread": max(spread(predict_times), spread(times["forward"])), "status": "ok"}
+           "round_spread": max(spread(predict_times), spread(times["forward"])), "status": "ok",
+           **{f"{what}_wait_s": float(np.median([r["waited_s"][what] for r in predicted[1:]]))
+              for what in ("reading", "writing")}}
     row["peak_mem_mb"], row["peak_mem_kind"] = predict_peak_memory(args)
     return row
 
@@ -6685,19 +6721,21 @@ def mask_agreement(masks, reference):
 
 
 def format_inference_table(rows):
-    lines = [("Mode", "Data mode", "Images", "Predict", "vs forward alone", "img/s", "Mpx/s", "Peak memory",
-              "Masks = fp32's", "Note")]
+    lines = [("Mode", "Data mode", "Images", "Predict", "vs forward alone", "Waited: read / write", "img/s",
+              "Mpx/s", "Peak memory", "Masks = fp32's", "Note")]
     for r in rows:
         if r["status"] != "ok":
-            lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", "-", r["status"]))
+            lines.append((r["mode"], r["data_mode"], "-", "-", "-", "-", "-", "-", "-", "-", r["status"]))
             continue
         agree, peak = r.get("mask_agreement_vs_fp32"), r.get("peak_mem_mb")
+        waited = (f"{r['reading_wait_s']:.2f}s / {r['writing_wait_s']:.2f}s" if "reading_wait_s" in r else "-")
         lines.append((r["mode"], r["data_mode"], str(r["images"]), f"{r['predict_s']:.2f}s",
-                      f"{r['vs_forward_only']:.3f}x", f"{r['images_per_s']:.3g}", f"{r['megapixels_per_s']:.2f}",
-                      "-" if peak is None else f"{peak:.0f} MB", "-" if agree is None else f"{100 * agree:.3f}%",
-                      inference_note(r)))
+                      f"{r['vs_forward_only']:.3f}x", waited, f"{r['images_per_s']:.3g}",
+                      f"{r['megapixels_per_s']:.2f}", "-" if peak is None else f"{peak:.0f} MB",
+                      "-" if agree is None else f"{100 * agree:.3f}%", inference_note(r)))
     return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
-            "same batches, medians of alternating rounds\n" + markdown_table(lines))
+            "same batches, medians of alternating rounds; Waited: predict's main thread waiting for its reader "
+            "and writer threads\n" + markdown_table(lines))
 
 
 def inference_note(row):

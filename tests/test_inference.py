@@ -1,6 +1,8 @@
 """Predict at the speed of the forward pass (issue 24): the sliding window cuts its tiles from the image as
 read, normalises a batch at a time and blends on the device, with no host sync per tile batch; predict
 reads ahead and writes behind on threads. Outputs are today's to the bit. Counted, not timed."""
+import contextlib
+import io
 import sys
 import threading
 import time
@@ -125,6 +127,47 @@ def test_predict_reads_the_next_batch_while_this_one_is_predicted(checkpoint_cfg
     assert all(name.startswith("unet-amp-write") for name, _ in writers)
     assert [name for _, name in writers] == sorted(name for _, name in writers)  # in order
     assert len(list(out.glob("*.png"))) == 12
+
+
+@pytest.mark.parametrize("slow", ["reading", "writing"])
+def test_predict_says_what_its_model_waited_for(checkpoint_cfg, tmp_path, monkeypatch, capsys, slow):
+    """Where the disk or decoding sets predict's pace (here a 50 ms read or write per image, one reader),
+    its last line says how long the model waited for images to be read and for masks to be written, and
+    the result holds both (the benchmark's inference table shows them): the slow side's wait is the large
+    one. A wait for the writer inside read_ahead (settle) is not also counted as reading."""
+    ckpt, data = checkpoint_cfg
+    real_read, real_save = train_unet.read_image, train_unet.save_prediction
+    monkeypatch.setattr(train_unet, "PREDICT_READERS", 1)
+    if slow == "reading":
+        monkeypatch.setattr(train_unet, "read_image", lambda *a: time.sleep(0.05) or real_read(*a))
+    else:
+        monkeypatch.setattr(train_unet, "save_prediction", lambda *a: time.sleep(0.05) or real_save(*a))
+    result = train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(tmp_path / "p"),
+                                 "batch_size": 4, "device": "cpu", "use_amp": False, "progress": False})
+    assert result["predicted"] == 12
+    waits, other = result["waited_s"], "writing" if slow == "reading" else "reading"
+    assert waits[slow] >= 0.3 and waits[other] < waits[slow] / 2, waits  # 12 x 50 ms on one thread: 0.6 s
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"the model waited {waits['reading']:.2f}s for images to be read, {waits['writing']:.2f}s for masks to " \
+           f"be written" in last
+
+
+def test_predicts_last_line_names_waits_only_where_they_count():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_unet.print_predict_summary(10, 2.0, {"reading": 0.1, "writing": 0.05}, [], Path("masks"))
+        train_unet.print_predict_summary(10, 2.0, {"reading": 0.15, "writing": 0.05}, [], Path("masks"))
+    quiet, waited = out.getvalue().splitlines()
+    assert quiet == "predicted 10 image(s) in 2.0s (5.0 img/s) -> masks/"
+    assert waited.endswith("(the model waited 0.15s for images to be read, 0.05s for masks to be written)")
+
+
+def test_the_inference_table_shows_predicts_waits():
+    row = {"mode": "fp32", "data_mode": "fit", "status": "ok", "images": 2, "predict_s": 1.0, "vs_forward_only": 1.1,
+           "images_per_s": 2.0, "megapixels_per_s": 0.1, "rounds": 3, "round_spread": 1.0}
+    table = train_unet.format_inference_table([{**row, "reading_wait_s": 0.25, "writing_wait_s": 0.0}, row])
+    assert "| Waited: read / write |" in table and "| 0.25s / 0.00s " in table
+    assert table.splitlines()[-1].split("|")[6].strip() == "-"  # a row from an older inference.json
 
 
 def test_fit_inputs_are_made_on_the_reader_threads_with_validations_preprocessing(checkpoint_cfg, tmp_path,
