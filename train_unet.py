@@ -2772,8 +2772,9 @@ def mask_hint(path, dtype, values):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 5  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
-                         # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels
+CHECK_CACHE_VERSION = 6  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+                         # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
+                         # 6: images' EXIF orientation (exif_turned_images)
 
 
 def check_pairs(pairs, cfg):
@@ -2802,9 +2803,24 @@ def check_pairs(pairs, cfg):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
-    mixed = mixed_binary_masks(pairs, values, cfg)
-    if mixed and DIST.is_main:
-        print(mixed)
+    notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts)]
+    for note in filter(None, notes if DIST.is_main else ()):
+        print(note)
+
+
+def exif_turned_images(pairs, facts):
+    """A note where images are read turned or mirrored by their EXIF Orientation while masks are read as
+    stored: right for a mask drawn on the image as viewers show it, misaligned for one drawn on the stored
+    pixels, which the size check cannot see for a half turn, a mirror, or a square image."""
+    turned = [(image, facts[os.path.abspath(image)]["orientation"]) for image, _ in pairs
+              if facts[os.path.abspath(image)].get("orientation")]
+    if not turned:
+        return None
+    (example, tag), n = turned[0], len(turned)
+    return (f"note: {n} image(s) carry an EXIF Orientation that OpenCV applies when reading them (e.g. "
+            f"{Path(example).name}: tag {tag}, {EXIF_TURNS[tag]}); their masks are read as stored, so they must be "
+            f"drawn on the image as viewers show it (labelme does); a mask drawn on the stored pixels is misaligned: "
+            f"look at one beside its mask (notebooks/my_run.ipynb shows them side by side)")
 
 
 def mixed_binary_masks(pairs, values, cfg):
@@ -2885,7 +2901,34 @@ def image_facts(path, channels):
     facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype), "channels": channels}  # dtype: cache_bytes' depth
     if np.issubdtype(image.dtype, np.integer) and image.dtype != np.uint8:
         facts["range"] = [int(values.min()), int(values.max())]
+    orientation = exif_orientation(path)
+    if orientation:
+        facts["orientation"] = orientation
     return facts
+
+
+def exif_orientation(path):
+    """The EXIF Orientation tag (2-8) OpenCV applied when it read this image, or None: it turns or mirrors
+    JPEG, PNG and WebP files by it (as cameras and viewers show them); tifffile reads TIFFs as stored."""
+    from PIL import Image
+
+    if is_tiff(path):
+        return None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # a large scan: not decoded here
+            with Image.open(path) as image:  # the header only: no pixels decoded
+                exif = image.info.get("exif")  # not getexif(): for a PNG that decodes every pixel to look on
+        tags = Image.Exif()
+        tags.load(exif or b"")
+    except Exception:  # noqa: BLE001 - a file Pillow cannot open (OpenCV read it): no tag to report
+        return None
+    tag = tags.get(EXIF_ORIENTATION)
+    return tag if tag in EXIF_TURNS else None
+
+
+EXIF_TURNS = {2: "mirrored", 3: "turned 180°", 4: "mirrored upside down", 5: "turned and mirrored",
+              6: "turned 90° clockwise", 7: "turned and mirrored", 8: "turned 90° counter-clockwise"}
 
 
 def learnt_intensity_range(pairs, cfg):
