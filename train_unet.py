@@ -5422,21 +5422,22 @@ def predict(opts):
               f"probe {note}")
     if moved:
         print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
-    failed, wide, start, waits = [], None, time.perf_counter(), {"reading": 0.0, "writing": 0.0}
+    failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
         batches = read_ahead(paths, per_batch, cfg, budget, settle=writer.wait)
         for batch, unreadable in waiting_for_reads(batches, writer, waits):
-            failed, wide = failed + unreadable, wide or sixteen_bit_input(batch, cfg)
+            failed = failed + unreadable
+            seen.see(batch)
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
             writer.write_all(batch, masks, outputs, out_dir)
             bar.update(len(batch) + len(unreadable))
             del batch, images, inputs, masks  # gone before a read that waited for this batch
     bar.close()
-    note_sixteen_bit(wide, opts)
+    seen.print()
     done, seconds, waits["writing"] = writer.written, time.perf_counter() - start, writer.waited
     print_predict_summary(done, seconds, waits, failed, out_dir)
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
@@ -5973,11 +5974,29 @@ def predict_intensity_range(cfg, opts):
     return {**cfg, "intensity_range": [float(v) for v in opts["intensity_range"]]}
 
 
-def note_sixteen_bit(path, opts):
-    if path is not None:
-        print(f"note: {Path(path).name} has 16-bit pixels and {opts['checkpoint']} has no intensity_range: they "
-              f"were scaled from 0-65535. If the model was trained on 8-bit images and these hold 12-bit data, "
-              f"that is 16 times too dark: predict again with intensity_range=0,4095")
+class InputNotes:
+    """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
+    a range (sixteen_bit_input), and an 8-bit image that a given intensity_range= does not touch (8-bit
+    images are divided by 255 whatever the range, as in training: scale_image)."""
+
+    def __init__(self, cfg, opts):
+        self.cfg, self.opts, self.sixteen_bit, self.eight_bit = cfg, opts, None, None
+
+    def see(self, batch):
+        self.sixteen_bit = self.sixteen_bit or sixteen_bit_input(batch, self.cfg)
+        if self.opts["intensity_range"] is not None and self.eight_bit is None:
+            self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
+
+    def print(self):
+        if self.sixteen_bit is not None:
+            print(f"note: {Path(self.sixteen_bit).name} has 16-bit pixels and {self.opts['checkpoint']} has no "
+                  f"intensity_range: they were scaled from 0-65535. If the model was trained on 8-bit images and "
+                  f"these hold 12-bit data, that is 16 times too dark: predict again with intensity_range=0,4095")
+        if self.eight_bit is not None:
+            low, high = self.opts["intensity_range"]
+            print(f"note: intensity_range={low:g},{high:g} was not used for {Path(self.eight_bit).name} and any other "
+                  f"8-bit image: the range maps integer images wider than 8 bits, and 8-bit images are divided by "
+                  f"255 as in training")
 
 
 def sixteen_bit_input(batch, cfg):

@@ -444,7 +444,13 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
     out = capsys.readouterr().out
     assert "note: twelve.png has 16-bit pixels and" in out and "again with intensity_range=0,4095" in out
     train_unet.predict({**opts, "output": str(tmp_path / "b"), "intensity_range": [0, 4095]})
-    assert "16-bit" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "16-bit" not in out  # the range given: the 12-bit data were scaled by it
+    # ... and the 8-bit image beside it, which the range does not touch, is named (it was ignored silently)
+    assert "note: intensity_range=0,4095 was not used for eight.png and any other 8-bit image" in out
+    (inp / "eight.png").unlink()
+    train_unet.predict({**opts, "output": str(tmp_path / "b2"), "intensity_range": [0, 4095]})
+    assert "was not used" not in capsys.readouterr().out
     read = lambda folder, name: cv2.imread(str(tmp_path / folder / name), cv2.IMREAD_UNCHANGED)  # noqa: E731
     assert (read("b", "twelve.png") == read("b", "eight.png")).mean() > 0.99  # 0-4095 = the 8-bit 0-255
     seen = train_unet.predict_intensity_range({"intensity_range": None}, {"intensity_range": [0, 4095]})
