@@ -5436,24 +5436,29 @@ def predict(opts):
             writer.write_all(batch, masks, outputs, out_dir)
             bar.update(len(batch) + len(unreadable))
             del batch, images, inputs, masks  # gone before a read that waited for this batch
+        waits["writing"] = writer.waited  # not the last masks' writing: after the last forward, nothing to overlap
     bar.close()
     seen.print()
-    done, seconds, waits["writing"] = writer.written, time.perf_counter() - start, writer.waited
+    done, seconds = writer.written, time.perf_counter() - start
     print_predict_summary(done, seconds, waits, failed, out_dir)
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir), "waited_s": waits}
 
 
 def waiting_for_reads(batches, writer, waits):
-    """read_ahead's batches, the seconds predict's main thread waited for each (its images still being
-    read and decoded) added to waits["reading"]; a wait for the writer inside it (read_ahead's settle)
-    is the writer's own (MaskWriter.waited), not counted twice."""
+    """read_ahead's batches, the seconds predict's main thread waited for each after the first (its images
+    still being read and decoded) added to waits["reading"]: the first batch's reading has nothing to
+    overlap with (and holds one-off costs: the first import of a decoder). A wait for the writer inside it
+    (read_ahead's settle) is the writer's own (MaskWriter.waited), not counted twice."""
+    first = True
     while True:
         start, writing = time.perf_counter(), writer.waited
         item = next(batches, None)
-        waits["reading"] += time.perf_counter() - start - (writer.waited - writing)
+        if not first:
+            waits["reading"] += time.perf_counter() - start - (writer.waited - writing)
         if item is None:
             return
+        first = False
         yield item
 
 
