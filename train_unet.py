@@ -3819,18 +3819,62 @@ def sliding_window(model, image, cfg, prec, hw):
 
 def tile_batches(image, ys, xs, cfg, hw):
     """(tile positions, N x C x size x size model input) per tile_batch_size tiles of the grid of row
-    starts ys and column starts xs (tile_grid), row by row: cut from the image as read (uint8 or
-    float32: 1-4 bytes a pixel) and normalised straight into the batch's memory, in the model's layout
-    (UnitRangeNormalize.into; per pixel, so the values are those of each tile normalised alone). The
-    batch is page-locked on CUDA so that its copy to the device overlaps the model's work (eval_forward's
-    non_blocking copy; the caching host allocator keeps it until that copy is done)."""
-    size, step, normalize = cfg["image_size"], cfg["tile_batch_size"], normalizer(cfg)
-    nhwc, tiles = cfg["channels_last"] is True, [(y, x) for y in ys for x in xs]
+    starts ys and column starts xs (tile_grid), row by row, cut from the image as read (uint8 or float32:
+    1-4 bytes a pixel). On the host each tile is normalised straight into the batch's memory, in the
+    model's layout (host_tiles); on CUDA an 8-bit image's tiles go to the device as they are and are
+    normalised there (DeviceNormalize). Either way per pixel, so the values are those of each tile
+    normalised alone, to the bit."""
+    size, step, tiles = cfg["image_size"], cfg["tile_batch_size"], [(y, x) for y in ys for x in xs]
+    make = DeviceNormalize(cfg, hw) if normalise_on_device(image, hw) else host_tiles(cfg, hw)
     for i in range(0, len(tiles), step):
         batch = tiles[i:i + step]
-        x, memory = host_batch((len(batch), cfg["in_channels"], size, size), nhwc, hw.kind == "cuda")
-        normalize.into(memory, [image[top:top + size, left:left + size] for top, left in batch], interleaved=nhwc)
-        yield batch, x
+        yield batch, make([image[top:top + size, left:left + size] for top, left in batch])
+
+
+def normalise_on_device(image, hw):
+    """Whether tile_batches normalises on the device: on CUDA, for 8-bit images (a lookup of 256 values per
+    channel; float images keep albumentations' arithmetic on the host). Measured on an H100 before this
+    (BENCHMARKS.md "GPU: H100"): the host's normalising, 0.26 s per 16 Mpx, added to the forwards' time, as
+    the one thread that launches the model's kernels did it in between."""
+    return hw.kind == "cuda" and image.dtype == np.uint8
+
+
+def host_tiles(cfg, hw):
+    """tile_batches' host maker: tiles -> their batch normalised (UnitRangeNormalize.into) straight into its
+    memory in the model's layout, page-locked on CUDA so that its copy to the device overlaps the model's
+    work (eval_forward's non_blocking copy; the caching host allocator keeps it until that copy is done)."""
+    normalize, nhwc = normalizer(cfg), cfg["channels_last"] is True
+
+    def make(tiles):
+        size = tiles[0].shape[0]
+        x, memory = host_batch((len(tiles), cfg["in_channels"], size, size), nhwc, hw.kind == "cuda")
+        normalize.into(memory, tiles, interleaved=nhwc)
+        return x
+    return make
+
+
+class DeviceNormalize:
+    """tile_batches' device maker for 8-bit images: the raw tiles (N x H x W x C uint8, a quarter of the
+    float32 batch's bytes) copied from page-locked memory without blocking, then looked up on the device in
+    normalizer's tables, the very values UnitRangeNormalize writes on the host (the same logits to the bit),
+    into the model's layout. The host only copies bytes; three small kernels replace its work per pixel."""
+
+    def __init__(self, cfg, hw):
+        tables = normalizer(cfg).tables  # C x 256 float32: channel c's value for each 8-bit level
+        self.hw, self.nhwc, self.channels = hw, cfg["channels_last"] is True, len(tables)
+        self.flat = torch.from_numpy(tables.reshape(-1)).to(hw.device)
+        self.offsets = torch.arange(0, 256 * self.channels, 256, device=hw.device)  # channel c's table starts
+
+    def __call__(self, tiles):
+        size = tiles[0].shape[0]
+        raw, memory = host_memory((len(tiles), size, size, self.channels), np.uint8, self.hw.kind == "cuda")
+        for target, tile in zip(memory, tiles):
+            target[...] = tile if tile.ndim == 3 else tile[..., None]
+        levels = raw.to(self.hw.device, non_blocking=True).long() + self.offsets
+        x = self.flat[levels].permute(0, 3, 1, 2)  # N x C x H x W, stored channels-last
+        # NCHW's own strides, even for one channel (where the permuted view also counts as contiguous, and a
+        # CPU convolution then takes it as channels-last: other rounding)
+        return x if self.nhwc else x.clone(memory_format=torch.contiguous_format)
 
 
 def host_batch(shape, channels_last, pinned):
@@ -3838,13 +3882,17 @@ def host_batch(shape, channels_last, pinned):
     N x C x H x W, or N x H x W x C for channels_last). Page-locked (pinned) for a CUDA device, so its
     copy there can overlap the model's work."""
     stored = (shape[0], *shape[2:], shape[1]) if channels_last else shape
-    if pinned:
-        tensor = torch.empty(stored, pin_memory=True)
-        memory = tensor.numpy()  # a host tensor: no device sync
-    else:
-        memory = np.empty(stored, np.float32)
-        tensor = torch.from_numpy(memory)
+    tensor, memory = host_memory(stored, np.float32, pinned)
     return (tensor.permute(0, 3, 1, 2) if channels_last else tensor), memory
+
+
+def host_memory(shape, dtype, pinned):
+    """(an empty host tensor, the same memory as a numpy array), page-locked where `pinned`."""
+    if pinned:
+        tensor = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
+        return tensor, tensor.numpy()  # a host tensor: no device sync
+    memory = np.empty(shape, dtype)
+    return torch.from_numpy(memory), memory
 
 
 # A blended sum may take this share of the device's free memory; the rest is for the forwards.
@@ -6767,7 +6815,8 @@ def fresh_predict(args):
 def model_inputs(images, cfg, hw, batch_size):
     """The inputs of the forwards predict makes for these images (read_image's), made beforehand: fit
     mode's batches of fit_input, patch mode's tile batches (tile_batches), all held in memory (float32:
-    a large image's tiles take ~1.8x its pixels x channels x 4 bytes at overlap 0.25). The forward alone
+    a large image's tiles take ~1.8x its pixels x channels x 4 bytes at overlap 0.25; on CUDA an 8-bit
+    image's tiles are normalised on the device, and held there). The forward alone
     runs on these, not on random numbers: on a CPU fp32's forward over random numbers ran up to 8% slower
     than over the real tiles (BENCHMARKS.md "Predict speed"), which flattered predict's ratio."""
     if cfg["data_mode"] == "fit":
