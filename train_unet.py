@@ -2811,9 +2811,11 @@ def check_pairs(pairs, cfg):
 def exif_turned_images(pairs, facts):
     """A note where images are read turned or mirrored by their EXIF Orientation while masks are read as
     stored: right for a mask drawn on the image as viewers show it, misaligned for one drawn on the stored
-    pixels, which the size check cannot see for a half turn, a mirror, or a square image."""
-    turned = [(image, facts[os.path.abspath(image)]["orientation"]) for image, _ in pairs
-              if facts[os.path.abspath(image)].get("orientation")]
+    pixels, which the size check cannot see for a half turn, a mirror, or a square image (a quarter turn
+    of any other passed the size check only with a mask drawn on the turned image: not counted)."""
+    entries = [(image, facts[os.path.abspath(image)]) for image, _ in pairs]
+    turned = [(image, entry["orientation"]) for image, entry in entries if entry.get("orientation")
+              and not (entry["orientation"] in QUARTER_TURNS and entry["hw"][0] != entry["hw"][1])]
     if not turned:
         return None
     (example, tag), n = turned[0], len(turned)
@@ -2909,16 +2911,17 @@ def image_facts(path, channels):
 
 def exif_orientation(path):
     """The EXIF Orientation tag (2-8) OpenCV applied when it read this image, or None: it turns or mirrors
-    JPEG, PNG and WebP files by it (as cameras and viewers show them); tifffile reads TIFFs as stored."""
+    JPEG and PNG files by it (as cameras and viewers show them); BMP has no such tag, and tifffile reads
+    TIFFs as stored. From the header, by the format's own reader (pillow_reader: no decompression-bomb
+    limit, so no warning for a large scan)."""
     from PIL import Image
 
-    if is_tiff(path):
+    reader = pillow_reader(path, (".png", ".jpg", ".jpeg"))
+    if reader is None:
         return None
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # a large scan: not decoded here
-            with Image.open(path) as image:  # the header only: no pixels decoded
-                exif = image.info.get("exif")  # not getexif(): for a PNG that decodes every pixel to look on
+        with reader(path) as image:  # the header only: no pixels decoded
+            exif = image.info.get("exif")  # not getexif(): for a PNG that decodes every pixel to look on
         tags = Image.Exif()
         tags.load(exif or b"")
     except Exception:  # noqa: BLE001 - a file Pillow cannot open (OpenCV read it): no tag to report
@@ -2998,6 +3001,8 @@ def entry_valid(entry, mask):
         return False
     if not mask:  # an image: a value range (image_facts) is a pair of whole numbers, low <= high
         span = entry.get("range")
+        if entry.get("orientation") not in (None, *EXIF_TURNS):
+            return False
         return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
                                 and span[0] <= span[1])
     values, counts = entry.get("values"), entry.get("counts")
@@ -3834,8 +3839,8 @@ def tile_batches(image, ys, xs, cfg, hw):
 def normalise_on_device(image, hw):
     """Whether tile_batches normalises on the device: on CUDA, for 8-bit images (a lookup of 256 values per
     channel; float images keep albumentations' arithmetic on the host). Measured on an H100 before this
-    (BENCHMARKS.md "GPU: H100"): the host's normalising, 0.26 s per 16 Mpx, added to the forwards' time, as
-    the one thread that launches the model's kernels did it in between."""
+    (BENCHMARKS.md "GPU: H100"): the window's host work, mostly this normalising, about 0.22 s per 16 Mpx,
+    added to the forwards' time, as the one thread that launches the model's kernels did it in between."""
     return hw.kind == "cuda" and image.dtype == np.uint8
 
 
@@ -5475,8 +5480,8 @@ def predict(opts):
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
-        batches = read_ahead(paths, per_batch, cfg, budget, settle=writer.wait)
-        for batch, unreadable in waiting_for_reads(batches, writer, waits):
+        for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, settle=writer.wait),
+                                                   writer, waits):
             failed = failed + unreadable
             seen.see(batch)
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
@@ -5499,15 +5504,18 @@ def waiting_for_reads(batches, writer, waits):
     overlap with (and holds one-off costs: the first import of a decoder). A wait for the writer inside it
     (read_ahead's settle) is the writer's own (MaskWriter.waited), not counted twice."""
     first = True
-    while True:
-        start, writing = time.perf_counter(), writer.waited
-        item = next(batches, None)
-        if not first:
-            waits["reading"] += time.perf_counter() - start - (writer.waited - writing)
-        if item is None:
-            return
-        first = False
-        yield item
+    try:
+        while True:
+            start, writing = time.perf_counter(), writer.waited
+            item = next(batches, None)
+            if not first:
+                waits["reading"] += time.perf_counter() - start - (writer.waited - writing)
+            if item is None:
+                return
+            first = False
+            yield item
+    finally:  # predict failed or stopped: the reader threads end now, not when a kept traceback goes
+        batches.close()
 
 
 # predict's last line says what the model waited for where the waits were at least this share of the run:
@@ -5516,6 +5524,7 @@ PREDICT_WAIT_SHARE = 0.1
 
 
 def print_predict_summary(done, seconds, waits, failed, out_dir):
+    """predict's last line (images, time, rate, folder; the waits where they count) and its failures."""
     waited = sum(waits.values()) >= PREDICT_WAIT_SHARE * seconds
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) -> {out_dir}/"
           + (f" (the model waited {waits['reading']:.2f}s for images to be read, {waits['writing']:.2f}s for "
@@ -5580,7 +5589,7 @@ def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None):
             yield ([(p, *read) for p, read, why in results if why is None],
                    [(str(p), why) for p, _, why in results if why is not None])
             results = current = None
-            if not ahead:
+            if not ahead and following:  # after the last batch there is nothing to make room for
                 settle()
             current = reads if ahead else pool.map(read, following)
 
@@ -6036,11 +6045,13 @@ class InputNotes:
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit = cfg, opts, None, None
 
     def see(self, batch):
+        """Take note of a read batch's images (the first of each kind is named)."""
         self.sixteen_bit = self.sixteen_bit or sixteen_bit_input(batch, self.cfg)
         if self.opts["intensity_range"] is not None and self.eight_bit is None:
             self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
 
     def print(self):
+        """The notes, after the last batch."""
         if self.sixteen_bit is not None:
             print(f"note: {Path(self.sixteen_bit).name} has 16-bit pixels and {self.opts['checkpoint']} has no "
                   f"intensity_range: they were scaled from 0-65535. If the model was trained on 8-bit images and "

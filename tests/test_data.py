@@ -411,7 +411,8 @@ def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp
         mask = np.zeros((64, 64), np.uint8)
         mask[10:30, 10:30] = 255
         cv2.imwrite(str(root / "masks" / f"e{i}.png"), mask)
-    cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(root), "checkpoint_dir": str(tmp_path / "c")})
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(root),
+                                      "checkpoint_dir": str(tmp_path / "c")})
     pairs = [(root / "images" / f"e{i}.jpg", root / "masks" / f"e{i}.png") for i in range(3)]
     for run in range(2):  # the second from the data check's cache
         train_unet.check_pairs(pairs, cfg)
@@ -420,6 +421,31 @@ def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp
         assert f"e1.jpg: tag {tag}, {train_unet.EXIF_TURNS[tag]}" in note[0]
     train_unet.check_pairs(pairs[:1], cfg)
     assert "EXIF" not in capsys.readouterr().out
+
+
+def test_a_quarter_turned_image_that_passed_the_size_check_gets_no_exif_note(tmp_path, capsys):
+    """Stored 96x64 with Orientation 6, read 64x96: a mask of 64x96 can only have been drawn on the turned
+    image, so there is nothing to check; and a damaged cache entry's orientation counts as unchecked."""
+    from PIL import Image
+
+    root = tmp_path / "exif"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    image = Image.fromarray(np.full((64, 96, 3), 40, np.uint8))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    image.save(root / "images" / "e.jpg", exif=exif.tobytes())
+    mask = np.zeros((96, 64), np.uint8)
+    mask[10:30, 10:30] = 255
+    cv2.imwrite(str(root / "masks" / "e.png"), mask)
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(root),
+                                      "checkpoint_dir": str(tmp_path / "c")})
+    train_unet.check_pairs([(root / "images" / "e.jpg", root / "masks" / "e.png")], cfg)
+    assert "EXIF" not in capsys.readouterr().out
+    entry = {"stamp": [1, 2, 3], "hw": [96, 64], "dtype": "uint8", "channels": 3}
+    assert train_unet.entry_valid({**entry, "orientation": 6}, mask=False)
+    assert not train_unet.entry_valid({**entry, "orientation": 9}, mask=False)
+    assert not train_unet.entry_valid({**entry, "orientation": True}, mask=False)
 
 
 def test_a_tiff_with_an_orientation_tag_is_not_called_turned(tmp_path):

@@ -340,3 +340,7 @@ def test_gpu_check_trains_fp32_on_a_gpu_without_fast_half_precision(monkeypatch,
     with pytest.raises(Trained):
         gpu_check.check_train(pascal, tmp_path, "auto", "fp32")
     assert gpu_check.check_train(pascal, tmp_path, "bfloat16", "bf16").startswith("skipped: bf16 is not native")
+    # ... and that run comes before the checks that need its best.pt (a reordering once put it after them)
+    names = [name for name, _ in gpu_check.CHECKS]
+    needs_best = min(names.index("predict"), names.index("sliding window (patch mode)"))
+    assert names.index("torch.compile (bf16/auto)") < needs_best

@@ -77,9 +77,11 @@ def test_tiles_normalised_on_the_device_give_the_same_logits_to_the_bit(cpu_hw, 
     prec, made = decide_precision(cpu_hw, use_amp=False), []
     real = train_unet.DeviceNormalize.__call__
     monkeypatch.setattr(train_unet, "normalise_on_device", lambda image, hw: True)
-    monkeypatch.setattr(train_unet.DeviceNormalize, "__call__", lambda self, tiles: made.append(len(tiles)) or real(self, tiles))
+    monkeypatch.setattr(train_unet.DeviceNormalize, "__call__",
+                        lambda self, tiles: made.append(len(tiles)) or real(self, tiles))
     with torch.inference_mode():
-        new, old = train_unet.sliding_window(model, image, cfg, prec, cpu_hw), reference_window(model, image, cfg, prec, cpu_hw)
+        new = train_unet.sliding_window(model, image, cfg, prec, cpu_hw)
+        old = reference_window(model, image, cfg, prec, cpu_hw)
     tiles = [len(train_unet.tile_starts(n, 64, cfg["tile_overlap"])) for n in (150, 117)]
     assert made == [5, 4] and tiles == [3, 3]  # every tile batch made on the "device"
     assert torch.equal(new, old)
@@ -206,10 +208,42 @@ def test_predicts_last_line_names_waits_only_where_they_count():
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         train_unet.print_predict_summary(10, 2.0, {"reading": 0.1, "writing": 0.05}, [], Path("masks"))
-        train_unet.print_predict_summary(10, 2.0, {"reading": 0.15, "writing": 0.05}, [], Path("masks"))
+        train_unet.print_predict_summary(10, 2.0, {"reading": 0.25, "writing": 0.05}, [], Path("masks"))
     quiet, waited = out.getvalue().splitlines()
     assert quiet == "predicted 10 image(s) in 2.0s (5.0 img/s) -> masks/"
-    assert waited.endswith("(the model waited 0.15s for images to be read, 0.05s for masks to be written)")
+    assert waited.endswith("(the model waited 0.25s for images to be read, 0.05s for masks to be written)")
+
+
+def test_the_last_masks_writing_is_not_a_wait(checkpoint_cfg, tmp_path, monkeypatch):
+    """12 masks at 100 ms each, all of them allowed to wait (MAX_PENDING_MASKS): the model never waited for
+    the writer; the writing after the last forward (read_ahead's settle once counted it) is left out."""
+    ckpt, data = checkpoint_cfg
+    real_save = train_unet.save_prediction
+    monkeypatch.setattr(train_unet, "save_prediction", lambda *a: time.sleep(0.1) or real_save(*a))
+    result = train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(tmp_path / "p"),
+                                 "batch_size": 4, "device": "cpu", "use_amp": False, "progress": False})
+    assert result["predicted"] == 12 and result["waited_s"]["writing"] < 0.3, result["waited_s"]
+
+
+def test_a_failed_predict_ends_its_reader_threads_at_once(checkpoint_cfg, tmp_path, monkeypatch):
+    """A batch that cannot be predicted stops predict; the reader threads (and the images they read ahead)
+    end then, not when the kept traceback goes (a notebook keeps the last one)."""
+    ckpt, data = checkpoint_cfg
+    calls = []
+
+    def masks(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise train_unet.UserError("stand-in failure")
+        return real_masks(*args)
+    real_masks = train_unet.masks_within_memory
+    monkeypatch.setattr(train_unet, "masks_within_memory", masks)
+    with pytest.raises(train_unet.UserError) as kept:
+        train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(tmp_path / "p"),
+                            "batch_size": 4, "device": "cpu", "use_amp": False, "progress": False})
+    assert kept.value is not None  # the exception, its traceback and predict's frame are still held here
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("unet-amp-read")]
+    assert not alive, alive
 
 
 def test_the_inference_table_shows_predicts_waits():

@@ -8,9 +8,9 @@ steps timed one by one (tools/predict_phases.py), the benchmark's inference tabl
 forwards alone per precision and layout, as BENCHMARKS.md gives it for CPUs), a bare-loop timing
 (strict fp32, TF32, bf16, NCHW/NHWC), torch.compile and, with 2+ GPUs visible, DDP over nccl under
 torchrun. Tiny synthetic data, but for the inference table (the shapes set and one 4000² image).
-On an H100 (2026-11-26) the checks but the inference table took 2.6 minutes (torch.compile 68 s of it) and
-the table's eight rows about 3.5 more, after its training run: give it 10 minutes. Each check's line is
-printed as it ends, the slowest checks last.
+On an H100 (2026-11-26) the checks but the inference table took 2.6 minutes (torch.compile 68 s of it); the
+table's rows, run apart at 3 rounds, took 2.8 minutes, so with its 5 rounds and its training run expect 4
+or more: give it 10 minutes. Each check's line is printed as it ends.
 Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible.
 """
 import contextlib
@@ -155,8 +155,8 @@ def check_phases(hw, tmp):
     out.mkdir()
     ms, count, _ = predict_phases.measure({**predict_phases.TOOL_CONFIG, "input": str(shapes_set(tmp) / "images"),
                                            "mode": mode, "device": hw.device}, out)
-    return (f"{mode}, {count} images of the shapes set, batch {predict_phases.TOOL_CONFIG['batch_size']}, ms per image: "
-            + ", ".join(f"{step} {value:.3f}" for step, value in ms.items()))
+    return (f"{mode}, {count} images of the shapes set, batch {predict_phases.TOOL_CONFIG['batch_size']}, "
+            "ms per image: " + ", ".join(f"{step} {value:.3f}" for step, value in ms.items()))
 
 
 def check_inference(hw, tmp, args=INFERENCE_ARGS):
@@ -190,6 +190,18 @@ def check_ddp(hw, tmp):
     return "2 processes over nccl: " + next(l for l in proc.stdout.splitlines() if l.startswith("done"))
 
 
+# In this order: torch.compile's run trains at auto's precision, which runs on any GPU, so predict and the
+# window have a best.pt where bf16 and fp16 are not native (a Pascal GPU skips both runs before it).
+CHECKS = [("capability check", check_capability),
+          ("bf16 autocast + channels_last", lambda h, t: check_train(h, t, "bfloat16", "bf16", channels_last=True)),
+          ("fp16 + GradScaler", lambda h, t: check_train(h, t, "float16", "fp16", channels_last=False)),
+          ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
+                                                                  compile_model=True)),
+          ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
+          ("predict phases (fit)", check_phases), ("inference table", check_inference),
+          ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
+
+
 def main():
     T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     if not torch.cuda.is_available():
@@ -197,22 +209,13 @@ def main():
               f"{torch.version.cuda or 'none'}): run it on a machine with an NVIDIA GPU", file=sys.stderr)
         return 1
     hw = T.detect_hardware("cuda")
-    checks = [("capability check", check_capability),
-              ("bf16 autocast + channels_last", lambda h, t: check_train(h, t, "bfloat16", "bf16", channels_last=True)),
-              ("fp16 + GradScaler", lambda h, t: check_train(h, t, "float16", "fp16", channels_last=False)),
-              ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
-              ("predict phases (fit)", check_phases), ("inference table", check_inference),
-              ("bare loop", check_bare_loop),
-              ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
-                                                                      compile_model=True)),
-              ("DDP (nccl)", check_ddp)]
     print(f"gpu-check on {T.describe(hw)}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"{torch.cuda.device_count()} GPU(s)")
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         T.generate_shapes_dataset(tmp / "data", count=24, size=64)
-        for name, check in checks:
+        for name, check in CHECKS:
             start = time.perf_counter()
             try:
                 status, detail = "ok", check(hw, tmp)
