@@ -5514,6 +5514,7 @@ def waiting_for_reads(batches, writer, waits):
                 return
             first = False
             yield item
+            item = None  # the batch let go before the next read, which may wait for its room (read_ahead)
     finally:  # predict failed or stopped: the reader threads end now, not when a kept traceback goes
         batches.close()
 
