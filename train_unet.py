@@ -2229,13 +2229,23 @@ def split_pairs(cfg):
         if len(pairs) < 2:
             raise UserError(f"{root} has only {len(pairs)} image(s): need at least 2 to split train/val")
         if len(pairs) - n_val < 1:
-            most = math.floor(100 * (len(pairs) - 1) / len(pairs)) / 100  # two decimals that leave one
             raise UserError(f"val_fraction={cfg['val_fraction']:g} of {root}'s {len(pairs)} images leaves none to "
-                            f"train on: use val_fraction={most:g} or less (e.g. 0.2)")
+                            f"train on: {largest_val_fraction(len(pairs), cfg)}")
         val = [pairs[i] for i in sorted(order[:n_val])]
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     return train, val
+
+
+def largest_val_fraction(count, cfg):
+    """The fix for a val_fraction that leaves no training image: the largest (two decimals) that leaves a
+    batch of them in fit mode, so the advice does not run into the batch_size check next (patch mode's
+    batches are of patches: one image is enough), and a smaller batch_size where the set is too small."""
+    need = cfg["batch_size"] if cfg["data_mode"] == "fit" and isinstance(cfg["batch_size"], int) else 1
+    keep = min(need, count - 1)
+    most = math.floor(100 * (count - keep) / count) / 100  # two decimals that leave `keep`
+    smaller = f", with batch_size={keep} or less" if keep < need else ""
+    return f"use val_fraction={most:g} or less (e.g. 0.2){smaller}"
 
 
 def pairs_beside_the_split(root):
@@ -2803,9 +2813,25 @@ def check_pairs(pairs, cfg):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
-    notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts)]
+    notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
+
+
+def absent_classes(values, cfg):
+    """A note where classes below num_classes appear in no mask (num_classes set too high?): the model still
+    has an output for each, and the mean IoU, val_iou, counts them wherever the model predicts them."""
+    if cfg["num_classes"] < 2:
+        return None
+    present = set().union(*values)
+    absent = [c for c in range(cfg["num_classes"]) if c not in present]
+    if not absent:
+        return None
+    names = ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else "")
+    top = int(max(present - {IGNORE_INDEX}))
+    return (f"note: class(es) {names} of num_classes={cfg['num_classes']} appear in no mask: if the masks hold "
+            f"classes 0-{top}, num_classes={top + 1} fits them; a class the model predicts but no mask holds counts "
+            f"as IoU 0 in val_iou")
 
 
 def exif_turned_images(pairs, facts):
@@ -5148,11 +5174,13 @@ def load_checkpoint(path, map_location="cpu"):
     if not path.is_file():
         raise UserError(f"checkpoint {path} not found")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as exc:  # pickle, zip and weights_only errors all mean "not our checkpoint"
-        raise UserError(f"{path} is not a readable checkpoint of this trainer, or was cut short in a copy "
-                        f"({type(exc).__name__}: {first_line(exc, 100)}): give a best.pt or last.pt as training "
-                        f"wrote it") from None
+        with warnings.catch_warnings():  # torch's own warnings about the pickle of a file that is no checkpoint
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception:  # noqa: BLE001 - pickle, zip and weights_only errors all mean "not our checkpoint"
+        # torch's text is not shown: for any other file it is advice on weights_only and PyTorch versions
+        raise UserError(f"{path} is not a readable checkpoint of this trainer, or was cut short in a copy: give a "
+                        f"best.pt or last.pt as training wrote it") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):
         raise UserError(f"{path} is not a checkpoint of this trainer (no 'model'/'config' inside)")
     return state
@@ -5850,6 +5878,9 @@ def state_dict_mismatch(exc, limit=160):
 def list_images(path):
     path = Path(path)
     if path.is_file():
+        if path.suffix.lower() not in IMAGE_EXTS:  # the rule a folder's files are read by
+            raise UserError(f"input {path} is not one of the image types predict reads ({', '.join(IMAGE_EXTS)}): "
+                            f"convert it to one of them")
         return [path]
     if not path.is_dir():
         raise UserError(f"input {path} not found: give an image file or a folder of images")
@@ -6043,13 +6074,15 @@ class InputNotes:
     images are divided by 255 whatever the range, as in training: scale_image)."""
 
     def __init__(self, cfg, opts):
-        self.cfg, self.opts, self.sixteen_bit, self.eight_bit = cfg, opts, None, None
+        self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, None, None, None
 
     def see(self, batch):
         """Take note of a read batch's images (the first of each kind is named)."""
         self.sixteen_bit = self.sixteen_bit or sixteen_bit_input(batch, self.cfg)
         if self.opts["intensity_range"] is not None and self.eight_bit is None:
             self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
+        if self.opts["intensity_range"] is not None and self.outside is None:
+            self.outside = next(filter(None, (outside_range(path, image) for path, image, _ in batch)), None)
 
     def print(self):
         """The notes, after the last batch."""
@@ -6062,6 +6095,25 @@ class InputNotes:
             print(f"note: intensity_range={low:g},{high:g} was not used for {Path(self.eight_bit).name} and any other "
                   f"8-bit image: the range maps integer images wider than 8 bits, and 8-bit images are divided by "
                   f"255 as in training")
+        if self.outside is not None:
+            (path, share, least, most), (low, high) = self.outside, self.opts["intensity_range"]
+            raw = [f"{low + v * (high - low):.0f}" for v in (least, most)]
+            print(f"note: {share:.0%} of {Path(path).name}'s pixels lie outside intensity_range={low:g},{high:g} (its "
+                  f"values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training images were "
+                  f"mapped to; check the range")
+
+
+# A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.
+OUTSIDE_RANGE_SHARE = 0.01
+
+
+def outside_range(path, image):
+    """(path, share of pixels outside [0, 1], the least and largest value) of an image scale_image mapped by a
+    given range (float32; a float file is mapped by its own min and max, so never outside), else None."""
+    if image.dtype != np.float32:
+        return None
+    share = float(np.count_nonzero((image < 0) | (image > 1))) / image.size
+    return (path, share, float(image.min()), float(image.max())) if share > OUTSIDE_RANGE_SHARE else None
 
 
 def sixteen_bit_input(batch, cfg):
@@ -7231,4 +7283,8 @@ class OnnxModel:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # output piped into `head` or `less` that stopped reading: no traceback for it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail too
+        sys.exit(1)

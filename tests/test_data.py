@@ -456,3 +456,25 @@ def test_a_tiff_with_an_orientation_tag_is_not_called_turned(tmp_path):
     tifffile.imwrite(path, np.zeros((64, 96, 3), np.uint8), photometric="rgb", extratags=[(274, 3, 1, 6, True)])
     assert train_unet.decode_image(path).shape[:2] == (64, 96)
     assert train_unet.exif_turn(path, [64, 96]) == ""
+
+
+def test_classes_that_no_mask_holds_get_a_note(tmp_path, capsys):
+    """num_classes=5 over masks of classes 0-3: class 4 had an output, was predicted, and counted as IoU 0
+    in val_iou without a word."""
+    root = tmp_path / "mc"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    pairs = []
+    for i in range(2):
+        cv2.imwrite(str(root / "images" / f"m{i}.png"), np.full((32, 32, 3), 60 * i, np.uint8))
+        mask = np.zeros((32, 32), np.uint8)
+        mask[:8], mask[8:16], mask[16:24] = 1, 2, 3
+        cv2.imwrite(str(root / "masks" / f"m{i}.png"), mask)
+        pairs.append((root / "images" / f"m{i}.png", root / "masks" / f"m{i}.png"))
+    for classes, noted in ((5, True), (4, False)):
+        cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(root), "num_classes": classes,
+                                          "checkpoint_dir": str(tmp_path / "c")})
+        train_unet.check_pairs(pairs, cfg)
+        out = capsys.readouterr().out
+        assert ("note: class(es) 4 of num_classes=5 appear in no mask: if the masks hold classes 0-3, "
+                "num_classes=4 fits them" in out) == noted, out

@@ -376,9 +376,35 @@ def test_checkpoint_is_loaded_with_weights_only(binary_model, tmp_path):
     state["extra"] = _Payload(str(marker))
     evil = tmp_path / "evil.pt"
     torch.save(state, evil)
-    with pytest.raises(train_unet.UserError, match="not a readable checkpoint"):
+    with pytest.raises(train_unet.UserError, match="not a readable checkpoint") as err:
         train_unet.predict(opts(evil, data / "images", tmp_path / "out"))
     assert not marker.exists()
+    assert "weights_only" not in str(err.value)  # torch's advice for pickles, not for a user's wrong file
+
+
+def test_a_file_that_is_no_checkpoint_is_one_line_without_torchs_warnings(tmp_path, capsys):
+    import pickle
+
+    other = tmp_path / "x.pt"
+    other.write_bytes(pickle.dumps({"a": 1}, protocol=4))
+    with pytest.raises(train_unet.UserError, match="x.pt is not a readable checkpoint of this trainer"):
+        train_unet.load_checkpoint(other)
+    assert "Warning" not in capsys.readouterr().err
+
+
+def test_help_piped_into_a_reader_that_stops_exits_without_a_traceback():
+    import subprocess
+
+    script = Path(train_unet.__file__)
+    proc = subprocess.run(f"{sys.executable} {script} --help | head -1", shell=True, capture_output=True, text=True)
+    assert proc.stdout.strip() and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+def test_a_single_input_file_of_a_type_a_folder_skips_is_refused(tmp_path):
+    """A folder's .webp is skipped with a note; given alone it was predicted: one rule now."""
+    (tmp_path / "e.webp").write_bytes(b"RIFF")
+    with pytest.raises(train_unet.UserError, match=r"input .*e.webp is not one of the image types predict reads"):
+        train_unet.list_images(tmp_path / "e.webp")
 
 
 def test_corrupt_image_is_named_and_the_others_are_predicted(binary_model, tmp_path, capsys):

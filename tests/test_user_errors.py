@@ -450,7 +450,13 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
     assert "note: intensity_range=0,4095 was not used for eight.png and any other 8-bit image" in out
     (inp / "eight.png").unlink()
     train_unet.predict({**opts, "output": str(tmp_path / "b2"), "intensity_range": [0, 4095]})
-    assert "was not used" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "was not used" not in out and "outside intensity_range" not in out
+    # a range that does not fit the images (here full-range 16-bit data given 0-4095) gets a note too
+    cv2.imwrite(str(inp / "full.png"), cv2.imread(str(first)).astype(np.uint16) * 256)
+    train_unet.predict({**opts, "output": str(tmp_path / "b3"), "intensity_range": [0, 4095]})
+    note = [line for line in capsys.readouterr().out.splitlines() if "outside intensity_range" in line]
+    assert len(note) == 1 and "of full.png's pixels lie outside intensity_range=0,4095" in note[0], note
     read = lambda folder, name: cv2.imread(str(tmp_path / folder / name), cv2.IMREAD_UNCHANGED)  # noqa: E731
     assert (read("b", "twelve.png") == read("b", "eight.png")).mean() > 0.99  # 0-4095 = the 8-bit 0-255
     seen = train_unet.predict_intensity_range({"intensity_range": None}, {"intensity_range": [0, 4095]})
@@ -477,7 +483,12 @@ def test_a_val_fraction_that_leaves_nothing_to_train_on_says_so(make_data, make_
     err = one_line_error(train_unet.split_pairs, make_cfg(data_dir=str(data), val_fraction=0.99),
                          match="val_fraction=0.99 of .*'s 12 images leaves none to train on")
     value = float(err.split("use val_fraction=")[1].split()[0])
-    assert value == 0.91 and len(train_unet.split_pairs(make_cfg(data_dir=str(data), val_fraction=value))[0]) == 1
+    # the advice leaves a batch (batch_size=4) to train on: it once left one image, which the batch_size
+    # check refused next
+    assert value == 0.66 and len(train_unet.split_pairs(make_cfg(data_dir=str(data), val_fraction=value))[0]) == 4
+    assert train_unet.largest_val_fraction(3, {"batch_size": 4, "data_mode": "fit"}) == \
+        "use val_fraction=0.33 or less (e.g. 0.2), with batch_size=2 or less"
+    assert train_unet.largest_val_fraction(12, {"batch_size": 4, "data_mode": "patch"}).startswith("use val_fraction=0.91 ")
 
 
 def test_an_unreadable_file_says_what_it_is(tmp_path):
