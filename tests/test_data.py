@@ -370,23 +370,30 @@ def test_loader_is_the_same_for_any_worker_count_and_epoch_restart(make_cfg, cpu
     assert not same(epoch2, epoch_batches(0, 3))
 
 
+def exif_set(root, size, tag, mask_size, count=3, untagged=()):
+    """images/e{i}.jpg of `size` (h, w) with EXIF Orientation `tag` (none for the indices in `untagged`), and
+    masks/e{i}.png of `mask_size` with a square of foreground. Returns the pairs."""
+    from PIL import Image
+
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    for i in range(count):
+        image = Image.fromarray(np.full((*size, 3), 40 * i, np.uint8))
+        exif = image.getexif()
+        exif[0x0112] = tag
+        image.save(root / "images" / f"e{i}.jpg", **({} if i in untagged else {"exif": exif.tobytes()}))
+        mask = np.zeros(mask_size, np.uint8)
+        mask[10:30, 10:30] = 255
+        cv2.imwrite(str(root / "masks" / f"e{i}.png"), mask)
+    return [(root / "images" / f"e{i}.jpg", root / "masks" / f"e{i}.png") for i in range(count)]
+
+
 def test_a_size_mismatch_from_an_exif_turn_says_so(make_cfg, tmp_path):
     """A phone's JPEG, stored 96x64 with EXIF Orientation 6, reads 64x96 (OpenCV turns it, as viewers do);
     its mask, drawn on the stored pixels, is 96x64. The message named two sizes the user's tools disagree
     with; now it says where the turn comes from."""
-    from PIL import Image
-
     root = tmp_path / "exif"
-    for sub in ("images", "masks"):
-        (root / sub).mkdir(parents=True)
-    for i in range(3):
-        image = Image.fromarray(np.full((64, 96, 3), 40 * i, np.uint8))
-        exif = image.getexif()
-        exif[0x0112] = 6
-        image.save(root / "images" / f"e{i}.jpg", exif=exif.tobytes())
-        mask = np.zeros((64, 96), np.uint8)
-        mask[10:30, 10:30] = 255
-        cv2.imwrite(str(root / "masks" / f"e{i}.png"), mask)
+    exif_set(root, (64, 96), 6, (64, 96))
     message = data_error(make_cfg(data_dir=str(root)))
     assert "is 64x96 as read (stored 96x64, turned by its EXIF Orientation tag 6" in message
     assert "but its mask is 96x64" in message
@@ -398,22 +405,10 @@ def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp
     show them, and pass the size check whichever way their masks were drawn: one drawn on the stored pixels
     was misaligned without a word. The data check now notes such images (kept in its cache) and names one;
     a set without the tag gets no note."""
-    from PIL import Image
-
     root = tmp_path / "exif"
-    for sub in ("images", "masks"):
-        (root / sub).mkdir(parents=True)
-    for i in range(3):
-        image = Image.fromarray(np.full((64, 64, 3), 40 * i, np.uint8))
-        exif = image.getexif()
-        exif[0x0112] = tag
-        image.save(root / "images" / f"e{i}.jpg", **({"exif": exif.tobytes()} if i else {}))  # e0: no tag
-        mask = np.zeros((64, 64), np.uint8)
-        mask[10:30, 10:30] = 255
-        cv2.imwrite(str(root / "masks" / f"e{i}.png"), mask)
+    pairs = exif_set(root, (64, 64), tag, (64, 64), untagged=(0,))
     cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(root),
                                       "checkpoint_dir": str(tmp_path / "c")})
-    pairs = [(root / "images" / f"e{i}.jpg", root / "masks" / f"e{i}.png") for i in range(3)]
     for run in range(2):  # the second from the data check's cache
         train_unet.check_pairs(pairs, cfg)
         note = [line for line in capsys.readouterr().out.splitlines() if "EXIF" in line]
@@ -426,21 +421,11 @@ def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp
 def test_a_quarter_turned_image_that_passed_the_size_check_gets_no_exif_note(tmp_path, capsys):
     """Stored 96x64 with Orientation 6, read 64x96: a mask of 64x96 can only have been drawn on the turned
     image, so there is nothing to check; and a damaged cache entry's orientation counts as unchecked."""
-    from PIL import Image
-
     root = tmp_path / "exif"
-    for sub in ("images", "masks"):
-        (root / sub).mkdir(parents=True)
-    image = Image.fromarray(np.full((64, 96, 3), 40, np.uint8))
-    exif = image.getexif()
-    exif[0x0112] = 6
-    image.save(root / "images" / "e.jpg", exif=exif.tobytes())
-    mask = np.zeros((96, 64), np.uint8)
-    mask[10:30, 10:30] = 255
-    cv2.imwrite(str(root / "masks" / "e.png"), mask)
+    pairs = exif_set(root, (64, 96), 6, (96, 64), count=1)
     cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(root),
                                       "checkpoint_dir": str(tmp_path / "c")})
-    train_unet.check_pairs([(root / "images" / "e.jpg", root / "masks" / "e.png")], cfg)
+    train_unet.check_pairs(pairs, cfg)
     assert "EXIF" not in capsys.readouterr().out
     entry = {"stamp": [1, 2, 3], "hw": [96, 64], "dtype": "uint8", "channels": 3}
     assert train_unet.entry_valid({**entry, "orientation": 6}, mask=False)
