@@ -350,7 +350,7 @@ def test_a_truncated_checkpoint_and_a_folder_say_what_to_give(binary_model, tmp_
     ckpt, data = binary_model
     cut = tmp_path / "cut.pt"
     cut.write_bytes(ckpt.read_bytes()[:100_000])  # a copy that stopped short
-    with pytest.raises(train_unet.UserError, match="cut short in a copy .*give a best.pt or last.pt") as info:
+    with pytest.raises(train_unet.UserError, match="cut short in a copy: give a best.pt or last.pt") as info:
         train_unet.predict(opts(cut, data / "images", tmp_path / "out"))
     assert "\n" not in str(info.value)
     with pytest.raises(train_unet.UserError, match=f"checkpoint {ckpt.parent} is a folder: give a .pt file in it "
