@@ -2865,19 +2865,13 @@ def mixed_binary_masks(pairs, values, cfg):
 def exif_turn(path, hw):
     """Where an image read as `hw` was turned a quarter by its EXIF Orientation tag (OpenCV applies it, as
     cameras and viewers do; file managers and Pillow's .size give the stored size; tifffile ignores it):
-    words saying so, else ""."""
-    from PIL import Image
-
-    if is_tiff(path):  # read by tifffile, as stored (Pillow's .size of such a TIFF is its turned size)
+    words saying so, else "". The tag as the data check reads it (exif_orientation); read turned, the
+    image is stored as `hw`'s width and height swapped."""
+    turn = exif_orientation(path)
+    if turn not in QUARTER_TURNS or hw[0] == hw[1]:
         return ""
-    try:
-        with Image.open(path) as image:
-            turn, (w, h) = image.getexif().get(EXIF_ORIENTATION), image.size
-    except Exception:  # noqa: BLE001 - any file Pillow cannot open: nothing to add to the message
-        return ""
-    if turn not in QUARTER_TURNS or w == h or list(hw) != [w, h]:  # read as (h, w) = stored (w, h): turned
-        return ""
-    return f" as read (stored {w}x{h}, turned by its EXIF Orientation tag {turn}; draw the mask on the turned image)"
+    return (f" as read (stored {hw[0]}x{hw[1]}, turned by its EXIF Orientation tag {turn}; draw the mask on the "
+            f"turned image)")
 
 
 def checked_facts(paths, cfg, write, share=False):
@@ -6079,9 +6073,11 @@ class InputNotes:
     def see(self, batch):
         """Take note of a read batch's images (the first of each kind is named)."""
         self.sixteen_bit = self.sixteen_bit or sixteen_bit_input(batch, self.cfg)
-        if self.opts["intensity_range"] is not None and self.eight_bit is None:
+        if self.opts["intensity_range"] is None:  # the other two are about a range the user gave
+            return
+        if self.eight_bit is None:
             self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
-        if self.opts["intensity_range"] is not None and self.outside is None:
+        if self.outside is None:
             self.outside = next(filter(None, (outside_range(path, image) for path, image, _ in batch)), None)
 
     def print(self):
