@@ -659,11 +659,21 @@ def resumed_schedule(state, cfg, steps_per_epoch, notes):
     if in_warmup(done, schedule):  # extended without a tail: the warm-up goes on
         notes.append(f"{change}: the warm-up goes on to {lr:.2e} at epoch {schedule['warmup']:.3g}, then a "
                      f"cosine down to {lr * LR_FLOOR:.2e} at epoch {epochs}")
+    elif epochs > done and lr_factor(done, schedule) <= AT_LR_FLOOR * LR_FLOOR:  # no restart: it stays down there
+        notes.append(f"{change}: the run had ended its schedule, so the learning rate stays at its floor, "
+                     f"{lr * lr_factor(done, schedule):.2e} ({LR_FLOOR:.0%} of learning_rate), for the {epochs - done} "
+                     f"added epochs (no restart): they change the weights little; to train longer at a higher rate, "
+                     f"start a new run with epochs={epochs} in another checkpoint_dir")
     else:
         notes.append(f"{change}: the learning rate continues from {lr * lr_factor(done, schedule):.2e} (no "
                      f"restart), cosine down to {lr * LR_FLOOR:.2e} over the remaining {epochs - done} "
                      f"epochs ({(epochs - done) * steps_per_epoch} optimizer steps)")
     return schedule
+
+
+# An extended run whose LR is within this factor of the floor (LR_FLOOR) gets resumed_schedule's note that
+# its added epochs barely train: a finished run's is at the floor itself.
+AT_LR_FLOOR = 2
 
 
 def prepare_model(cfg, hw):

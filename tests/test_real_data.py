@@ -417,6 +417,17 @@ def test_extended_schedule_is_continuous():
         assert all(b <= a + 1e-12 for a, b in zip(factors[stop:], factors[stop + 1:]))
 
 
+def test_extending_a_run_at_its_lr_floor_says_the_added_epochs_barely_train():
+    cfg = dict(train_unet.CONFIG, epochs=10)
+    for done, at_floor in ((10, True), (6, False)):  # finished, or interrupted mid-cosine
+        state = {"config": {"epochs": 10}, "epoch": done, "lr_schedule": train_unet.lr_schedule(cfg)}
+        notes = []
+        train_unet.resumed_schedule(state, {**cfg, "epochs": 20}, 5, notes)
+        assert len(notes) == 1 and notes[0].startswith("epochs changed from 10 to 20")
+        assert ("change the weights little" in notes[0]) == at_floor, notes[0]
+        assert ("start a new run" in notes[0]) == at_floor
+
+
 def test_extending_a_finished_run_does_not_jump_the_lr(make_cfg, optimizer_steps, capsys):
     cfg = make_cfg(epochs=2, early_stopping_patience=None, warmup_fraction=0.0)
     lrs = optimizer_steps()
@@ -424,7 +435,7 @@ def test_extending_a_finished_run_does_not_jump_the_lr(make_cfg, optimizer_steps
     before = list(lrs)
     lrs.clear()
     result = train_unet.train({**cfg, "resume": True, "epochs": 4})
-    assert "continues from" in capsys.readouterr().out  # said in the banner
+    assert "stays at its floor" in capsys.readouterr().out  # said in the banner
     ended = result["history"][1]["lr"]  # the LR the finished run ended at (1% of the peak)
     assert ended == pytest.approx(cfg["learning_rate"] * train_unet.LR_FLOOR)
     assert lrs[0] == pytest.approx(ended, rel=1e-6)  # continues there (it restarted near the peak)
