@@ -5518,7 +5518,7 @@ def predict(opts):
             seen.see(batch)
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
-            writer.write_all(batch, masks, outputs, out_dir)
+            writer.write_all(batch, *on_host(masks, hw), outputs, out_dir)
             bar.update(len(batch) + len(unreadable))
             del batch, images, inputs, masks  # gone before a read that waited for this batch
         waits["writing"] = writer.waited  # not the last masks' writing: after the last forward, nothing to overlap
@@ -5780,13 +5780,14 @@ class MaskWriter:
     def __enter__(self):
         return self
 
-    def write_all(self, batch, masks, outputs, out_dir):
-        """Hand over a batch's masks: predict's (path, image, input) items, outputs[path] the mask's file."""
+    def write_all(self, batch, masks, ready, outputs, out_dir):
+        """Hand over a batch's masks (on_host's, with its `ready` event): predict's (path, image, input)
+        items, outputs[path] the mask's file."""
         for (path, image, _), mask in zip(batch, masks):
-            self.write(outputs[path], out_dir / prediction_names(path)[1], image, mask)
+            self.write(outputs[path], out_dir / prediction_names(path)[1], image, mask, ready)
 
-    def write(self, path, overlay_path, image, mask):
-        self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask]))
+    def write(self, path, overlay_path, image, mask, ready=None):
+        self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask, ready]))
         while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
             self.result()  # raises a failed write's UserError here, in predict
 
@@ -5802,11 +5803,13 @@ class MaskWriter:
         # The job's list is emptied here, so the image and mask are let go when save returns, before its
         # future is done: the pool's worker thread keeps its work item (this list) a moment longer, and
         # a large image must be gone once wait() returns (read_ahead then decodes the next one).
-        path, overlay_path, image, mask = job
+        path, overlay_path, image, mask, ready = job
         job.clear()
         if self.failed:  # after a failed write nothing more is written: the error names what stands
             return
-        mask = mask.cpu().numpy()  # on a GPU: waits for this mask's kernels, in this thread
+        if ready is not None:  # on a GPU: this batch's copies to the host done, in this thread
+            ready.synchronize()
+        mask = mask.cpu().numpy()
         try:
             save_prediction(path, mask_to_png(mask, self.num_classes), self.written)
             if self.overlay:
@@ -5837,6 +5840,22 @@ class MaskWriter:
                     self.wait()
         finally:
             self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def on_host(masks, hw):
+    """(predict's masks on their way to the host, an event marking them there, or None). On CUDA each mask
+    is copied without blocking into page-locked memory right after the kernels that made it, and one event
+    recorded after the batch's copies: the writer thread waits on it (MaskWriter.save), and the model's
+    thread never waits. A .cpu() on the writer thread would have waited, mask by mask, for every kernel
+    queued by then, the next batch's forward included. Elsewhere the masks are already on the host."""
+    if hw.kind != "cuda" or not masks or masks[0].device.type != "cuda":
+        return masks, None
+    host = [torch.empty(mask.shape, dtype=mask.dtype, pin_memory=True) for mask in masks]
+    for to, mask in zip(host, masks):
+        to.copy_(mask, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(masks[0].device))  # the copies' stream: cuda:1's on cuda:1
+    return host, ready
 
 
 MAX_PENDING_MASKS = 16
@@ -5930,11 +5949,46 @@ def original_size_logits(logits, sizes, cfg):
     back bilinearly. The one way from the model's output to predict's masks; validation scores the
     same logits, so the val IoU is the IoU of what predict writes."""
     for logit, (h, w) in zip(logits.float(), sizes):
-        vh, vw = fit_region(cfg["image_size"], h, w)
-        logit = logit[:, :vh, :vw]
-        if (vh, vw) != (h, w):
-            logit = nn.functional.interpolate(logit[None], size=(h, w), mode="bilinear", align_corners=False)[0]
-        yield logit
+        yield original_size(logit[None], h, w, cfg)[0]
+
+
+def original_size(logits, h, w, cfg):
+    """N x classes x H x W fp32 logits of images that were all h x w -> N x classes x h x w: their area
+    cropped out of the padded square, resized back bilinearly (original_size_logits, fit_masks)."""
+    vh, vw = fit_region(cfg["image_size"], h, w)
+    logits = logits[:, :, :vh, :vw]
+    if (vh, vw) != (h, w):
+        logits = nn.functional.interpolate(logits, size=(h, w), mode="bilinear", align_corners=False)
+    return logits
+
+
+def fit_masks(logits, sizes, cfg):
+    """Fit mode's masks (uint8 tensors on the logits' device), in order: each image's logits at its original
+    size (original_size, as validation scores them), thresholded (mask_rule). The images of one size go
+    through together, up to SCORE_BAND_PIXELS pixels a group: a handful of ops a batch instead of seven an
+    image, on a GPU each a kernel launch or a view beside the forward's ~110 (BENCHMARKS.md "Predict
+    speed"). An image over that limit goes alone, its mask made in bands (mask_tensor)."""
+    masks, logits = [None] * len(sizes), logits.float()
+    for (h, w), indices in same_size_groups(sizes):
+        whole = indices == list(range(indices[0], indices[-1] + 1))  # a run of the batch: a view, not a copy
+        full = original_size(logits[indices[0]:indices[-1] + 1] if whole else logits[indices], h, w, cfg)
+        found = [mask_tensor(full[0], cfg["num_classes"])] if len(indices) == 1 else \
+            mask_rule(full, cfg["num_classes"]).unbind(0)
+        for i, mask in zip(indices, found):
+            masks[i] = mask
+    return masks
+
+
+def same_size_groups(sizes):
+    """((h, w), indices) of the images of each size, at most SCORE_BAND_PIXELS pixels a group (at least
+    one image): the argmax's int64 and the resized logits stay a band's size, as for one image."""
+    by_size = {}
+    for i, size in enumerate(sizes):
+        by_size.setdefault(tuple(size), []).append(i)
+    for (h, w), indices in by_size.items():
+        per = max(1, SCORE_BAND_PIXELS // (h * w))
+        for k in range(0, len(indices), per):
+            yield (h, w), indices[k:k + per]
 
 
 @torch.inference_mode()
@@ -5969,16 +6023,15 @@ def predict_masks(model, images, cfg, prec, hw, inputs=None):
     """predict_batch's masks as uint8 tensors on the device (predict copies them back on its writer thread).
 
     fit: same preprocessing as validation (fit_input; `inputs`: theirs, made beforehand, as predict's
-    reader threads do); logits are cropped to the image's area and resized back (original_size_logits:
-    validation scores these same logits).
+    reader threads do); logits are cropped to the image's area and resized back (fit_masks, by
+    original_size: validation scores these same logits).
     patch: each image through the sliding window (predict_logits).
     """
     if cfg["data_mode"] == "patch":
         return [mask_tensor(predict_logits(model, image, cfg, prec, hw), cfg["num_classes"]) for image in images]
     x = torch.stack(inputs or [fit_input(image, cfg) for image in images])
     logits = eval_forward(model, x, cfg, prec, hw)  # channels_last: predict() converts the model to match
-    sizes = [image.shape[:2] for image in images]
-    return [mask_tensor(logit, cfg["num_classes"]) for logit in original_size_logits(logits, sizes, cfg)]
+    return fit_masks(logits, [image.shape[:2] for image in images], cfg)
 
 
 def logits_to_mask(logits, num_classes):
@@ -5991,11 +6044,16 @@ def mask_tensor(logits, num_classes):
     rows (score_bands), so the argmax's int64 (8 bytes a pixel) never covers the whole image."""
     bands = score_bands(*logits.shape[1:])
     if len(bands) == 1:  # two ops, as ever: fit mode's images and a sliding window's smaller ones
-        return ((logits[0] > 0) if num_classes == 1 else logits.argmax(0)).to(torch.uint8)
+        return mask_rule(logits, num_classes)
     mask = torch.empty(logits.shape[1:], dtype=torch.uint8, device=logits.device)
     for band in bands:
-        mask[band] = (logits[0, band] > 0) if num_classes == 1 else logits[:, band].argmax(0)
+        mask[band] = mask_rule(logits[:, band], num_classes)
     return mask
+
+
+def mask_rule(logits, num_classes):
+    """[N x] classes x H x W logits -> [N x] H x W uint8 class indices: binary at logit 0, else the argmax."""
+    return ((logits.select(-3, 0) > 0) if num_classes == 1 else logits.argmax(-3)).to(torch.uint8)
 
 
 def mask_to_png(mask, num_classes):

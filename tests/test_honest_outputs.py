@@ -125,16 +125,17 @@ def test_validation_counts_each_original_pixel_once_on_every_path(make_data, mak
 
 
 def test_predict_and_validation_share_the_way_back_to_the_original_size(monkeypatch, make_cfg):
-    """predict_batch turns logits into masks through original_size_logits, the function validation
-    scores: replacing it changes predict's output."""
+    """predict_batch turns logits into masks through original_size, the function validation scores by
+    (original_size_logits): replacing it changes predict's output and validation's logits alike."""
     cfg = make_cfg(image_size=32)
     hw = train_unet.detect_hardware("cpu")
     model = train_unet.prepare_model(cfg, hw).eval()
     fp32 = train_unet.decide_precision(hw, use_amp=False)
     image = np.random.default_rng(0).integers(0, 255, (50, 70, 3), np.uint8)
-    monkeypatch.setattr(train_unet, "original_size_logits",
-                        lambda logits, sizes, cfg: (torch.full((1, h, w), 5.0) for h, w in sizes))
+    monkeypatch.setattr(train_unet, "original_size", lambda logits, h, w, cfg: torch.full((len(logits), 1, h, w), 5.0))
     assert (train_unet.predict_batch(model, [image], cfg, fp32, hw)[0] == 1).all()
+    logits = train_unet.original_size_logits(torch.zeros(2, 1, 32, 32), [(5, 6)] * 2, cfg)
+    assert all((logit == 5).all() for logit in logits)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -462,3 +462,76 @@ def test_the_blend_counts_torchs_cached_gpu_memory_as_free(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 2 << 30)
     assert train_unet.cuda_free_memory("cuda:0") == (1 << 20) + (58 << 30)
+
+
+def fit_logits(sizes, classes, nhwc=False, image_size=64):
+    """A batch of fit-mode logits (random) for images of these sizes, and its cfg."""
+    cfg = {**window_cfg(data_mode="fit", num_classes=classes, image_size=image_size), "channels_last": nhwc}
+    logits = torch.randn(len(sizes), classes, image_size, image_size, generator=torch.Generator().manual_seed(0))
+    return (logits.contiguous(memory_format=torch.channels_last) if nhwc else logits), cfg
+
+
+@pytest.mark.parametrize("classes, nhwc", [(1, False), (3, False), (3, True)])
+def test_fit_masks_of_a_batch_are_each_images_own_to_the_bit(classes, nhwc, monkeypatch):
+    """fit_masks crops, resizes back and thresholds the images of one size together; the masks are those of
+    each image alone (original_size_logits, mask_tensor: what validation scores), mixed sizes and an image
+    over a group's pixel limit (alone, in bands) included."""
+    monkeypatch.setattr(train_unet, "SCORE_BAND_PIXELS", 150 * 117 * 2)  # at most two of the largest a group
+    sizes = [(150, 117), (40, 90), (150, 117), (64, 64), (150, 117), (40, 90), (300, 117)]
+    logits, cfg = fit_logits(sizes, classes, nhwc)
+    with torch.inference_mode():
+        masks = train_unet.fit_masks(logits, sizes, cfg)
+        alone = [train_unet.mask_tensor(logit, classes) for logit in train_unet.original_size_logits(logits, sizes, cfg)]
+    assert [tuple(m.shape) for m in masks] == sizes
+    for mask, reference in zip(masks, alone):
+        assert mask.dtype == torch.uint8 and torch.equal(mask, reference)
+
+
+def test_fit_masks_take_a_few_ops_a_batch_not_seven_an_image():
+    """Eight images of one size: the masks of the batch in a handful of aten ops (on a GPU each a kernel
+    launch or a view; the forward of fit mode's resnet18 Unet is ~107). Each image alone took 58: an unbind,
+    then a float, two slices, an unsqueeze, the resize, a select, the threshold and the cast to uint8 per image."""
+    sizes = [(100, 120)] * 8
+    logits, cfg = fit_logits(sizes, 1)
+    with torch.inference_mode(), OpCounter() as counter:
+        train_unet.fit_masks(logits, sizes, cfg)
+    assert sum(counter.ops.values()) <= 9, dict(counter.ops)
+    assert counter.ops["aten.upsample_bilinear2d.vec"] == 1
+
+
+def test_masks_go_to_the_host_without_a_wait_on_the_models_thread(monkeypatch, tmp_path):
+    """CUDA: a batch's masks are copied to page-locked host memory without blocking and one event is
+    recorded on their device's stream; the writer thread waits on that event before it reads a mask, the
+    model's thread never. (Before, the writer's .cpu() per mask waited for every kernel queued by then.)
+    Fake CUDA tensors and events; then a real MaskWriter with a stand-in event, masks on the CPU."""
+    import types
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+
+    class Event:
+        def record(self, stream=None):
+            calls.append(("record", stream))
+
+        def synchronize(self):
+            calls.append(("wait", threading.current_thread() is threading.main_thread()))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"stream of {device}")
+    hw = types.SimpleNamespace(kind="cuda", device=torch.device("cuda:1"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        masks = [torch.zeros(5, 6, dtype=torch.uint8, device="cuda:1") for _ in range(3)]
+        host, ready = train_unet.on_host(masks, hw)
+        assert [m.device.type for m in host] == ["cpu"] * 3
+    assert calls == [("record", "stream of cuda:1")]
+    cpu = types.SimpleNamespace(kind="cpu", device=torch.device("cpu"))
+    assert train_unet.on_host(host, cpu) == (host, None)
+
+    real_save = train_unet.save_prediction
+    monkeypatch.setattr(train_unet, "save_prediction",
+                        lambda path, *a: (calls.append(("write", Path(path).name)), real_save(path, *a)))
+    batch = [(Path(f"{name}.png"), np.zeros((5, 6, 3), np.uint8), None) for name in "ab"]
+    outputs = {path: tmp_path / path.name for path, _, _ in batch}
+    with train_unet.MaskWriter(1, False) as writer:
+        writer.write_all(batch, [torch.ones(5, 6, dtype=torch.uint8)] * 2, ready, outputs, tmp_path)
+    assert calls[1:] == [("wait", False), ("write", "a.png"), ("wait", False), ("write", "b.png")]
+    assert (train_unet.cv2.imread(str(tmp_path / "a.png"), train_unet.cv2.IMREAD_UNCHANGED) == 255).all()

@@ -5,7 +5,7 @@
 
 Per image, medians of `rounds` passes after an untimed one, in milliseconds and as a share of the
 forward: reading (read_image), preprocessing (fit_input), stacking the batch, the forward, the masks
-(cropped, resized back, thresholded: predict_masks' steps), the copy to numpy, PNG encoding, and
+(cropped, resized back, thresholded: fit_masks, as predict_masks), the copy to the host and to numpy, PNG encoding, and
 write_png into a new file and over the file a previous pass wrote (on ext4 the second also deletes the
 old file). Predict runs the reading and writing on threads beside the forward; with every core in the
 forward, the sum of the host steps is about what they add (BENCHMARKS.md "Predict speed").
@@ -82,10 +82,10 @@ def one_batch(model, paths, cfg, prec, hw, out, r, passed):
         images = [timed("read", T.read_image, p, cfg["in_channels"], cfg["intensity_range"]) for p in paths]
         x = timed("stack", torch.stack, [timed("preprocess", T.fit_input, image, cfg) for image in images])
         logits = timed("forward", T.eval_forward, model, x, cfg, prec, hw)
-        masks = timed("masks", lambda: [T.mask_tensor(logit, cfg["num_classes"]) for logit in T.original_size_logits(
-            logits, [image.shape[:2] for image in images], cfg)])
+        masks = timed("masks", T.fit_masks, logits, [image.shape[:2] for image in images], cfg)
+    masks, ready = timed("to numpy", T.on_host, masks, hw)  # CUDA: the batch's copies, waited for (timed)
     for path, mask in zip(paths, masks):
-        png = T.mask_to_png(timed("to numpy", lambda: mask.cpu().numpy()), cfg["num_classes"])
+        png = T.mask_to_png(timed("to numpy", lambda: mask.numpy()), cfg["num_classes"])
         timed("encode", cv2.imencode, ".png", png)
         timed("write, new file", T.write_png, out / f"{path.stem}_{r}.png", png)
         timed("write, over a file", T.write_png, out / f"{path.stem}.png", png)  # the previous pass's
