@@ -535,3 +535,23 @@ def test_masks_go_to_the_host_without_a_wait_on_the_models_thread(monkeypatch, t
         writer.write_all(batch, [torch.ones(5, 6, dtype=torch.uint8)] * 2, ready, outputs, tmp_path)
     assert calls[1:] == [("wait", False), ("write", "a.png"), ("wait", False), ("write", "b.png")]
     assert (train_unet.cv2.imread(str(tmp_path / "a.png"), train_unet.cv2.IMREAD_UNCHANGED) == 255).all()
+
+
+def test_predicts_main_thread_parses_only_the_first_two_batches_headers(monkeypatch, tmp_path):
+    """The memory budget's image headers (room_to_read_ahead) of batch k + 2 are read on the reader threads
+    beside batch k + 1's images (MemoryBudget.look_ahead): predict's main thread, which on a GPU launches the
+    model's kernels, parses the first two batches' only, and the later ones are parsed once each."""
+    paths = []
+    for i in range(12):
+        paths.append(tmp_path / f"{i:02}.png")
+        train_unet.write_png(paths[-1], np.full((8, 8, 3), i, np.uint8))
+    parsed, real_header = [], train_unet.image_header
+    monkeypatch.setattr(train_unet, "image_header", lambda path: parsed.append(
+        (Path(path).name, threading.current_thread() is threading.main_thread())) or real_header(path))
+    cfg = {**window_cfg(data_mode="fit"), "intensity_range": None}
+    budget = train_unet.MemoryBudget(1 << 40, cfg, None)
+    batches = [[p for p, _, _ in batch] for batch, _ in train_unet.read_ahead(paths, 2, cfg, budget)]
+    assert batches == [paths[i:i + 2] for i in range(0, 12, 2)]
+    assert {name for name, main in parsed if main} <= {p.name for p in paths[:4]}
+    later = sorted(name for name, _ in parsed if name >= paths[4].name)
+    assert later == [p.name for p in paths[4:]]  # each once (the first batch's readers may beat the main thread)
