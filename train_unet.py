@@ -1162,6 +1162,21 @@ KEY_TYPES = {
     **dict.fromkeys(("intensity_range", "class_weights"), list),
 }
 
+# The keys of CONFIG and PREDICT_CONFIG as shipped (tested against them): an edit at the top that adds or
+# deletes one is refused (check_edited_keys), and command-line keys are checked against these.
+TRAINING_KEYS = (
+    "preset", "data_dir", "image_size", "in_channels", "num_classes", "val_fraction", "max_train_images", "num_workers",
+    "cache_images", "intensity_range", "data_mode", "patch_scale", "patch_foreground", "patches_per_image",
+    "tile_overlap", "tile_batch_size", "arch", "encoder_name", "encoder_weights", "loss", "class_weights", "epochs",
+    "batch_size", "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction", "grad_clip_norm",
+    "ema_decay", "early_stopping_patience", "seed", "device", "use_amp", "amp_dtype", "force_amp_dtype", "eval_amp",
+    "tta", "channels_last", "cpu_probe", "compile_model", "sync_batchnorm", "tf32_matmul_precision", "init_scale",
+    "growth_factor", "backoff_factor", "growth_interval", "nan_guard", "nan_patience", "detect_anomaly",
+    "checkpoint_dir", "resume", "progress", "logger")
+PREDICT_KEYS = ("checkpoint", "input", "output", "overlay", "batch_size", "device", "use_amp", "amp_dtype",
+                "force_amp_dtype", "cpu_probe", "channels_last", "progress", "tile_overlap", "tile_batch_size", "tta",
+                "backend", "intensity_range")
+
 # Keys that take None (each one's comment in CONFIG says what None means).
 NONE_KEYS = ("preset", "max_train_images", "num_workers", "intensity_range", "patches_per_image", "tile_overlap",
              "tile_batch_size", "encoder_weights", "class_weights", "grad_clip_norm", "ema_decay",
@@ -1269,11 +1284,39 @@ def explicit_keys(args):
 
 
 def check_known_key(key, defaults=CONFIG):
-    if key not in defaults:
-        low = key.lower()  # EPOCHS=2, Batch_Size=4
-        near = [KEY_ALIASES[low]] if KEY_ALIASES.get(low) in defaults else difflib.get_close_matches(low, defaults, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise UserError(f"unknown key {key!r}: {hint}known keys: {', '.join(defaults)}")
+    known = shipped_keys(defaults)
+    if key not in known:
+        raise UserError(f"unknown key {key!r}: {near_key(key, known)}known keys: {', '.join(known)}")
+
+
+def near_key(key, known):
+    """'did you mean ...? ' for a key not known (EPOCHS, Batch_Size, lr, encoder), else ''."""
+    low = key.lower()
+    near = [KEY_ALIASES[low]] if KEY_ALIASES.get(low) in known else difflib.get_close_matches(low, known, n=1)
+    return f"did you mean {near[0]!r}? " if near else ""
+
+
+def shipped_keys(defaults):
+    """The keys of CONFIG or PREDICT_CONFIG as shipped, whatever an edit at the top did to them; other
+    commands' defaults as they are."""
+    return TRAINING_KEYS if defaults is CONFIG else PREDICT_KEYS if defaults is PREDICT_CONFIG else tuple(defaults)
+
+
+def check_edited_keys(defaults):
+    """CONFIG or PREDICT_CONFIG as edited at the top of the file has the keys it shipped with: a key added
+    there (a typo: "encoder" for "encoder_name", "batchsize") would be ignored, or read as a word, and a key
+    deleted would stop the run with a KeyError deep inside it."""
+    name, known = "CONFIG" if defaults is CONFIG else "PREDICT_CONFIG", shipped_keys(defaults)
+    where = f"{name} at the top of {Path(__file__).name}"
+    for key in defaults:
+        if key not in known:
+            raise UserError(f"{where} has a key unet-amp does not know, {key!r}: {near_key(key, known)}fix or remove "
+                            f"it there (its keys: {', '.join(known)})")
+    missing = [key for key in known if key not in defaults]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise UserError(f"{where} has no {missing[0]!r}{more}: put the key back there, with a value (the file as "
+                        f"shipped has every key, each with a comment saying what it does)")
 
 
 # Other trainers' names for keys of ours, too short or too unlike ours for difflib to match.
@@ -1307,6 +1350,7 @@ def check_types(cfg, defaults):
 def validate_config(cfg, model_names=True):
     """Stop early, with a one-line message, on values that cannot be right. model_names=False leaves out
     the check of arch and encoder_name against smp's lists (an exported model runs without smp)."""
+    check_edited_keys(CONFIG)
     for key in cfg:
         check_known_key(key)
     cfg = {**CONFIG, **cfg}
@@ -6095,6 +6139,7 @@ def tinted(image, mask, alpha):
 
 
 def validate_predict(opts):
+    check_edited_keys(PREDICT_CONFIG)
     check_types(opts, PREDICT_CONFIG)
     check_paths_given(opts, ("checkpoint", "input", "output"))
     if opts["batch_size"] < 1:

@@ -90,6 +90,37 @@ def test_key_types_match_the_shipped_configs():
             assert type(value) is train_unet.key_type(key, defaults), (key, value)
 
 
+def test_shipped_keys_are_the_shipped_configs_keys():
+    assert tuple(CONFIG) == train_unet.TRAINING_KEYS
+    assert tuple(train_unet.PREDICT_CONFIG) == train_unet.PREDICT_KEYS
+
+
+@pytest.mark.parametrize("which, edit, message", [
+    ("CONFIG", {"add": ("encoder", "resnet34")}, "has a key unet-amp does not know, 'encoder': did you mean 'encoder_name'"),
+    ("CONFIG", {"rename": ("batch_size", "batchsize")}, "does not know, 'batchsize': did you mean 'batch_size'"),
+    ("CONFIG", {"delete": "seed"}, "has no 'seed': put the key back"),
+    ("CONFIG", {"delete": "preset"}, "has no 'preset'"),
+    ("PREDICT_CONFIG", {"delete": "output"}, "PREDICT_CONFIG at the top of train_unet.py has no 'output'"),
+])
+def test_a_key_added_or_deleted_at_the_top_is_refused_in_one_line(monkeypatch, which, edit, message):
+    """An edit of CONFIG that adds a key (a typo) was ignored or read as a word ('batchsize=4 must be a
+    string'); one that deletes a key stopped with a KeyError deep in the run."""
+    defaults = getattr(train_unet, which)
+    if "add" in edit:
+        monkeypatch.setitem(defaults, *edit["add"])
+    if "rename" in edit:
+        old, new = edit["rename"]
+        monkeypatch.setitem(defaults, new, defaults[old])
+        monkeypatch.delitem(defaults, old)
+    if "delete" in edit:
+        monkeypatch.delitem(defaults, edit["delete"])
+    with pytest.raises(UserError, match=message):
+        if which == "CONFIG":
+            train_unet.parse_overrides(["epochs=1"])
+        else:
+            train_unet.predict({"checkpoint": "x.pt", "input": "in", "output": "out"})
+
+
 @pytest.mark.parametrize("edit, args, expected", [
     ({"batch_size": "auto"}, [], "auto"),                       # CONFIG's own comment offers "auto"
     ({"batch_size": "auto"}, ["batch_size=4"], 4),
