@@ -831,9 +831,10 @@ def run_epoch(run, epoch, train_loader, val_loader, hw, cfg):
 def finish_epoch(run, row, cfg):
     """Record the epoch, write last.pt (and best.pt when it improved) and the history CSV."""
     ckpt_dir = Path(cfg["checkpoint_dir"])
+    refuse_nonfinite_validation(run, row, cfg)
     run.history.append(row)
     run.epoch = row["epoch"]
-    improved = row["val_iou"] > run.best_iou
+    improved = math.isfinite(row["val_loss"]) and row["val_iou"] > run.best_iou  # nan_guard=False: kept, never best
     run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
     with interrupts_held():  # the epoch's files all or none: last.pt alone would lose a best.pt for good
         if DIST.is_main:  # one writer; the other ranks hold the same weights
@@ -847,6 +848,25 @@ def finish_epoch(run, row, cfg):
     warn_fp16_underflow(row)
     run.logger.log_epoch(row)
     run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
+
+
+def refuse_nonfinite_validation(run, row, cfg):
+    """A non-finite val loss with the guard on stops the run before the epoch is recorded: the model as
+    predict would use it gives NaN/inf (its IoU is meaningless, and it would have become best.pt). The
+    training steps can stay finite meanwhile: BatchNorm's running statistics, used only in eval mode, or
+    weights grown too large overflow first. last.pt and best.pt of the last good epoch stay."""
+    if math.isfinite(row["val_loss"]) or not cfg["nan_guard"]:
+        return
+    model = unwrap(run.ema.evaluated(run.eval_model))
+    bad = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    where = (f"{bad} is non-finite" if bad else "its outputs overflow while its weights and statistics are finite "
+             "(they grew too large)")
+    kept = (f"{Path(cfg['checkpoint_dir']) / 'last.pt'} (epoch {run.epoch}) is intact" if run.epoch else
+            "no checkpoint was written")
+    raise UserError(f"validation went non-finite in epoch {row['epoch']} (val loss {row['val_loss']}, train loss "
+                    f"{row['train_loss']:.3g}): the model in eval mode gives NaN/inf, {where}; likely learning_rate="
+                    f"{cfg['learning_rate']} too high (grad_clip_norm={cfg['grad_clip_norm']}); {kept}")
 
 
 def epoch_summary(row, cfg, improved):

@@ -471,3 +471,40 @@ def test_nan_guard_off_applies_the_nan_step_and_never_falls_back(data, tmp_path,
     # ... and the NaN gradients were applied: the weights are NaN (what nan_guard=True prevents).
     last = assert_checkpoint_dir_complete(cfg["checkpoint_dir"], cfg["epochs"])
     assert nonfinite(last["model"], buffers=False) != []
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_a_nonfinite_validation_is_never_best_and_stops_a_guarded_run(data, tmp_path, monkeypatch, guard):
+    """A model that gives NaN in eval mode (a BatchNorm running mean gone NaN: the training steps, which use
+    the batch's statistics, stay finite) was saved as best.pt where its IoU (0) beat the best so far. Now,
+    with nan_guard, epoch 2 going so stops the run with a one-line error naming the buffer, epoch 1's
+    checkpoints intact; without it, epoch 1 going so (for its validation only) is recorded, never best."""
+    ckpt_dir, calls, real_evaluate = tmp_path / "ckpt", [], train_unet.evaluate
+
+    def evaluate(model, *args, **kwargs):
+        calls.append(1)
+        mean = train_unet.unwrap(model).encoder.bn1.running_mean
+        kept = mean.clone()
+        if len(calls) == (2 if guard else 1):
+            with torch.no_grad():
+                mean.fill_(float("nan"))
+        result = real_evaluate(model, *args, **kwargs)
+        if not guard:
+            with torch.no_grad():
+                mean.copy_(kept)
+        return result
+    monkeypatch.setattr(train_unet, "evaluate", evaluate)
+    cfg = cfg_for(data, ckpt_dir, epochs=2, use_amp=False, nan_guard=guard)
+    if guard:
+        with pytest.raises(train_unet.UserError, match="validation went non-finite in epoch 2 .*encoder.bn1.running_mean "
+                                                       "is non-finite.*last.pt \\(epoch 1\\) is intact") as info:
+            train_logged(cfg)
+        assert "\n" not in str(info.value)
+        assert train_unet.load_checkpoint(ckpt_dir / "last.pt")["epoch"] == 1
+    else:
+        result, log = train_logged(cfg)
+        assert math.isnan(result["history"][0]["val_loss"]) and math.isfinite(result["history"][1]["val_loss"])
+        first = next(line for line in log.splitlines() if line.startswith("epoch   1/2 |"))
+        assert not first.endswith("| best"), first
+    best = train_unet.load_checkpoint(ckpt_dir / "best.pt")
+    assert best["epoch"] == (1 if guard else 2) and nonfinite(best["model"], buffers=True) == []
