@@ -5352,6 +5352,10 @@ def archive_previous_run(ckpt_dir, names=RUN_FILES):
     old = [ckpt_dir / n for n in names if (ckpt_dir / n).exists()]
     if not old:
         return None
+    kept = ckpt_dir / "previous"
+    if (kept.exists() or kept.is_symlink()) and not kept.is_dir():
+        raise UserError(f"{kept} is a file, but earlier results move into a folder of that name before they would "
+                        f"be written over: move or rename it ({', '.join(p.name for p in old[:3])} stay as they are)")
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
     dest = ckpt_dir / "previous" / stamp
     while dest.exists():  # two runs in one second must not share (and overwrite) a folder
@@ -6275,9 +6279,11 @@ def archive_earlier_predictions(paths, out_dir):
     refused before anything moves: output=data/masks would otherwise move the ground truth aside and put
     predictions in its place, which the next training run learns from. Returns the folder, or None."""
     names = [name for p in paths for name in prediction_names(p)]
-    foreign = [name for name in names if (out_dir / name).is_file() and not written_by_predict(out_dir / name)]
+    there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]
+    foreign = [name for name in there if not ((out_dir / name).is_file() and written_by_predict(out_dir / name))]
     if foreign:
-        raise UserError(f"output={out_dir} holds {foreign[0]}" + (f" and {len(foreign) - 1} more file(s)" if
+        kind = " (a folder)" if (out_dir / foreign[0]).is_dir() else ""
+        raise UserError(f"output={out_dir} holds {foreign[0]}{kind}" + (f" and {len(foreign) - 1} more" if
                         len(foreign) > 1 else "") + " of the names predict writes, not written by predict (a "
                         "ground-truth mask? an image?): choose another output=... folder, or move them away (masks "
                         "of older versions of this script have no mark either)")

@@ -1,4 +1,6 @@
 """What a demanding user runs into: wrong types, unsafe outputs, inexact resumes, misleading hints."""
+import contextlib
+import io
 import math
 import os
 import re
@@ -369,7 +371,7 @@ def test_predict_into_a_folder_of_ground_truth_masks_is_refused_and_moves_nothin
     before = {p.name: p.read_bytes() for p in (gt / "masks").iterdir()}
     opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(gt / "images"),
             "output": str(gt / "masks"), "progress": False}
-    err = one_line_error(train_unet.predict, opts, match="holds .*png and .* more file.* not written by predict")
+    err = one_line_error(train_unet.predict, opts, match="holds .*png and .* more of the names .* not written by predict")
     assert "choose another output=" in err
     assert {p.name: p.read_bytes() for p in (gt / "masks").iterdir()} == before  # nothing moved, no previous/
     photos = tmp_path / "photos"  # a user's own picture named like an input
@@ -378,6 +380,27 @@ def test_predict_into_a_folder_of_ground_truth_masks_is_refused_and_moves_nothin
     cv2.imwrite(str(photos / f"{first.stem}.png"), np.full((8, 8, 3), 200, np.uint8))
     one_line_error(train_unet.predict, {**opts, "output": str(photos)}, match=f"holds {first.stem}.png of the names")
     assert [p.name for p in photos.iterdir()] == [f"{first.stem}.png"]
+    folders = tmp_path / "folders"  # a user's folder named like a mask: it was moved to previous/
+    (folders / f"{first.stem}.png").mkdir(parents=True)
+    (folders / f"{first.stem}.png" / "notes.txt").write_text("mine")
+    one_line_error(train_unet.predict, {**opts, "output": str(folders)}, match=f"holds {first.stem}.png \\(a folder\\)")
+    assert (folders / f"{first.stem}.png" / "notes.txt").read_text() == "mine" and not (folders / "previous").exists()
+
+
+def test_a_file_named_previous_where_earlier_results_are_kept_is_a_one_line_error(trained, tmp_path):
+    """predict (and training, export, the benchmark: archive_previous_run) moves earlier results into
+    previous/<time>/; a file named previous stopped it with NotADirectoryError's traceback."""
+    cfg, data = trained
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(data / "images"),
+            "output": str(tmp_path / "out"), "progress": False}
+    with contextlib.redirect_stdout(io.StringIO()):
+        train_unet.predict(opts)
+    (tmp_path / "out" / "previous").write_text("a note of mine")
+    masks = {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.png")}
+    one_line_error(train_unet.predict, opts, match="out/previous is a file, but earlier results move into a folder "
+                                                   "of that name .*: move or rename it")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.png")} == masks
+    assert (tmp_path / "out" / "previous").read_text() == "a note of mine"
 
 
 def test_predicts_masks_and_overlays_carry_its_mark_and_decode_unchanged(tmp_path):
