@@ -7380,6 +7380,8 @@ def read_sidecar(path):
         raise UserError(f"backend=onnxruntime runs an exported model: give checkpoint=model.onnx (python "
                         f"train_unet.py export checkpoint={path} writes it)")
     sidecar_path = path.with_suffix(".json")
+    if not path.exists() and not sidecar_path.exists():  # a typo in the path, not a lost sidecar
+        raise UserError(f"checkpoint={path} not found: give the .onnx file (or the folder) export wrote")
     if not sidecar_path.is_file():
         raise UserError(f"{sidecar_path} not found: export writes it beside {path.with_suffix('.onnx').name}, "
                         f"and predict needs the preprocessing it holds; export again")

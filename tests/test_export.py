@@ -319,7 +319,7 @@ def test_an_architecture_the_exporter_cannot_trace_is_one_line(tmp_path, make_cf
     assert "graph" not in capfd.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["no_sidecar", "not_json", "other_format", "other_model", "a_pt_file"])
+@pytest.mark.parametrize("case", ["no_sidecar", "not_json", "other_format", "other_model", "a_pt_file", "a_typo"])
 def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()
@@ -334,10 +334,13 @@ def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
         sidecar.write_text(json.dumps({**meta, "version": 99}))
     elif case == "other_model":
         onnx.write_bytes(onnx.read_bytes()[:-1] + b"\x00")
+    elif case == "a_typo":  # it was said to lack its .json sidecar
+        given = folder / "modle.onnx"
     else:
         given = binary["ckpt"]
-    match = {"no_sidecar": "not found", "not_json": "not readable JSON", "other_format": "not a sidecar",
-             "other_model": "belongs to another", "a_pt_file": "runs an exported model"}[case]
+    match = {"no_sidecar": "model.json not found: export writes it", "not_json": "not readable JSON",
+             "other_format": "not a sidecar", "other_model": "belongs to another", "a_pt_file": "runs an exported model",
+             "a_typo": "checkpoint=.*modle.onnx not found: give the .onnx"}[case]
     with pytest.raises(train_unet.UserError, match=match) as info:
         train_unet.predict(predict_opts(given, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
     assert "\n" not in str(info.value)
