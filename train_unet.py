@@ -2804,13 +2804,16 @@ def mask_to_classes(mask, num_classes, path="mask"):
     return classes
 
 
-def check_mask_values(path, values, num_classes, dtype):
-    """Binary: 0/1 or 0/255 (255 = foreground). Multi-class: 0..num_classes-1, and 255 = void."""
+def check_mask_values(path, values, num_classes, dtype, others=None):
+    """Binary: 0/1 or 0/255 (255 = foreground). Multi-class: 0..num_classes-1, and 255 = void. `others`:
+    binary_others' word on the rest of the set, for a binary run's odd mask."""
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
             return
+        hint = (f"the other masks are binary ({others}): fix this one (a stray value?); num_classes > 1 would make "
+                f"{IGNORE_INDEX} void in them" if others and others.endswith("0/255") else mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
-                        f"0/1 or 0/255; {mask_hint(path, dtype, values)}")
+                        f"0/1 or 0/255; {hint}")
     odd = not_class_indices(values)
     if odd:
         fix = (f"mark ignored pixels with {IGNORE_INDEX}, not negative values" if odd[0] < 0 else
@@ -2828,6 +2831,16 @@ def check_mask_values(path, values, num_classes, dtype):
                 f"set num_classes={top + 1} if it is a class")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): {hint}")
+
+
+def binary_others(values):
+    """'<n> of <m> hold only 0/255' (or 0/1) where at least 90% of the masks are binary one way, else None:
+    a binary set with one odd mask, whose fix is the mask, not num_classes."""
+    for convention, allowed in (("0/255", {0, 255}), ("0/1", {0, 1})):
+        n = sum(v <= allowed for v in values)
+        if n >= 0.9 * len(values) and n < len(values):
+            return f"{n} of {len(values)} hold only {convention}"
+    return None
 
 
 def not_class_indices(values):
@@ -2872,14 +2885,14 @@ def check_pairs(pairs, cfg):
     CHECKED_HERE.clear()  # a start-up's check trusts the caches and the files, not an earlier run's memory
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
     barrier()  # every rank has the exchanged facts; this keeps them in step until rank 0's cache is on disk
-    for image_path, mask_path in pairs:
+    values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
+    for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
-        check_mask_values(mask_path, set(mask["values"]), cfg["num_classes"], mask["dtype"])
+        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], binary_others(values))
         if image["hw"] != mask["hw"]:
             turned = exif_turn(image_path, image["hw"])
             raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "
                             f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
-    values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
     if all(v <= {0} for v in values):
         raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
                         f"model does; check that the masks were saved with their labels")
@@ -2903,9 +2916,10 @@ def absent_classes(values, cfg):
         return None
     names = ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else "")
     top = int(max(present - {IGNORE_INDEX}))
-    return (f"note: class(es) {names} of num_classes={cfg['num_classes']} appear in no mask: if the masks hold "
-            f"classes 0-{top}, num_classes={top + 1} fits them; a class the model predicts but no mask holds counts "
-            f"as IoU 0 in val_iou")
+    fits = (f"if the masks hold classes 0-{top}, num_classes={top + 1} fits them; " if top + 1 < cfg["num_classes"]
+            else "")
+    return (f"note: class(es) {names} of num_classes={cfg['num_classes']} appear in no mask: {fits}a class the model "
+            f"predicts but no mask holds counts as IoU 0 in val_iou")
 
 
 def exif_turned_images(pairs, facts):
@@ -2929,11 +2943,13 @@ def mixed_binary_masks(pairs, values, cfg):
     """A note where, with classes, some masks hold only 0 and 255 while others hold class 1: the two binary
     conventions (0/1, 0/255) mixed in one set. 255 is void there, so those masks' foreground is ignored."""
     void_only = [mask for (_, mask), v in zip(pairs, values) if IGNORE_INDEX in v and v <= {0, IGNORE_INDEX}]
-    if cfg["num_classes"] < 2 or not void_only or not any(1 in v for v in values):
+    classes = sorted(set().union(*values) - {0, IGNORE_INDEX})
+    if cfg["num_classes"] < 2 or not void_only or not classes:
         return None
-    return (f"note: {len(void_only)} mask(s) hold only 0 and {IGNORE_INDEX} (e.g. {Path(void_only[0]).name}) while "
-            f"others hold class 1: with num_classes={cfg['num_classes']} {IGNORE_INDEX} is void, so their "
-            f"foreground is ignored; if {IGNORE_INDEX} is their foreground, save them as 0/1 like the others")
+    return (f"note: {len(void_only)} of {len(values)} mask(s) hold only 0 and {IGNORE_INDEX} (e.g. "
+            f"{Path(void_only[0]).name}) while others hold class(es) {format_values(classes, 3)}: with num_classes="
+            f"{cfg['num_classes']} {IGNORE_INDEX} is void, so their foreground is ignored; if {IGNORE_INDEX} is "
+            f"their foreground, save them with its class index (binary: num_classes=1, the masks 0/1 or 0/255)")
 
 
 def exif_turn(path, hw):

@@ -118,11 +118,27 @@ def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, mak
     train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=2, batch_size=2))
     notes = [line for line in capsys.readouterr().out.splitlines() if "hold only 0 and 255" in line]
     assert len(notes) == 1 and re.fullmatch(
-        r"note: 4 mask\(s\) hold only 0 and 255 \(e.g. shape_000[4-7].png\) while others hold class 1: with "
-        r"num_classes=2 255 is void, so their foreground is ignored; if 255 is their foreground, save them as 0/1 "
-        r"like the others", notes[0])
+        r"note: 4 of 8 mask\(s\) hold only 0 and 255 \(e.g. shape_000[4-7].png\) while others hold class\(es\) "
+        r"\[1\]: with num_classes=2 255 is void, so their foreground is ignored; if 255 is their foreground, save "
+        r"them with its class index \(binary: num_classes=1, the masks 0/1 or 0/255\)", notes[0])
     train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=1, batch_size=2))  # binary: both read as 0/1
     assert "hold only 0 and 255" not in capsys.readouterr().out
+
+
+def test_one_odd_mask_in_a_binary_set_is_named_as_the_fix_not_num_classes(make_data, make_cfg, capsys):
+    """Eleven 0/255 masks and one 0/2: the error advised num_classes=3, which made 255 void in the eleven
+    (their foreground ignored) without a word, and the absent-class note then advised num_classes=3 again."""
+    root = make_data("odd", count=12, size=32)
+    odd = sorted((root / "masks").iterdir())[3]
+    cv2.imwrite(str(odd), (cv2.imread(str(odd), cv2.IMREAD_UNCHANGED) > 0).astype(np.uint8) * 2)
+    message = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), batch_size=2),
+                             match=f"mask .*{odd.name} holds values \\[0, 2\\]")
+    assert "the other masks are binary (11 of 12 hold only 0/255): fix this one" in message
+    assert "num_classes=3" not in message
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=3, batch_size=2))
+    out = capsys.readouterr().out
+    assert "11 of 12 mask(s) hold only 0 and 255" in out and "their foreground is ignored" in out
+    assert "num_classes=3 fits them" not in out and "class(es) 1 of num_classes=3 appear in no mask" in out
 
 
 def test_mask_hints_point_to_the_right_fix(tmp_path, make_cfg, data_dir):
