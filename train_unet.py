@@ -5812,6 +5812,17 @@ def tiff_header(path):
         return None
 
 
+def stored_dtype(path):
+    """A TIFF's sample type as stored (level 0 of its first image), or None where tifffile cannot tell."""
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            return tif.series[0].dtype
+    except Exception:  # noqa: BLE001 - as tiff_header: the read itself says what is wrong
+        return None
+
+
 def available_memory():
     """Bytes of memory free for this process, or None where that is unknown (not Linux): the kernel's
     MemAvailable, and no more than the room under the memory limit of its control group (a container's
@@ -6247,7 +6258,12 @@ class InputNotes:
 
     def print(self):
         """The notes, after the last batch."""
-        if self.sixteen_bit is not None:
+        if self.sixteen_bit is not None and is_tiff(self.sixteen_bit) and stored_dtype(self.sixteen_bit).kind == "i":
+            print(f"note: {Path(self.sixteen_bit).name} has signed 16-bit pixels and {self.opts['checkpoint']} has no "
+                  f"intensity_range: they were scaled from -32768-32767, so 0 is mid-grey and the data's own span is "
+                  f"a sliver of it: predict again with intensity_range=low,high, that span (CT in Hounsfield units: "
+                  f"e.g. -1000,1000)")
+        elif self.sixteen_bit is not None:
             print(f"note: {Path(self.sixteen_bit).name} has 16-bit pixels and {self.opts['checkpoint']} has no "
                   f"intensity_range: they were scaled from 0-65535. If the model was trained on 8-bit images and "
                   f"these hold 12-bit data, that is 16 times too dark: predict again with intensity_range=0,4095")

@@ -468,6 +468,25 @@ def test_the_export_check_sizes_stay_within_what_the_model_takes(make_cfg):
     assert [tuple(b.shape[2:]) for b in batches] == [(64, 64), (96, 160), (224, 64)]
 
 
+def test_signed_16_bit_images_without_a_range_get_a_note_of_the_range_they_were_scaled_from(trained, tmp_path,
+                                                                                              capsys):
+    """An int16 TIFF (CT) predicted with a checkpoint without intensity_range is scaled from -32768-32767
+    (0 mid-grey); the note said 0-65535 and advised 0,4095."""
+    import tifffile
+
+    cfg, data = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    tifffile.imwrite(inp / "ct.tif", np.random.default_rng(0).integers(-1000, 1000, (32, 32), dtype=np.int16))
+    image = train_unet.read_image(inp / "ct.tif", 3)
+    assert abs(float(image.mean()) - 0.5) < 0.02  # what the note says: 0 is mid-grey
+    train_unet.predict({"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp),
+                        "output": str(tmp_path / "out"), "progress": False})
+    out = capsys.readouterr().out
+    assert "note: ct.tif has signed 16-bit pixels" in out and "scaled from -32768-32767" in out
+    assert "0-65535" not in out and "intensity_range=0,4095" not in out
+
+
 def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_and_a_key(trained, tmp_path,
                                                                                          capsys):
     """12-bit data in 16-bit files, predicted with a model trained on 8-bit images: scaled from 0-65535,
