@@ -6015,15 +6015,23 @@ def list_images(path):
     if not path.is_dir():
         raise UserError(f"input {path} not found: give an image file or a folder of images")
     with os.scandir(path) as scan:  # each entry's type without a stat per file (a large folder)
-        entries = [e for e in scan if not e.name.startswith(".")]
+        found = list(scan)
+    entries = [e for e in found if not e.name.startswith(".")]
+    # Hidden files are not read; those named like images (not macOS's ._ metadata files) are said to be skipped
+    hidden = sorted(e.name for e in found if e.name.startswith(".") and not e.name.startswith("._")
+                    and not e.is_dir() and Path(e.name).suffix.lower() in IMAGE_EXTS)
     # A folder is never an image, whatever its name (x.png/); a broken link a.png stays one, so that
     # predict names it among the unreadable
     folders = sorted(e.name + "/" for e in entries if e.is_dir())
     images = sorted(Path(e.path) for e in entries if not e.is_dir() and Path(e.name).suffix.lower() in IMAGE_EXTS)
     others = sorted(e.name for e in entries if e.is_file() and Path(e.name).suffix.lower() not in IMAGE_EXTS)
+    skipped = f"{len(hidden)} hidden file(s) skipped (e.g. {hidden[0]}): names starting with '.' are not read" \
+        if hidden else ""
     if not images:
-        inside = f" (its subfolders are not read: {', '.join(folders[:3])})" if folders else ""
-        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}{inside}")
+        inside = [f"its subfolders are not read: {', '.join(folders[:3])}"] * bool(folders) + [skipped] * bool(hidden)
+        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}" + (f" ({'; '.join(inside)})" if inside else ""))
+    if hidden:
+        print(f"note: {skipped}")
     if others:
         print(f"note: {len(others)} other file(s) in {path} skipped (e.g. {others[0]}): only "
               f"{', '.join(IMAGE_EXTS)} are read")

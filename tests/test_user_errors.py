@@ -583,6 +583,19 @@ def test_a_folder_says_which_files_predict_skips(tmp_path, capsys):
                                        f"{', '.join(train_unet.IMAGE_EXTS)} are read\n")
 
 
+def test_hidden_images_are_said_to_be_skipped(tmp_path, capsys):
+    """Files named like images but hidden (.g.png) were skipped without a word, and a folder of only them
+    was said to hold no images; macOS's ._ metadata files stay unmentioned."""
+    (tmp_path / ".g.png").write_bytes(b"")
+    (tmp_path / "._x.png").write_bytes(b"")
+    with pytest.raises(train_unet.UserError, match=r"no images .* \(1 hidden file\(s\) skipped \(e.g. .g.png\): "
+                                                   r"names starting with '.' are not read\)$"):
+        train_unet.list_images(tmp_path)
+    (tmp_path / "a.png").write_bytes(b"")
+    assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
+    assert capsys.readouterr().out == "note: 1 hidden file(s) skipped (e.g. .g.png): names starting with '.' are not read\n"
+
+
 def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path, capsys):
     """A folder x.png in predict's input was taken for an image and reported unreadable (exit 1); a
     subfolder of images was left out without a word."""
