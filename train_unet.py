@@ -44,6 +44,7 @@ The script imports cleanly as a module; tests, tools and the notebooks use its f
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import csv
@@ -2432,6 +2433,9 @@ def find_pairs(folder):
                 if p.is_dir() and not p.name.startswith(".")]
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
             f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else ""))
+    renamed = renamed_partners(images, masks, folder)
+    if renamed:
+        raise UserError(renamed)
     for missing, have, there, fix in ((set(images) - set(masks), images, folder / "masks", "add masks"),
                                       (set(masks) - set(images), masks, folder / "images", "add images")):
         if missing:
@@ -2444,6 +2448,30 @@ def find_pairs(folder):
             raise UserError(f"{len(missing)} file(s) have no partner in {there} (e.g. {names}): {fix} "
                             f"with the same file stem, or remove them")
     return [(images[s], masks[s]) for s in sorted(images)]
+
+
+def renamed_partners(images, masks, folder):
+    """Where the unpaired masks are the unpaired images' stems with one word added (shape_0000_mask.png for
+    shape_0000.png; mask_shape_0000.png; or the images so named), the error that says so, else None."""
+    lone = {"images": sorted(set(images) - set(masks)), "masks": sorted(set(masks) - set(images))}
+    for named, other in (("masks", "images"), ("images", "masks")):
+        stems, sample = set(lone[other]), lone[named][:200]  # each split of a name looked up: no n x n
+        affixes = [(stem[k:], True) for stem in sample for k in range(1, len(stem)) if stem[:k] in stems] + \
+                  [(stem[:k], False) for stem in sample for k in range(1, len(stem)) if stem[k:] in stems]
+        if not affixes:
+            continue
+        (affix, suffix), n = collections.Counter(affixes).most_common(1)[0]
+        if n * 2 < len(sample):
+            continue
+        n = sum((stem.endswith(affix) and stem[:-len(affix)] in stems) if suffix else
+                (stem.startswith(affix) and stem[len(affix):] in stems) for stem in lone[named])
+        example = next(stem for stem in lone[named] if (stem.endswith(affix) if suffix else stem.startswith(affix)))
+        base = example[:-len(affix)] if suffix else example[len(affix):]
+        have = (masks if named == "masks" else images)[example]
+        return (f"{n} of the {named} in {folder / named} are named as the {other} with {affix!r} added (e.g. "
+                f"{have.name} for {base}): {named} pair with {other} by the same file stem, so rename them (e.g. "
+                f"{have.name} -> {base}{have.suffix})")
+    return None
 
 
 def unread_entries(root):

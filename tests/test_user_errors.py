@@ -894,3 +894,19 @@ def test_the_banner_says_when_earlier_runs_kept_in_previous_grow_large(tmp_path,
     assert train_unet.archive_size_note(previous).startswith(f" ({previous} now holds 2 earlier runs, ")
     assert train_unet.archive_size_note(previous).endswith("delete those you do not need; nothing there is "
                                                            "deleted for you)")
+
+
+@pytest.mark.parametrize("rename, affix", [(lambda stem: f"{stem}_mask", "'_mask'"), (lambda stem: f"mask_{stem}", "'mask_'")])
+def test_masks_named_with_a_word_added_are_told_to_be_renamed(make_data, rename, affix):
+    """Masks named shape_0000_mask.png beside shape_0000.png: the error said the images had no partner
+    ('add masks'), though every mask was there under another name."""
+    root = make_data("affix", count=6, size=32)
+    for mask in sorted((root / "masks").iterdir()):
+        mask.rename(mask.with_name(rename(mask.stem) + mask.suffix))
+    first = sorted((root / "masks").iterdir())[0]
+    one_line_error(train_unet.find_pairs, root, match=f"6 of the masks in .* are named as the images with {affix} "
+                                                      f"added .*rename them \\(e.g. {first.name} -> shape_0000.png\\)")
+    for i, mask in enumerate(sorted((root / "masks").iterdir())):  # names of no relation: no rename advised
+        mask.rename(mask.with_name(f"label{i}.png"))
+    message = one_line_error(train_unet.find_pairs, root, match="6 file\\(s\\) have no partner in .*masks .*: add masks")
+    assert "rename" not in message
