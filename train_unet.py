@@ -5289,10 +5289,12 @@ def load_checkpoint(path, map_location="cpu"):
         with warnings.catch_warnings():  # torch's own warnings about the pickle of a file that is no checkpoint
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception:  # noqa: BLE001 - pickle, zip and weights_only errors all mean "not our checkpoint"
+    except Exception as exc:  # noqa: BLE001 - pickle, zip and weights_only errors all mean "not our checkpoint"
         # torch's text is not shown: for any other file it is advice on weights_only and PyTorch versions
-        raise UserError(f"{path} is not a readable checkpoint of this trainer, or was cut short in a copy: give a "
-                        f"best.pt or last.pt as training wrote it") from None
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))  # whole, but of objects we never load
+        what = (f"holds a pickled {found[1]} (a whole object saved with torch.save?), not a checkpoint of this "
+                f"trainer" if found else "is not a readable checkpoint of this trainer, or was cut short in a copy")
+        raise UserError(f"{path} {what}: give a best.pt or last.pt as training wrote it") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):
         raise UserError(f"{path} is not a checkpoint of this trainer (no 'model'/'config' inside)")
     return state

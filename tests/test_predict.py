@@ -331,15 +331,19 @@ def test_missing_checkpoint(binary_model, tmp_path, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("content", ["garbage", "foreign_torch_file"])
+@pytest.mark.parametrize("content", ["garbage", "foreign_torch_file", "a_whole_module"])
 def test_not_a_checkpoint(content, binary_model, tmp_path):
     _, data = binary_model
     path = tmp_path / "model.pt"
     if content == "garbage":
         path.write_bytes(b"this is not a checkpoint\x00\x01\x02" * 10)
+    elif content == "a_whole_module":  # torch.save(model): it was said to be cut short in a copy, maybe
+        torch.save(torch.nn.Linear(2, 2), path)
     else:
         torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
-    with pytest.raises(train_unet.UserError, match="not a (readable )?checkpoint") as info:
+    match = ("holds a pickled torch.nn.modules.linear.Linear .*, not a checkpoint of this trainer: give"
+             if content == "a_whole_module" else "not a (readable )?checkpoint")
+    with pytest.raises(train_unet.UserError, match=match) as info:
         train_unet.predict(opts(path, data / "images", tmp_path / "out"))
     assert str(path) in str(info.value)
     assert "\n" not in str(info.value)
@@ -376,7 +380,7 @@ def test_checkpoint_is_loaded_with_weights_only(binary_model, tmp_path):
     state["extra"] = _Payload(str(marker))
     evil = tmp_path / "evil.pt"
     torch.save(state, evil)
-    with pytest.raises(train_unet.UserError, match="not a readable checkpoint") as err:
+    with pytest.raises(train_unet.UserError, match="not a (readable )?checkpoint") as err:
         train_unet.predict(opts(evil, data / "images", tmp_path / "out"))
     assert not marker.exists()
     assert "weights_only" not in str(err.value)  # torch's advice for pickles, not for a user's wrong file

@@ -593,7 +593,8 @@ def test_hidden_images_are_said_to_be_skipped(tmp_path, capsys):
         train_unet.list_images(tmp_path)
     (tmp_path / "a.png").write_bytes(b"")
     assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
-    assert capsys.readouterr().out == "note: 1 hidden file(s) skipped (e.g. .g.png): names starting with '.' are not read\n"
+    assert capsys.readouterr().out == ("note: 1 hidden file(s) skipped (e.g. .g.png): names starting with '.' are "
+                                       "not read\n")
 
 
 def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path, capsys):
@@ -896,7 +897,8 @@ def test_the_banner_says_when_earlier_runs_kept_in_previous_grow_large(tmp_path,
                                                            "deleted for you)")
 
 
-@pytest.mark.parametrize("rename, affix", [(lambda stem: f"{stem}_mask", "'_mask'"), (lambda stem: f"mask_{stem}", "'mask_'")])
+@pytest.mark.parametrize("rename, affix", [(lambda stem: f"{stem}_mask", "'_mask'"),
+                                           (lambda stem: f"mask_{stem}", "'mask_'")])
 def test_masks_named_with_a_word_added_are_told_to_be_renamed(make_data, rename, affix):
     """Masks named shape_0000_mask.png beside shape_0000.png: the error said the images had no partner
     ('add masks'), though every mask was there under another name."""
@@ -908,5 +910,6 @@ def test_masks_named_with_a_word_added_are_told_to_be_renamed(make_data, rename,
                                                       f"added .*rename them \\(e.g. {first.name} -> shape_0000.png\\)")
     for i, mask in enumerate(sorted((root / "masks").iterdir())):  # names of no relation: no rename advised
         mask.rename(mask.with_name(f"label{i}.png"))
-    message = one_line_error(train_unet.find_pairs, root, match="6 file\\(s\\) have no partner in .*masks .*: add masks")
+    message = one_line_error(train_unet.find_pairs, root,
+                             match="6 file\\(s\\) have no partner in .*masks .*: add masks")
     assert "rename" not in message
