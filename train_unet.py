@@ -2263,7 +2263,8 @@ def prepare_data(cfg):
     unread = unread_entries(root)
     if unread and DIST.is_main:
         print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
-              f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used")
+              f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used, "
+              f"and none whose name starts with '.'")
     for note in (pairs_in_both(train, val, root), pairs_beside_the_split(root)):
         if note and DIST.is_main:
             print(note)
@@ -2476,11 +2477,19 @@ def renamed_partners(images, masks, folder):
 
 def unread_entries(root):
     """What data_dir's images/ and masks/ folders (train/ and val/'s too) hold that is not read: their
-    subfolders (not searched) and files of other formats; hidden files are left out, as everywhere."""
+    subfolders (not searched), files of other formats, and hidden files named like images (hidden_image);
+    other hidden entries (.ipynb_checkpoints/, .DS_Store, macOS's ._ files) are left out."""
     folders = [root / part / sub for part in ("", "train", "val") for sub in ("images", "masks")]
     return [f"{p.relative_to(root)}{'/' if p.is_dir() else ''}" for folder in folders if folder.is_dir()
             for p in sorted(folder.iterdir())
-            if not p.name.startswith(".") and (p.is_dir() or p.suffix.lower() not in IMAGE_EXTS)]
+            if hidden_image(p.name, p.is_dir()) or not p.name.startswith(".")
+            and (p.is_dir() or p.suffix.lower() not in IMAGE_EXTS)]
+
+
+def hidden_image(name, is_dir):
+    """A hidden file named like an image (.g.png): never read, but said to be skipped. Not macOS's ._
+    metadata files beside copied images, which are no images."""
+    return name.startswith(".") and not name.startswith("._") and not is_dir and Path(name).suffix.lower() in IMAGE_EXTS
 
 
 def image_file_count(folder):
@@ -6048,8 +6057,7 @@ def list_images(path):
         found = list(scan)
     entries = [e for e in found if not e.name.startswith(".")]
     # Hidden files are not read; those named like images (not macOS's ._ metadata files) are said to be skipped
-    hidden = sorted(e.name for e in found if e.name.startswith(".") and not e.name.startswith("._")
-                    and not e.is_dir() and Path(e.name).suffix.lower() in IMAGE_EXTS)
+    hidden = sorted(e.name for e in found if hidden_image(e.name, e.is_dir()))
     # A folder is never an image, whatever its name (x.png/); a broken link a.png stays one, so that
     # predict names it among the unreadable
     folders = sorted(e.name + "/" for e in entries if e.is_dir())

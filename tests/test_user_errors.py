@@ -821,10 +821,13 @@ def test_files_training_does_not_read_are_named_not_silently_dropped(make_data, 
         for path in sorted((data / sub).glob("*.png"))[:6]:
             path.rename(data / sub / "sub" / path.name)
     (data / "images" / "readme.txt").write_text("notes")
+    (data / "images" / ".hidden.png").write_bytes(b"")  # named like an image: named too (was silent)
+    (data / "masks" / "._shape_0000.png").write_bytes(b"")  # macOS metadata: not
     train, val = train_unet.prepare_data(make_cfg(data_dir=str(data), batch_size=2))
     assert len(train + val) == 6
-    assert ("note: 3 entries in " in capsys.readouterr().out)  # images/sub/, masks/sub/, readme.txt
-    assert train_unet.unread_entries(data) == ["images/readme.txt", "images/sub/", "masks/sub/"]
+    assert ("note: 4 entries in " in capsys.readouterr().out)  # images/sub/, masks/sub/, readme.txt, .hidden.png
+    assert train_unet.unread_entries(data) == ["images/.hidden.png", "images/readme.txt", "images/sub/", "masks/sub/"]
+    (data / "images" / ".hidden.png").unlink()
     for path in sorted((data / "images").glob("*.png")):
         path.unlink()
     (data / "images" / ".ipynb_checkpoints").mkdir()  # hidden: neither read nor named
