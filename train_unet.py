@@ -565,9 +565,16 @@ def effective_config(cfg, hw, prec, state, n_train, notes):
     config.json saves it; the precision; the layout and why; what batch_size=auto did)."""
     cfg, auto_batch = resolve_batch_size(cfg, hw, prec, state, n_train, notes)
     kept = resumed_cpu_modes(cfg, hw, prec, state)
-    prec, layout = ranks_agree(*(kept or cpu_probe_decision(cfg, hw, prec, notes)), hw, notes)
+    job = training_job_steps(cfg, state, n_train)
+    prec, layout = ranks_agree(*(kept or cpu_probe_decision(cfg, hw, prec, notes, job_forwards=job)), hw, notes)
     notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
     return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
+
+
+def training_job_steps(cfg, state, n_train):
+    """The training steps (micro-batches) this run has left to make: a run of fewer is not probed (a short
+    debug run on a busy machine paid a minute's probe, uncached, for an 8 s epoch)."""
+    return (cfg["epochs"] - (state["epoch"] if state else 0)) * (n_train // DIST.world // cfg["batch_size"])
 
 
 def resumed_cpu_modes(cfg, hw, prec, state):
@@ -1922,7 +1929,8 @@ CPU_PROBE_SETTING = ("arch", "encoder_name", "image_size", "batch_size", "in_cha
 def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
     """(precision, (channels_last, why)) for a resolved cfg (a number for batch_size): the flag rule's
     (decide_precision, decide_channels_last), confirmed on a CPU by the probe where cpu_probe is on.
-    job_forwards: the job's forwards where a probe longer than the job is skipped (predict)."""
+    job_forwards: the job's forwards (predict) or training steps (train): a probe longer than the job is
+    skipped."""
     rule_layout = decide_channels_last(cfg, hw, prec)
     probe_prec, probe_layout = cpu_probe_dimensions(cfg, hw, prec)
     if not (probe_prec or probe_layout):
@@ -2048,8 +2056,9 @@ def probe_times_here(cfg, hw, kind, labels, job_forwards):
                 f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; delete it to measure again)")
     cost = len(labels) * (1 + CPU_PROBE_ROUNDS)
     if job_forwards is not None and job_forwards < cost:
-        return None, (f"skipped: this job is {job_forwards} forward(s), the probe {cost}; the flag rule "
-                      f"(a job of at least {cost} forwards at this batch measures it, cached for later ones)")
+        unit = "training step(s)" if kind == "train" else "forward(s)"
+        return None, (f"skipped: this job is {job_forwards} {unit}, the probe {cost}; the flag rule (a job of at "
+                      f"least {cost} {unit} at this batch measures it, cached for later ones)")
     measured, seconds, busy = timed_beside_others(lambda: measure_cpu_modes(cfg, hw, labels, kind))
     times = {label: measured[label] for label in labels}
     unsaved = busy_probe_note(busy) or save_cpu_probe_entry(

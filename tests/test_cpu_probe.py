@@ -363,8 +363,9 @@ class Announced(Exception):
     pass
 
 
-def banner_of_train(cfg, monkeypatch, capsys):
-    """train(cfg) up to announce_run (the banner is printed before it): (stdout, the run's precision)."""
+def banner_of_train(cfg, monkeypatch, capsys, epochs=100):
+    """train(cfg) up to announce_run (the banner is printed before it): (stdout, the run's precision). Its
+    epochs set to `epochs`, 100 unless given: a run shorter than the probe is not probed (training_job_steps)."""
     seen = {}
 
     def announce(cfg, hw, run, sizes, extra):
@@ -372,7 +373,7 @@ def banner_of_train(cfg, monkeypatch, capsys):
         raise Announced
     monkeypatch.setattr(train_unet, "announce_run", announce)
     with pytest.raises(Announced):
-        train_unet.train(cfg)
+        train_unet.train({**cfg, "epochs": epochs})
     return capsys.readouterr().out, seen
 
 
@@ -389,6 +390,22 @@ def test_the_default_run_on_a_slow_bf16_cpu_trains_in_fp32_with_the_ratio_in_the
     assert "probe        s/step at batch 8 x 128px: fp32 0.410, fp32 + NHWC 0.360" in out
     out, seen = banner_of_train(cfg, monkeypatch, capsys)  # the same machine and setting: the cache
     assert len(calls) == 1 and seen["prec"] == "fp32" and "probe" in out and "from " in out
+
+
+def test_a_run_shorter_than_the_probe_is_not_probed(make_cfg, monkeypatch, capsys):
+    """A short run (a debug run of a few steps) paid the probe, on a busy machine a minute uncached every
+    time, for seconds of training: fewer training steps left than the probe takes, the flag rule."""
+    monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": BF16_CPU)
+    calls = fake_timings(monkeypatch, XEON)
+    train_unet.cpu_probe_cache_path().unlink(missing_ok=True)
+    cfg = make_cfg(use_amp=True, channels_last="auto", cpu_probe=True, image_size=128, batch_size=8, epochs=1)
+    n_train = len(train_unet.split_pairs(cfg)[0])
+    steps = n_train // 8
+    assert steps < 16  # 4 modes x (1 + 3) training steps
+    out, _ = banner_of_train(cfg, monkeypatch, capsys, epochs=1)
+    assert calls == [] and f"probe        skipped: this job is {steps} training step(s), the probe 16" in out
+    banner_of_train(cfg, monkeypatch, capsys, epochs=-(-16 // steps))  # as long as the probe: probed
+    assert len(calls) == 1
 
 
 def test_a_fast_bf16_cpu_stays_bf16(make_cfg, monkeypatch, capsys):

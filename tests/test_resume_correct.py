@@ -253,6 +253,7 @@ def test_a_resume_on_a_cpu_keeps_its_runs_probed_precision_and_layout(make_cfg, 
     """A resume whose probe would now pick the other layout (and bf16 where native) goes on in the
     modes its run began with, without probing, and ends with the uninterrupted run's weights."""
     cfg = make_cfg(epochs=2, batch_size=2, use_amp=True, amp_dtype="auto", channels_last="auto", cpu_probe=True)
+    monkeypatch.setattr(train_unet, "training_job_steps", lambda *args: 10**6)  # probed, though a short run
     probe_answers(monkeypatch, FP32_NHWC_FASTEST)
     straight = train_unet.train({**cfg, "checkpoint_dir": str(tmp_path / "straight")})
     assert straight["precision"] == "fp32"
