@@ -378,6 +378,8 @@ def set_up_training(cfg, explicit):
     check_class_weights_weigh(cfg)
     check_model_takes_image_size(cfg)
     if DIST.is_main:
+        if not Path(cfg["checkpoint_dir"]).exists():
+            MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
         check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
         hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
     # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
@@ -5232,16 +5234,24 @@ def hold_checkpoint_dir(folder):
 
 
 HELD_FOLDERS = {}  # checkpoint folders this process has locked: {real path: descriptor}
+MADE_FOLDERS = set()  # checkpoint folders a run in this process made (checkpoint_dir_held removes them empty)
 
 
 @contextlib.contextmanager
 def checkpoint_dir_held():
     """The scope of a training run: the checkpoint folder locked inside it (hold_checkpoint_dir) is let go
-    at its end, so a notebook that trained can start the script on the same folder afterwards."""
-    before = set(HELD_FOLDERS)
+    at its end, so a notebook that trained can start the script on the same folder afterwards. A folder
+    the run made (MADE_FOLDERS) and left empty, refused at start-up (a data error), is removed."""
+    before, made = set(HELD_FOLDERS), set(MADE_FOLDERS)
     try:
         yield
+    except UserError:
+        for folder in MADE_FOLDERS - made:
+            with contextlib.suppress(OSError):  # not empty (or gone): it stays as it is
+                folder.rmdir()
+        raise
     finally:
+        MADE_FOLDERS.intersection_update(made)
         for key in set(HELD_FOLDERS) - before:
             os.close(HELD_FOLDERS.pop(key))
 

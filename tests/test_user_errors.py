@@ -916,3 +916,17 @@ def test_masks_named_with_a_word_added_are_told_to_be_renamed(make_data, rename,
     message = one_line_error(train_unet.find_pairs, root,
                              match="6 file\\(s\\) have no partner in .*masks .*: add masks")
     assert "rename" not in message
+
+
+def test_a_run_refused_at_start_up_leaves_no_empty_checkpoint_folder(make_cfg, tmp_path):
+    """A data error stopped the run after its checkpoint folder was made: an empty folder stayed behind
+    for each refused attempt. One the user made stays."""
+    empty = tmp_path / "empty"
+    for sub in ("images", "masks"):
+        (empty / sub).mkdir(parents=True)
+    cfg = make_cfg(data_dir=str(empty), checkpoint_dir=str(tmp_path / "new" / "ck"))
+    one_line_error(train_unet.train, cfg, match="no images")
+    assert not (tmp_path / "new" / "ck").exists()
+    (tmp_path / "mine").mkdir()
+    one_line_error(train_unet.train, {**cfg, "checkpoint_dir": str(tmp_path / "mine")}, match="no images")
+    assert (tmp_path / "mine").is_dir()
