@@ -2858,8 +2858,9 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
             return
-        hint = (f"the other masks are binary ({others}): fix this one (a stray value?); num_classes > 1 would make "
-                f"{IGNORE_INDEX} void in them" if others and others.endswith("0/255") else mask_hint(path, dtype, values))
+        hint = (f"the other masks are binary ({others}): fix this one (a stray value?); num_classes > 1 would "
+                f"make {IGNORE_INDEX} void in them" if others and others.endswith("0/255") else
+                mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
     odd = not_class_indices(values)
@@ -6086,7 +6087,8 @@ def list_images(path):
         if hidden else ""
     if not images:
         inside = [f"its subfolders are not read: {', '.join(folders[:3])}"] * bool(folders) + [skipped] * bool(hidden)
-        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}" + (f" ({'; '.join(inside)})" if inside else ""))
+        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}"
+                        + (f" ({'; '.join(inside)})" if inside else ""))
     if hidden:
         print(f"note: {skipped}")
     if others:
