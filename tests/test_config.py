@@ -102,23 +102,28 @@ def test_shipped_keys_are_the_shipped_configs_keys():
     ("CONFIG", {"delete": "preset"}, "has no 'preset'"),
     ("PREDICT_CONFIG", {"delete": "output"}, "PREDICT_CONFIG at the top of train_unet.py has no 'output'"),
 ])
-def test_a_key_added_or_deleted_at_the_top_is_refused_in_one_line(monkeypatch, which, edit, message):
+def test_a_key_added_or_deleted_at_the_top_is_refused_in_one_line(which, edit, message):
     """An edit of CONFIG that adds a key (a typo) was ignored or read as a word ('batchsize=4 must be a
     string'); one that deletes a key stopped with a KeyError deep in the run."""
     defaults = getattr(train_unet, which)
-    if "add" in edit:
-        monkeypatch.setitem(defaults, *edit["add"])
-    if "rename" in edit:
-        old, new = edit["rename"]
-        monkeypatch.setitem(defaults, new, defaults[old])
-        monkeypatch.delitem(defaults, old)
-    if "delete" in edit:
-        monkeypatch.delitem(defaults, edit["delete"])
-    with pytest.raises(UserError, match=message):
-        if which == "CONFIG":
-            train_unet.parse_overrides(["epochs=1"])
-        else:
-            train_unet.predict({"checkpoint": "x.pt", "input": "in", "output": "out"})
+    saved = dict(defaults)  # restored whole, in its order (monkeypatch.delitem puts a key back at the end)
+    try:
+        if "add" in edit:
+            defaults.__setitem__(*edit["add"])
+        if "rename" in edit:
+            old, new = edit["rename"]
+            defaults[new] = defaults.pop(old)
+        if "delete" in edit:
+            del defaults[edit["delete"]]
+        with pytest.raises(UserError, match=message):
+            if which == "CONFIG":
+                train_unet.parse_overrides(["epochs=1"])
+            else:
+                train_unet.predict({"checkpoint": "x.pt", "input": "in", "output": "out"})
+    finally:
+        defaults.clear()
+        defaults.update(saved)
+    assert tuple(defaults) == (train_unet.TRAINING_KEYS if which == "CONFIG" else train_unet.PREDICT_KEYS)
 
 
 @pytest.mark.parametrize("edit, args, expected", [
