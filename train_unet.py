@@ -2935,9 +2935,10 @@ def check_pairs(pairs, cfg):
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
     barrier()  # every rank has the exchanged facts; this keeps them in step until rank 0's cache is on disk
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
+    others = binary_others(values)  # once: per pair it would compare every mask with every other
     for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
-        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], binary_others(values))
+        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others)
         if image["hw"] != mask["hw"]:
             turned = exif_turn(image_path, image["hw"])
             raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "
@@ -2989,8 +2990,9 @@ def exif_turned_images(pairs, facts):
 
 
 def mixed_binary_masks(pairs, values, cfg):
-    """A note where, with classes, some masks hold only 0 and 255 while others hold class 1: the two binary
-    conventions (0/1, 0/255) mixed in one set. 255 is void there, so those masks' foreground is ignored."""
+    """A note where, with classes, some masks hold only 0 and 255 while others hold classes: the two binary
+    conventions (0/1, 0/255) mixed in one set, or a binary set given num_classes > 1 for one odd mask. 255
+    is void there, so those masks' foreground is ignored."""
     void_only = [mask for (_, mask), v in zip(pairs, values) if IGNORE_INDEX in v and v <= {0, IGNORE_INDEX}]
     classes = sorted(set().union(*values) - {0, IGNORE_INDEX})
     if cfg["num_classes"] < 2 or not void_only or not classes:

@@ -930,3 +930,12 @@ def test_a_run_refused_at_start_up_leaves_no_empty_checkpoint_folder(make_cfg, t
     (tmp_path / "mine").mkdir()
     one_line_error(train_unet.train, {**cfg, "checkpoint_dir": str(tmp_path / "mine")}, match="no images")
     assert (tmp_path / "mine").is_dir()
+
+
+def test_the_data_check_weighs_the_sets_binary_convention_once(make_data, make_cfg, monkeypatch):
+    """binary_others looks at every mask: called per pair, a set of 20,000 masks took minutes."""
+    root = make_data("once", count=6, size=32)
+    calls, real = [], train_unet.binary_others
+    monkeypatch.setattr(train_unet, "binary_others", lambda values: calls.append(1) or real(values))
+    train_unet.prepare_data(make_cfg(data_dir=str(root), batch_size=2))
+    assert len(calls) == 1
