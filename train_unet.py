@@ -6327,7 +6327,9 @@ class InputNotes:
 
     def print(self):
         """The notes, after the last batch."""
-        if self.sixteen_bit is not None and is_tiff(self.sixteen_bit) and stored_dtype(self.sixteen_bit).kind == "i":
+        signed = self.sixteen_bit is not None and is_tiff(self.sixteen_bit) and \
+            getattr(stored_dtype(self.sixteen_bit), "kind", "u") == "i"  # None: tifffile cannot tell; as ever
+        if signed:
             print(f"note: {Path(self.sixteen_bit).name} has signed 16-bit pixels and {self.opts['checkpoint']} has no "
                   f"intensity_range: they were scaled from -32768-32767, so 0 is mid-grey and the data's own span is "
                   f"a sliver of it: predict again with intensity_range=low,high, that span (CT in Hounsfield units: "

@@ -939,3 +939,11 @@ def test_the_data_check_weighs_the_sets_binary_convention_once(make_data, make_c
     monkeypatch.setattr(train_unet, "binary_others", lambda values: calls.append(1) or real(values))
     train_unet.prepare_data(make_cfg(data_dir=str(root), batch_size=2))
     assert len(calls) == 1
+
+
+def test_the_16_bit_note_of_a_tiff_whose_type_tifffile_cannot_tell_is_the_unsigned_one(monkeypatch, capsys):
+    monkeypatch.setattr(train_unet, "stored_dtype", lambda path: None)
+    notes = train_unet.InputNotes({}, {"checkpoint": "best.pt", "intensity_range": None})
+    notes.sixteen_bit = "scan.tif"
+    notes.print()
+    assert "note: scan.tif has 16-bit pixels" in capsys.readouterr().out
