@@ -800,10 +800,14 @@ def finish_run(run, hw, cfg):
     run.logger.close()
     ckpt_dir = Path(cfg["checkpoint_dir"])
     files = [name for name in ("best.pt", "last.pt", "history.csv") if (ckpt_dir / name).is_file()]
-    print(f"done: best val IoU {run.best_iou:.4f}; checkpoints in {ckpt_dir}/ ({', '.join(files)})")
+    finite = run.best_iou >= 0  # else every validation was non-finite (nan_guard=False): none became best
+    best = f"best val IoU {run.best_iou:.4f}" if finite else "no epoch validated finite"
+    print(f"done: {best}; checkpoints in {ckpt_dir}/ ({', '.join(files)})")
     if DIST.is_main and "best.pt" not in files:  # a last.pt copied alone, resumed: its best epoch's weights are elsewhere
-        print(f"note: no best.pt in {ckpt_dir}: no epoch of this run beat the val IoU its last.pt records "
-              f"({run.best_iou:.4f}); use last.pt, or the best.pt of the run it came from")
+        print(f"note: no best.pt in {ckpt_dir}: " + (
+            f"no epoch of this run beat the val IoU its last.pt records ({run.best_iou:.4f}); use last.pt, or the "
+            f"best.pt of the run it came from" if finite else "every epoch's val loss was NaN/inf, so none is a "
+            "best.pt; last.pt holds the last epoch's (non-finite) model: train again with nan_guard=True"))
     table = end_of_run_table(run)
     if table:
         print(table)
