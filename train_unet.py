@@ -1011,9 +1011,8 @@ def evaluate(model, loader, loss_fn, prec, hw, cfg, desc="val"):
 def fit_pieces(model, batch, cfg, prec, hw):
     """A batch from ValidationImages: one piece (logits, resized targets, number of images, scored).
     The val loss is taken on the resized images, as the model sees them; `scored` gives the metric each
-    image's logits at its original size (original_size_logits: what predict makes its mask from)
-    against its original mask, in bands of rows: read here, in this process, while a GPU computes the
-    logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
+    image's logits at its original size (original_size_scores: what predict makes its mask from)
+    against its original mask, read here, in this process, while a GPU computes the logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
     original masks too."""
     x, y, *paths = batch
     reads = [mask_readers().submit(read_classes, path, cfg) for path in paths[0]] if paths else None
@@ -1030,11 +1029,16 @@ def mask_readers():
 
 
 def original_size_scores(logits, masks, cfg, hw):
-    """(1 x classes x rows x w logits, 1 x rows x w mask) bands of each image at its original size."""
-    for full, mask in zip(original_size_logits(logits, [m.shape for m in masks], cfg), masks):
-        mask = mask.to(hw.device, non_blocking=True)
-        for band in score_bands(*mask.shape):
-            yield full[None, :, band], mask[None, band]
+    """(N x classes x rows x w logits, N x rows x w masks) for the metric, at the images' original sizes
+    (original_size, as predict's fit_masks): the images of one size together, a few ops a batch instead
+    of nine an image, on a GPU each a kernel launch; an image over SCORE_BAND_PIXELS alone, in bands of rows."""
+    logits = logits.float()
+    for (h, w), indices in same_size_groups([tuple(m.shape) for m in masks]):
+        full = original_size(rows_of(logits, indices), h, w, cfg)
+        target = rows_of(masks, indices) if torch.is_tensor(masks) else torch.stack([masks[i] for i in indices])
+        target = target.to(hw.device, non_blocking=True)
+        for band in score_bands(h, w) if len(indices) == 1 else [slice(None)]:
+            yield full[:, :, band], target[:, band]
 
 
 SCORE_BAND_PIXELS = 1 << 24  # validation scores large images in bands of rows of this size
@@ -6123,18 +6127,11 @@ def fit_region(size, height, width):
     return valid_region(A.Compose(fit_transforms(size)), height, width)
 
 
-def original_size_logits(logits, sizes, cfg):
-    """Fit mode: a batch of logits of resized, padded images -> per image, fp32 logits (classes x h x w,
-    on the logits' device) at its original (h, w): its area cropped out of the padded square, resized
-    back bilinearly. The one way from the model's output to predict's masks; validation scores the
-    same logits, so the val IoU is the IoU of what predict writes."""
-    for logit, (h, w) in zip(logits.float(), sizes):
-        yield original_size(logit[None], h, w, cfg)[0]
-
-
 def original_size(logits, h, w, cfg):
     """N x classes x H x W fp32 logits of images that were all h x w -> N x classes x h x w: their area
-    cropped out of the padded square, resized back bilinearly (original_size_logits, fit_masks)."""
+    cropped out of the padded square, resized back bilinearly. The one way from the model's output to
+    predict's masks (fit_masks); validation scores the same logits (original_size_scores), so the val IoU
+    is the IoU of what predict writes."""
     vh, vw = fit_region(cfg["image_size"], h, w)
     logits = logits[:, :, :vh, :vw]
     if (vh, vw) != (h, w):
@@ -6150,13 +6147,19 @@ def fit_masks(logits, sizes, cfg):
     speed"). An image over that limit goes alone, its mask made in bands (mask_tensor)."""
     masks, logits = [None] * len(sizes), logits.float()
     for (h, w), indices in same_size_groups(sizes):
-        whole = indices == list(range(indices[0], indices[-1] + 1))  # a run of the batch: a view, not a copy
-        full = original_size(logits[indices[0]:indices[-1] + 1] if whole else logits[indices], h, w, cfg)
+        full = original_size(rows_of(logits, indices), h, w, cfg)
         found = [mask_tensor(full[0], cfg["num_classes"])] if len(indices) == 1 else \
             mask_rule(full, cfg["num_classes"]).unbind(0)
         for i, mask in zip(indices, found):
             masks[i] = mask
     return masks
+
+
+def rows_of(batch, indices):
+    """batch[indices]: a view when the indices are a run of the batch (no copy, no op on a GPU)."""
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return batch[indices[0]:indices[-1] + 1]
+    return batch[indices]
 
 
 def same_size_groups(sizes):

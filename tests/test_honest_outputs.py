@@ -126,7 +126,7 @@ def test_validation_counts_each_original_pixel_once_on_every_path(make_data, mak
 
 def test_predict_and_validation_share_the_way_back_to_the_original_size(monkeypatch, make_cfg):
     """predict_batch turns logits into masks through original_size, the function validation scores by
-    (original_size_logits): replacing it changes predict's output and validation's logits alike."""
+    (original_size_scores): replacing it changes predict's output and validation's logits alike."""
     cfg = make_cfg(image_size=32)
     hw = train_unet.detect_hardware("cpu")
     model = train_unet.prepare_model(cfg, hw).eval()
@@ -134,8 +134,9 @@ def test_predict_and_validation_share_the_way_back_to_the_original_size(monkeypa
     image = np.random.default_rng(0).integers(0, 255, (50, 70, 3), np.uint8)
     monkeypatch.setattr(train_unet, "original_size", lambda logits, h, w, cfg: torch.full((len(logits), 1, h, w), 5.0))
     assert (train_unet.predict_batch(model, [image], cfg, fp32, hw)[0] == 1).all()
-    logits = train_unet.original_size_logits(torch.zeros(2, 1, 32, 32), [(5, 6)] * 2, cfg)
-    assert all((logit == 5).all() for logit in logits)
+    masks = [torch.zeros(5, 6, dtype=torch.uint8)] * 2
+    scored = list(train_unet.original_size_scores(torch.zeros(2, 1, 32, 32), masks, cfg, hw))
+    assert scored and all((logits == 5).all() for logits, _ in scored)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -303,7 +303,8 @@ def test_predict_batch_with_tta_is_the_averaged_model(fit_model, hw):
         reference = ReferenceTTA(model, "flip")(x)
     masks = train_unet.predict_batch(model, images, {**cfg, "tta": "flip"}, FP32, hw)
     expected = [train_unet.logits_to_mask(logit, 1)
-                for logit in train_unet.original_size_logits(reference, [i.shape[:2] for i in images], cfg)]
+                for logit, image in zip(reference, images)
+                for logit in train_unet.original_size(logit[None].float(), *image.shape[:2], cfg)]
     assert all(0 < m.mean() < 1 for m in expected)
     assert all((m != e).mean() < 1e-3 for m, e in zip(masks, expected))
 
