@@ -2926,9 +2926,10 @@ def mask_hint(path, dtype, values):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 6  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 7  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
-                         # 6: images' EXIF orientation (exif_turned_images)
+                         # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
+                         # (colour_read_as_grey)
 
 
 def check_pairs(pairs, cfg):
@@ -2958,7 +2959,8 @@ def check_pairs(pairs, cfg):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
-    notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg)]
+    notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg),
+             colour_read_as_grey(pairs, facts)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
 
@@ -2978,6 +2980,17 @@ def absent_classes(values, cfg):
             else "")
     return (f"note: class(es) {names} of num_classes={cfg['num_classes']} appear in no mask: {fits}a class the model "
             f"predicts but no mask holds counts as IoU 0 in val_iou")
+
+
+def colour_read_as_grey(pairs, facts):
+    """A note where in_channels=1 reads colour images as grey (their luminance): right for colour scans of
+    grey data, a loss where colour tells the classes apart (stains, vegetation, lesions)."""
+    colour = [image for image, _ in pairs if facts[os.path.abspath(image)].get("colour")]
+    if not colour:
+        return None
+    return (f"note: {len(colour)} of {len(pairs)} image(s) hold colour (e.g. {Path(colour[0]).name}) but "
+            f"in_channels=1 reads them as grey, their luminance; if colour tells the classes apart, set "
+            f"in_channels=3")
 
 
 def exif_turned_images(pairs, facts):
@@ -3075,7 +3088,46 @@ def image_facts(path, channels):
     orientation = exif_orientation(path)
     if orientation:
         facts["orientation"] = orientation
+    if channels == 1 and holds_colour(path, values):
+        facts["colour"] = True  # read as grey all the same (to_channels, the decoder): colour_read_as_grey
     return facts
+
+
+GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")  # Pillow's modes of grey files
+
+
+def holds_colour(path, decoded):
+    """Whether an image read for in_channels=1 holds colour that grey drops: channels that differ by more
+    than 3 levels of 255 anywhere (a grey image saved as RGB, JPEG's rounding included, does not). A TIFF
+    comes decoded in colour; a file whose header says grey is not decoded again; others are, in colour."""
+    if decoded.ndim == 3 or is_tiff(path):
+        colour = decoded
+    elif header_says_grey(path):
+        return False
+    else:
+        colour = without_alpha(opencv_read(path, cv2.IMREAD_ANYDEPTH | cv2.IMREAD_COLOR, "image"))
+    if colour.ndim != 3:
+        return False
+    scale = 1 / 255 if colour.dtype.kind == "f" else np.iinfo(colour.dtype).max / 255
+    red, green, blue = (colour[..., c].astype(np.float32) for c in range(3))
+    return bool(max(np.abs(red - green).max(), np.abs(green - blue).max()) > 3 * scale)
+
+
+def header_says_grey(path):
+    """Whether a PNG, BMP or JPEG header says grey: a grey mode, or a palette of greys. False where it says
+    colour or cannot be read here."""
+    reader = pillow_reader(path)
+    try:
+        with reader(path) as image:  # the header only (a PNG's palette comes before its pixels)
+            return image.mode in GREY_MODES or image.mode == "P" and not palette_in_colour(image)
+    except (TypeError, OSError, SyntaxError, ValueError):  # no reader for the format, or a header it refuses
+        return False
+
+
+def palette_in_colour(image):
+    """Whether a Pillow palette image's palette holds a colour (an entry whose R, G and B differ)."""
+    entries = np.asarray(image.getpalette() or [], np.int16).reshape(-1, 3)
+    return bool((entries != entries[:, :1]).any())
 
 
 def exif_orientation(path):
@@ -3170,7 +3222,7 @@ def entry_valid(entry, mask):
         return False
     if not mask:  # an image: a value range (image_facts) is a pair of whole numbers, low <= high
         span = entry.get("range")
-        if entry.get("orientation") not in (None, *EXIF_TURNS):
+        if entry.get("orientation") not in (None, *EXIF_TURNS) or entry.get("colour") not in (None, True):
             return False
         return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
                                 and span[0] <= span[1])

@@ -433,6 +433,75 @@ def test_a_quarter_turned_image_that_passed_the_size_check_gets_no_exif_note(tmp
     assert not train_unet.entry_valid({**entry, "orientation": True}, mask=False)
 
 
+def colour_files(root):
+    """{name: holds colour} of image files as they ship: colour or grey stored as RGB, JPEG, palettes, TIFF,
+    alpha, 16 bits."""
+    import tifffile
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (40, 48), np.uint8)
+    colour = rng.integers(0, 256, (40, 48, 3), np.uint8)
+    cv2.imwrite(str(root / "colour.png"), colour)
+    cv2.imwrite(str(root / "grey.png"), grey)
+    cv2.imwrite(str(root / "grey_as_rgb.png"), np.dstack([grey] * 3))
+    cv2.imwrite(str(root / "grey_as_rgb.jpg"), np.dstack([grey] * 3), [cv2.IMWRITE_JPEG_QUALITY, 75])
+    cv2.imwrite(str(root / "colour.jpg"), colour)
+    cv2.imwrite(str(root / "colour_alpha.png"), np.dstack([colour, grey]))
+    cv2.imwrite(str(root / "colour16.png"), colour.astype(np.uint16) * 257)
+    for name, palette in (("grey_palette.png", [v for i in range(256) for v in (i, i, i)]),
+                          ("colour_palette.png", [v for i in range(256) for v in (i, 255 - i, 0)])):
+        image = Image.fromarray(grey, "L").convert("P")
+        image.putpalette(palette)
+        image.save(root / name)
+    tifffile.imwrite(root / "colour.tif", colour, photometric="rgb")
+    tifffile.imwrite(root / "grey.tif", grey)
+    return {"colour.png": True, "grey.png": False, "grey_as_rgb.png": False, "grey_as_rgb.jpg": False,
+            "colour.jpg": True, "colour_alpha.png": True, "colour16.png": True, "grey_palette.png": False,
+            "colour_palette.png": True, "colour.tif": True, "grey.tif": False}
+
+
+def test_images_read_as_grey_are_told_apart_from_grey_saved_as_colour(tmp_path, monkeypatch):
+    """in_channels=1 reads colour as grey: the data check tells real colour from grey stored as RGB (JPEG's
+    rounding included), palettes by their entries; a file whose header says grey is decoded once only."""
+    expected = colour_files(tmp_path)
+    reads, real = [], train_unet.opencv_read
+    monkeypatch.setattr(train_unet, "opencv_read", lambda path, *a: reads.append(Path(path).name) or real(path, *a))
+    for name, colour in expected.items():
+        facts = train_unet.image_facts(tmp_path / name, channels=1)
+        assert facts.get("colour", False) is colour, name
+        assert "colour" not in train_unet.image_facts(tmp_path / name, channels=3), name
+    assert reads.count("grey.png") == 2 and reads.count("grey_palette.png") == 2  # one read for each channels
+    assert reads.count("grey_as_rgb.png") == 3  # its header says RGB: decoded in colour to look
+
+
+def test_colour_images_read_as_grey_get_a_note(tmp_path, capsys):
+    """A colour set trained with in_channels=1 was turned to grey without a word: the data check notes it
+    (kept in its cache), naming one image; with in_channels=3, or grey images, there is no note."""
+    root = tmp_path / "set"
+    colour_files(root / "images")
+    (root / "masks").mkdir()
+    pairs = []
+    for name in ("colour.png", "grey.png", "colour.jpg"):
+        mask = np.zeros((40, 48), np.uint8)
+        mask[5:20, 5:20] = 255
+        cv2.imwrite(str(root / "masks" / (Path(name).stem + "_" + Path(name).suffix[1:] + ".png")), mask)
+        pairs.append((root / "images" / name, root / "masks" / (Path(name).stem + "_" + Path(name).suffix[1:] + ".png")))
+    base = {**train_unet.CONFIG, "data_dir": str(root), "checkpoint_dir": str(tmp_path / "c")}
+    for run in range(2):  # the second from the data check's cache
+        train_unet.check_pairs(pairs, train_unet.validate_config({**base, "in_channels": 1}))
+        note = [line for line in capsys.readouterr().out.splitlines() if "grey" in line]
+        assert note == ["note: 2 of 3 image(s) hold colour (e.g. colour.png) but in_channels=1 reads them as grey, "
+                        "their luminance; if colour tells the classes apart, set in_channels=3"]
+    train_unet.check_pairs(pairs, train_unet.validate_config({**base, "in_channels": 3}))
+    train_unet.check_pairs(pairs[1:2], train_unet.validate_config({**base, "in_channels": 1}))
+    assert "grey" not in capsys.readouterr().out
+    entry = {"stamp": [1, 2, 3], "hw": [40, 48], "dtype": "uint8", "channels": 1}
+    assert train_unet.entry_valid({**entry, "colour": True}, mask=False)
+    assert not train_unet.entry_valid({**entry, "colour": "yes"}, mask=False)
+
+
 def test_a_tiff_with_an_orientation_tag_is_not_called_turned(tmp_path):
     """tifffile ignores the tag: a TIFF is read as stored, so the size message must not say it was turned."""
     import tifffile
