@@ -540,7 +540,7 @@ def setup_precision(cfg, state=None):
     apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
     kept = prec is not decided
-    notes = [decided.warning if kept else None, prec.reason if kept else None]
+    notes = [decided.warning if kept else None, prec.reason if kept else None, fit_cpu_threads()]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect about a minute of compiling for little or no gain")
     return hw, prec, notes
@@ -2091,7 +2091,8 @@ def busy_probe_note(busy):
 def timed_beside_others(run):
     """(run(), its seconds, (the share of this process's cores that other processes used meanwhile, those
     cores) or None where not known: no /proc/stat (not Linux), or a run under half a second, too short
-    for its 10 ms ticks). Steal time counts as others': a shared VM's neighbours take it."""
+    for its 10 ms ticks). Steal time counts as others': a shared VM's neighbours take it. Under a CPU
+    quota of q cores on n, only what others used beyond n - q cores counts, as a share of q."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     busy, own, start = cpu_busy_seconds(cpus), time.process_time(), time.perf_counter()
     result = run()
@@ -2099,7 +2100,10 @@ def timed_beside_others(run):
     if busy is None or busy_after is None or seconds < 0.5:
         return result, seconds, None
     others = (busy_after - busy) - (time.process_time() - own)  # this process's threads share its cores
-    return result, seconds, (max(others, 0.0) / (seconds * len(cpus)), len(cpus))
+    # Under a CPU quota this process uses `share` of its cores' time: others may use the rest unfelt.
+    share = min(float(len(cpus)), cpu_quota())
+    felt = max(others / seconds - (len(cpus) - share), 0.0)
+    return result, seconds, (felt / share, math.ceil(share))
 
 
 def cpu_busy_seconds(cpus):
@@ -3764,8 +3768,42 @@ def cores_per_process():
 
 def usable_cores():
     """The cores this process may run on: its CPU affinity (taskset, Slurm, a container's cpuset) where
-    the system tells it, else the machine's; None where unknown."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    the system tells it, else the machine's, and no more than its CPU quota allows, rounded up; None
+    where unknown."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = cpu_quota()
+    return cores if cores is None or quota == math.inf else max(1, min(cores, math.ceil(quota)))
+
+
+def cpu_quota(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
+    """Cores' worth of CPU time a period that this process's cgroups allow (docker --cpus, a Kubernetes
+    CPU limit, systemd's CPUQuota), the tightest over its cgroup and their parents; inf where none is set."""
+    def cores(folder, version):
+        try:
+            if version == 2:
+                quota, period = (folder / "cpu.max").read_text().split()[:2]
+            else:
+                quota, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+            return math.inf if quota in ("max", "-1") else int(quota) / int(period)
+        except (OSError, ValueError, ZeroDivisionError):
+            return math.inf
+    return min((cores(*level) for level in cgroup_levels("cpu", proc, sys_root)), default=math.inf)
+
+
+def fit_cpu_threads():
+    """torch's threads cut to the cores this process may use (cores_per_process), where its default counts
+    more: it sees the CPU affinity, not a CPU quota, and each thread past the quota waits out the period
+    (a resnet18 step under a 1-core quota on 2 cores: 4-7x slower with 2 threads; BENCHMARKS.md "CPU
+    quota"). OMP_NUM_THREADS, set by the user or torchrun, is left as it is. A note for the banner, or None."""
+    threads, cores = torch.get_num_threads(), cores_per_process()
+    if threads <= cores or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    torch.set_num_threads(cores)
+    quota, processes = cpu_quota(), processes_per_node()
+    why = [f"a CPU quota of {quota:g} core(s), from its cgroup" if quota < math.inf else "",
+           f"shared by {processes} processes on this node" if processes > 1 else ""]
+    return (f"torch threads {threads} -> {cores}: the cores this process may use ({'; '.join(filter(None, why))}); "
+            f"set OMP_NUM_THREADS to choose")
 
 
 def check_worker_count(cfg):
@@ -5688,7 +5726,7 @@ PREDICT_BACKENDS = {"torch": {}, "onnxruntime": {"use_amp": False, "cpu_probe": 
 def predict(opts):
     """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
     opts = validate_predict({**PREDICT_CONFIG, **opts})
-    hw = detect_hardware(opts["device"])
+    hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_predictor(opts, hw)
     tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
@@ -5710,6 +5748,8 @@ def predict(opts):
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
               f"probe {note}")
+    if threads:
+        print(f"note: {threads}")
     if moved:
         print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
@@ -5958,28 +5998,31 @@ def available_memory():
 def cgroup_room(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
     """Bytes left under the tightest memory limit of this process's cgroup and its parents (a Slurm
     job's limit sits above its task's): v2, or v1's memory controller; inf where none is set."""
-    room = math.inf
-    for root, where, names in memory_cgroups(proc, sys_root):
-        folder = root / where if where and (root / where).is_dir() else root  # a namespace's own is the root
-        for level in [folder, *(p for p in folder.parents if p.is_relative_to(root))]:
-            room = min(room, cgroup_level_room(level, *names))
-    return room
+    names = {2: ("memory.max", "memory.current", "file"),
+             1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")}
+    return min((cgroup_level_room(level, *names[version])
+                for level, version in cgroup_levels("memory", proc, sys_root)), default=math.inf)
 
 
-def memory_cgroups(proc, sys_root):
-    """(mount, path in it, (limit, usage, page cache) file names) of this process's memory cgroups."""
+def cgroup_levels(controller, proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
+    """(folder, cgroup version) of each level of this process's cgroups that may hold the controller's
+    limits: its own, then its parents up to the mount (a Slurm job's limit sits above its task's);
+    v2's unified tree, and v1's tree of that controller. None where /proc does not say (not Linux)."""
     try:
         lines = Path(proc).read_text().splitlines()
     except OSError:
-        return []
-    found = []
+        return
     for number, controllers, where in (line.split(":", 2) for line in lines if line.count(":") >= 2):
         if number == "0" and not controllers:
-            found.append((Path(sys_root), where.strip("/"), ("memory.max", "memory.current", "file")))
-        elif "memory" in controllers.split(","):
-            found.append((Path(sys_root) / "memory", where.strip("/"),
-                          ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache")))
-    return found
+            root, version = Path(sys_root), 2
+        elif controller in controllers.split(","):
+            root, version = Path(sys_root) / controller, 1
+        else:
+            continue
+        where = where.strip("/")
+        folder = root / where if where and (root / where).is_dir() else root  # a namespace's own is the root
+        for level in [folder, *(p for p in folder.parents if p.is_relative_to(root))]:
+            yield level, version
 
 
 def cgroup_level_room(folder, limit_name, usage_name, cache_name):
@@ -6747,6 +6790,9 @@ def run_benchmark(args=()):
     apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision.of(torch.float32, "benchmark"))
     print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
           f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
+    threads = fit_cpu_threads()  # each training row's own process fits its threads the same way (train)
+    if threads:
+        print(f"[benchmark] note: {threads}", flush=True)
     bare, bare_spread = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
     rows, histories, fp32_times = [], {}, {}
     for name in names:

@@ -243,12 +243,78 @@ def test_others_share_is_unknown_for_short_runs_or_without_proc_stat(monkeypatch
     assert train_unet.busy_probe_note(None) is None
 
 
-def cpu_quota():
-    """The cgroup v2 CPU limit over this process ("max" where there is none), or None where unknown."""
-    try:
-        return Path("/sys/fs/cgroup/cpu.max").read_text().split()[0]
-    except OSError:
-        return None
+def quota_tree(root, version, levels):
+    """A fake /proc/self/cgroup and /sys/fs/cgroup: this process in the last of `levels`, [(name, quota
+    in µs a period of 100 ms, or None for none)] from the top down."""
+    where = "/".join(name for name, _ in levels)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "cgroup").write_text(f"0::/{where}\n" if version == 2 else f"5:memory:/{where}\n4:cpu,cpuacct:/{where}\n")
+    folder = root / "sys" / ("" if version == 2 else "cpu")
+    for name, quota in levels:
+        folder = folder / name
+        folder.mkdir(parents=True)
+        if version == 2:
+            (folder / "cpu.max").write_text(f"{quota or 'max'} 100000\n")
+        else:
+            (folder / "cpu.cfs_quota_us").write_text(f"{quota or -1}\n")
+            (folder / "cpu.cfs_period_us").write_text("100000\n")
+    return root / "cgroup", root / "sys"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_cpu_quota_is_read_from_the_processs_cgroups_the_tightest(tmp_path, version):
+    """docker --cpus=1.5 writes 150000 per 100000 µs; a Slurm job's or a pod's limit may sit a level up."""
+    proc, sys_root = quota_tree(tmp_path, version, [("pod", 250000), ("job", 150000), ("task", None)])
+    assert train_unet.cpu_quota(proc, sys_root) == 1.5
+    proc, sys_root = quota_tree(tmp_path / "none", version, [("job", None)])
+    assert train_unet.cpu_quota(proc, sys_root) == float("inf")
+    assert train_unet.cpu_quota(tmp_path / "missing", sys_root) == float("inf")
+    (tmp_path / "odd").write_text("garbage\n12:cpu\n")
+    assert train_unet.cpu_quota(tmp_path / "odd", sys_root) == float("inf")
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's thread count restored after the test."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_torch_threads_are_cut_to_a_cpu_quota(monkeypatch, torch_threads, capsys, make_cfg):
+    """torch counts the cores of the CPU affinity, not a container's quota: 4 threads under a quota of 1.5
+    cores on 2 ran 4-7x slower a step (BENCHMARKS.md "CPU quota"). The start-up cuts them to the quota,
+    rounded up, and says so; OMP_NUM_THREADS, the user's choice, stays; no quota, no change."""
+    monkeypatch.setattr(train_unet.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(train_unet, "cpu_quota", lambda *a: 1.5)
+    assert train_unet.usable_cores() == 2 and train_unet.worker_count({"num_workers": None}, train_unet.detect_hardware("cpu")) == 1
+    torch.set_num_threads(8)
+    note = train_unet.fit_cpu_threads()
+    assert torch.get_num_threads() == 2 and note.startswith("torch threads 8 -> 2: the cores this process may "
+                                                            "use (a CPU quota of 1.5 core(s), from its cgroup)")
+    assert train_unet.fit_cpu_threads() is None  # fitted once: nothing more to say
+    torch.set_num_threads(8)
+    train_unet.train(make_cfg(epochs=1, cpu_probe=False))
+    assert torch.get_num_threads() == 2 and "torch threads 8 -> 2" in capsys.readouterr().out
+    torch.set_num_threads(8)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    assert train_unet.fit_cpu_threads() is None and torch.get_num_threads() == 8
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(train_unet, "cpu_quota", lambda *a: float("inf"))
+    assert train_unet.usable_cores() == 8 and train_unet.fit_cpu_threads() is None and torch.get_num_threads() == 8
+
+
+def test_others_under_a_cpu_quota_count_only_past_the_cores_it_leaves(monkeypatch):
+    """Quota 2 cores of 4: others used 2.6 of the 4 core-seconds in 1 s, this process 1.0; 0.6 of theirs
+    came out of the 2 cores' worth this process may use: 30 %."""
+    busy, own = iter([100.0, 103.6]), iter([10.0, 11.0])
+    monkeypatch.setattr(train_unet.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(train_unet, "cpu_busy_seconds", lambda cpus: next(busy))
+    monkeypatch.setattr(train_unet.time, "process_time", lambda: next(own))
+    monkeypatch.setattr(train_unet, "cpu_quota", lambda *a: 2.0)
+    _, seconds, (share, cores) = train_unet.timed_beside_others(lambda: train_unet.time.sleep(1.0))
+    assert cores == 2 and share == pytest.approx((2.6 / seconds - 2) / 2) and 0.2 < share <= 0.3
 
 
 @pytest.mark.skipif(not Path("/proc/stat").is_file() or not hasattr(os, "sched_getaffinity"),
@@ -257,7 +323,7 @@ def test_others_share_sees_real_busy_processes_on_its_cores():
     """One spinning process per core of this process's, pinned to them, while this process sleeps: they
     used (nearly) all of those cores, whatever else the machine runs."""
     cpus = sorted(os.sched_getaffinity(0))
-    if train_unet.cpu_busy_seconds(cpus) is None or cpu_quota() not in ("max", None):
+    if train_unet.cpu_busy_seconds(cpus) is None or train_unet.cpu_quota() != float("inf"):
         pytest.skip("/proc/stat does not number this process's CPUs (lxcfs), or a CPU quota throttles spinners")
     assert train_unet.cpu_busy_seconds(cpus) > 0 and train_unet.cpu_busy_seconds([max(cpus) + 10_000]) is None
     spin = "import os, time; os.sched_setaffinity(0, {%s}); end = time.time() + 3\nwhile time.time() < end: pass"
