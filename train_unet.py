@@ -1946,7 +1946,8 @@ def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
     if not (probe_prec or probe_layout):
         return prec, rule_layout
     labels = probe_labels(prec, rule_layout[0], probe_prec, probe_layout)
-    times, how = cpu_probe_times(cfg, hw, kind, labels, job_forwards)
+    decides = lambda t: modes_key(choose_cpu_modes(t, prec, rule_layout, probe_prec, probe_layout))  # noqa: E731
+    times, how = cpu_probe_times(cfg, hw, kind, labels, job_forwards, decides)
     if times is None:
         notes.append(("probe", how))
         return prec, rule_layout
@@ -1957,6 +1958,12 @@ def cpu_probe_decision(cfg, hw, prec, notes, kind="train", job_forwards=None):
     if prec.warning and chosen is not prec:  # a fallback from a dtype not native here: say what is used
         chosen = Precision.of(chosen.dtype, chosen.reason, fallback_warning(hw, cfg["amp_dtype"], chosen))
     return chosen, layout
+
+
+def modes_key(modes):
+    """What a probe decided, comparable: (precision name, channels_last) of choose_cpu_modes' answer."""
+    prec, (nhwc, _) = modes
+    return prec.name, nhwc
 
 
 def mode_label(label):
@@ -2003,6 +2010,8 @@ def usable_probe_entry(entry):
               and usable_seconds(entry.get("seconds")))
     if not shaped:
         return None
+    if entry.get("busy") not in (None, True):
+        return None
     return {**entry, "times": {k: t for k, t in entry["times"].items() if k in CPU_PROBE_MODES and usable_seconds(t)}}
 
 
@@ -2047,20 +2056,22 @@ def measure_cpu_modes(cfg, hw, labels, kind):
     return {label: float(np.median(t)) for label, t in times.items()}
 
 
-def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None):
+def cpu_probe_times(cfg, hw, kind, labels, job_forwards=None, decides=None):
     """(seconds per step of each mode in `labels` or None, what the banner says about it). Under torchrun
-    rank 0 answers (probe_times_here) and the other ranks use its answer."""
-    return gather_setup(probe_times_here(cfg, hw, kind, labels, job_forwards) if DIST.is_main else None)[0]
+    rank 0 answers (probe_times_here) and the other ranks use its answer. decides(times): what times
+    decide (modes_key), to compare two probes on a busy machine (busy_probe_note)."""
+    here = probe_times_here(cfg, hw, kind, labels, job_forwards, decides) if DIST.is_main else None
+    return gather_setup(here)[0]
 
 
-def probe_times_here(cfg, hw, kind, labels, job_forwards):
+def probe_times_here(cfg, hw, kind, labels, job_forwards, decides):
     """The times of `labels`: from the cache where it holds all of them, else all measured again, side by
     side, and the entry replaced by them (never merged: a ratio of times taken in different runs would
     carry those runs' different loads). A job of fewer forwards than the probe (job_forwards: predict)
     is not worth probing: None, the flag rule."""
     path, key = cpu_probe_cache_path(), cpu_probe_key(cfg, hw, kind)
     entry = load_cpu_probe_cache(path).get(key) if path else None
-    cached = entry["times"] if entry else {}
+    cached = entry["times"] if entry and not entry.get("busy") else {}
     if all(label in cached for label in labels):
         return ({label: cached[label] for label in labels},
                 f"from {path} (measured {entry['date']} in {entry['seconds']:.1f}s; delete it to measure again)")
@@ -2071,21 +2082,30 @@ def probe_times_here(cfg, hw, kind, labels, job_forwards):
                       f"least {cost} {unit} at this batch measures it, cached for later ones)")
     measured, seconds, busy = timed_beside_others(lambda: measure_cpu_modes(cfg, hw, labels, kind))
     times = {label: measured[label] for label in labels}
-    unsaved = busy_probe_note(busy) or save_cpu_probe_entry(
-        path, key, {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS,
-                    "seconds": seconds, "date": datetime.date.today().isoformat()})
+    record = {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS, "seconds": seconds,
+              "date": datetime.date.today().isoformat()}
+    busy_note, agreed = busy_probe_note(busy, entry, times, decides)
+    if busy_note and path:  # kept apart (never used as an answer) for the next busy probe to compare
+        save_cpu_probe_entry(path, key, {**record, "busy": True})
+    unsaved = busy_note or save_cpu_probe_entry(path, key, record)
     how = (f"measured in {seconds:.1f}s ({len(labels)} modes x {CPU_PROBE_ROUNDS} "
            f"{'training steps' if kind == 'train' else 'forwards'} + 1 warm-up), "
-           + (unsaved or f"cached in {path}"))
+           + (unsaved or f"cached in {path}" + agreed))
     return times, how
 
 
-def busy_probe_note(busy):
-    """Why a probe is not cached where other processes were busy on this process's cores, else None."""
+def busy_probe_note(busy, earlier, times, decides):
+    """(why a probe is not cached, or None; what the banner adds where it is). Not cached where other
+    processes were busy on this process's cores, unless the previous probe of the setting, also beside
+    busy processes, decided the same: a load that comes and goes flips answers, a steady one does not."""
     if busy is None or busy[0] <= CPU_PROBE_BUSY_SHARE:
-        return None
-    return (f"not cached: other processes used {busy[0]:.0%} of this process's {busy[1]} core(s) meanwhile "
-            f"(a run on a quieter machine measures it again and caches it)")
+        return None, ""
+    share = f"other processes used {busy[0]:.0%} of this process's {busy[1]} core(s)"
+    before = earlier["times"] if earlier and earlier.get("busy") else {}
+    if decides and all(label in before for label in times) and decides(before) == decides(times):
+        return None, f" ({share}, as in the previous probe, which decided the same)"
+    return (f"not cached: {share} meanwhile (a run on a quieter machine measures it again and caches it, as "
+            f"does a second probe beside busy processes that decides the same)"), ""
 
 
 def timed_beside_others(run):

@@ -213,13 +213,37 @@ def test_a_probe_beside_busy_processes_is_used_but_not_cached(probe_cfg, monkeyp
     prec, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
     assert len(calls) == 1 and prec.name == "fp32"  # the measured answer is used
     assert ("not cached: other processes used 60% of this process's 2 core(s) meanwhile"
-            in dict(notes)["probe"]) and not train_unet.cpu_probe_cache_path().exists()
+            in dict(notes)["probe"])
+    prec, _, notes, calls = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)  # measured again
+    assert len(calls) == 1 and prec.name == "bf16" and "not cached: other processes" in dict(notes)["probe"]
     beside(train_unet.CPU_PROBE_BUSY_SHARE)  # at the limit: quiet enough
     prec, _, notes, calls = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)
     assert len(calls) == 1 and prec.name == "bf16" and "cached in " in dict(notes)["probe"]
     beside(0.9)  # a busy machine now does not measure again: the quiet answer stands
     prec, _, notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
     assert calls == [] and prec.name == "bf16" and "from " in dict(notes)["probe"]
+
+
+def test_two_probes_beside_busy_processes_that_decide_the_same_are_cached(probe_cfg, monkeypatch):
+    """On a machine that is always busy every run paid the probe (61 s for an 8 s debug epoch): a busy
+    probe that decides as the previous busy one (fp32 and NHWC twice, from other times) is cached; one
+    that decides otherwise is not, and the next compares with it."""
+    monkeypatch.setattr(train_unet, "timed_beside_others", lambda run: (run(), 7.0, (0.6, 2)))
+    slower = {label: 1.3 * t for label, t in XEON.items()}  # the same decision at other times
+    _, _, notes, _ = decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
+    assert "not cached" in dict(notes)["probe"]
+    prec, _, notes, _ = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)  # bf16: another decision
+    assert prec.name == "bf16" and "not cached" in dict(notes)["probe"]
+    prec, (nhwc, _), notes, calls = decide(probe_cfg, BF16_CPU, slower, monkeypatch, cached=True)
+    assert len(calls) == 1 and prec.name == "fp32" and "not cached" in dict(notes)["probe"]  # not as EPYC's
+    prec, (nhwc, _), notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch, cached=True)
+    assert (prec.name, nhwc) == ("fp32", True) and "cached in " in dict(notes)["probe"]
+    assert "as in the previous probe, which decided the same" in dict(notes)["probe"]
+    prec, (nhwc, _), notes, calls = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch, cached=True)
+    assert calls == [] and (prec.name, nhwc) == ("fp32", True) and "from " in dict(notes)["probe"]
+    entries = json.loads(train_unet.cpu_probe_cache_path().read_text())["entries"]
+    assert [entry.get("busy") for entry in entries.values()] == [None]
+    assert train_unet.usable_probe_entry({**next(iter(entries.values())), "busy": "yes"}) is None
 
 
 def test_others_share_subtracts_this_process_and_counts_only_its_cores(monkeypatch):
@@ -240,7 +264,7 @@ def test_others_share_is_unknown_for_short_runs_or_without_proc_stat(monkeypatch
     assert train_unet.timed_beside_others(lambda: 5)[2] is None  # under 0.5 s: 10 ms ticks are too coarse
     monkeypatch.setattr(train_unet, "cpu_busy_seconds", lambda cpus: None)
     assert train_unet.timed_beside_others(lambda: train_unet.time.sleep(0.6))[2] is None
-    assert train_unet.busy_probe_note(None) is None
+    assert train_unet.busy_probe_note(None, None, {}, None) == (None, "")
 
 
 def quota_tree(root, version, levels):
