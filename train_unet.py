@@ -1012,8 +1012,8 @@ def fit_pieces(model, batch, cfg, prec, hw):
     """A batch from ValidationImages: one piece (logits, resized targets, number of images, scored).
     The val loss is taken on the resized images, as the model sees them; `scored` gives the metric each
     image's logits at its original size (original_size_scores: what predict makes its mask from)
-    against its original mask, read here, in this process, while a GPU computes the logits. A batch (x, y) with no mask paths is of images already image_size square: y is then the
-    original masks too."""
+    against its original mask, read here, in this process, while a GPU computes the logits. A batch
+    (x, y) with no mask paths is of images already image_size square: y is then the original masks too."""
     x, y, *paths = batch
     reads = [mask_readers().submit(read_classes, path, cfg) for path in paths[0]] if paths else None
     logits = eval_forward(model, x, cfg, prec, hw)
@@ -3132,9 +3132,12 @@ def holds_colour(path, decoded):
         colour = without_alpha(opencv_read(path, cv2.IMREAD_ANYDEPTH | cv2.IMREAD_COLOR, "image"))
     if colour.ndim != 3:
         return False
-    scale = 1 / 255 if colour.dtype.kind == "f" else np.iinfo(colour.dtype).max / 255
-    red, green, blue = (colour[..., c].astype(np.float32) for c in range(3))
-    return bool(max(np.abs(red - green).max(), np.abs(green - blue).max()) > 3 * scale)
+    tolerance = 3 * (1 / 255 if colour.dtype.kind == "f" else np.iinfo(colour.dtype).max / 255)
+    for top in range(0, colour.shape[0], 256):  # in bands: a large scene's float copy stays a band's size
+        band = colour[top:top + 256].astype(np.float32)
+        if any((np.abs(band[..., c] - band[..., c + 1]) > tolerance).any() for c in (0, 1)):
+            return True
+    return False
 
 
 def header_says_grey(path):
@@ -3803,7 +3806,7 @@ def cpu_quota(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
             if version == 2:
                 quota, period = (folder / "cpu.max").read_text().split()[:2]
             else:
-                quota, period = ((folder / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
+                quota, period = ((folder / f"cpu.cfs_{name}_us").read_text().strip() for name in ("quota", "period"))
             return math.inf if quota in ("max", "-1") else int(quota) / int(period)
         except (OSError, ValueError, ZeroDivisionError):
             return math.inf

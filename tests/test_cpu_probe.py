@@ -312,7 +312,8 @@ def test_torch_threads_are_cut_to_a_cpu_quota(monkeypatch, torch_threads, capsys
     monkeypatch.setattr(train_unet.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(train_unet, "cpu_quota", lambda *a: 1.5)
-    assert train_unet.usable_cores() == 2 and train_unet.worker_count({"num_workers": None}, train_unet.detect_hardware("cpu")) == 1
+    assert train_unet.usable_cores() == 2
+    assert train_unet.worker_count({"num_workers": None}, train_unet.detect_hardware("cpu")) == 1
     torch.set_num_threads(8)
     note = train_unet.fit_cpu_threads()
     assert torch.get_num_threads() == 2 and note.startswith("torch threads 8 -> 2: the cores this process may "

@@ -484,10 +484,10 @@ def test_colour_images_read_as_grey_get_a_note(tmp_path, capsys):
     (root / "masks").mkdir()
     pairs = []
     for name in ("colour.png", "grey.png", "colour.jpg"):
-        mask = np.zeros((40, 48), np.uint8)
+        mask, mask_path = np.zeros((40, 48), np.uint8), root / "masks" / (name.replace(".", "_") + ".png")
         mask[5:20, 5:20] = 255
-        cv2.imwrite(str(root / "masks" / (Path(name).stem + "_" + Path(name).suffix[1:] + ".png")), mask)
-        pairs.append((root / "images" / name, root / "masks" / (Path(name).stem + "_" + Path(name).suffix[1:] + ".png")))
+        cv2.imwrite(str(mask_path), mask)
+        pairs.append((root / "images" / name, mask_path))
     base = {**train_unet.CONFIG, "data_dir": str(root), "checkpoint_dir": str(tmp_path / "c")}
     for run in range(2):  # the second from the data check's cache
         train_unet.check_pairs(pairs, train_unet.validate_config({**base, "in_channels": 1}))
