@@ -1016,9 +1016,9 @@ def fit_pieces(model, batch, cfg, prec, hw):
     (x, y) with no mask paths is of images already image_size square: y is then the original masks too."""
     x, y, *paths = batch
     reads = [mask_readers().submit(read_classes, path, cfg) for path in paths[0]] if paths else None
-    logits = eval_forward(model, x, cfg, prec, hw)
+    logits, y = eval_forward(model, x, cfg, prec, hw), y.to(hw.device, non_blocking=True)
     masks = [torch.from_numpy(read.result()) for read in reads] if paths else y
-    yield logits, y.to(hw.device, non_blocking=True), x.shape[0], original_size_scores(logits, masks, cfg, hw)
+    yield logits, y, x.shape[0], original_size_scores(logits, masks, cfg, hw)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1035,10 +1035,18 @@ def original_size_scores(logits, masks, cfg, hw):
     logits = logits.float()
     for (h, w), indices in same_size_groups([tuple(m.shape) for m in masks]):
         full = original_size(rows_of(logits, indices), h, w, cfg)
-        target = rows_of(masks, indices) if torch.is_tensor(masks) else torch.stack([masks[i] for i in indices])
+        target = rows_of(masks, indices) if torch.is_tensor(masks) else stacked_masks([masks[i] for i in indices], hw)
         target = target.to(hw.device, non_blocking=True)
         for band in score_bands(h, w) if len(indices) == 1 else [slice(None)]:
             yield full[:, :, band], target[:, band]
+
+
+def stacked_masks(masks, hw):
+    """Masks read from their files (one size), stacked in host memory that is page-locked for CUDA: the copy
+    to the GPU then waits for nothing (from pageable memory it waits for the stream's queued kernels)."""
+    if hw.kind != "cuda":
+        return torch.stack(masks)
+    return torch.stack(masks, out=page_locked((len(masks), *masks[0].shape), masks[0].dtype))
 
 
 SCORE_BAND_PIXELS = 1 << 24  # validation scores large images in bands of rows of this size
@@ -4176,10 +4184,15 @@ def host_batch(shape, channels_last, pinned):
 def host_memory(shape, dtype, pinned):
     """(an empty host tensor, the same memory as a numpy array), page-locked where `pinned`."""
     if pinned:
-        tensor = torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
+        tensor = page_locked(shape, torch.from_numpy(np.empty(0, dtype)).dtype)
         return tensor, tensor.numpy()  # a host tensor: no device sync
     memory = np.empty(shape, dtype)
     return torch.from_numpy(memory), memory
+
+
+def page_locked(shape, dtype):
+    """An empty page-locked (pinned) host tensor: a copy between it and a GPU need not wait for the stream."""
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
 # A blended sum may take this share of the device's free memory; the rest is for the forwards.

@@ -540,6 +540,24 @@ def test_validation_scores_a_batch_in_a_few_ops_not_nine_an_image():
     assert counter.ops["aten.upsample_bilinear2d.vec"] == 1 and counter.ops["aten.scatter_add_.default"] == 1
 
 
+@pytest.mark.parametrize("kind", ["cuda", "cpu"])
+def test_validation_masks_go_to_a_gpu_from_page_locked_memory(kind, monkeypatch):
+    """A copy to the GPU from pageable memory waits for the kernels queued before it: validation's masks,
+    read from their files, are stacked in page-locked memory on CUDA (not on a CPU, where nothing is copied)."""
+    import types
+
+    pinned = []
+    monkeypatch.setattr(train_unet, "page_locked",
+                        lambda shape, dtype: pinned.append(shape) or torch.empty(shape, dtype=dtype))
+    sizes = [(100, 120)] * 3 + [(40, 90)]
+    logits, cfg = fit_logits(sizes, 1)
+    masks = [torch.full(size, i, dtype=torch.uint8) for i, size in enumerate(sizes)]
+    hw = types.SimpleNamespace(kind=kind, device=torch.device("cpu"))  # a stand-in: the copy itself stays here
+    targets = [target for _, target in train_unet.original_size_scores(logits, masks, cfg, hw)]
+    assert pinned == ([(3, 100, 120), (1, 40, 90)] if kind == "cuda" else []) and [len(t) for t in targets] == [3, 1]
+    assert torch.equal(targets[0], torch.stack(masks[:3])) and targets[0].dtype == torch.uint8
+
+
 def test_masks_go_to_the_host_without_a_wait_on_the_models_thread(monkeypatch, tmp_path):
     """CUDA: a batch's masks are copied to page-locked host memory without blocking and one event is
     recorded on their device's stream; the writer thread waits on that event before it reads a mask, the
