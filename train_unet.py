@@ -2834,11 +2834,24 @@ def decode_mask(path):
     if mask is None:
         mask = opencv_read(path, cv2.IMREAD_UNCHANGED, "mask")
     if mask.ndim == 3:
+        check_mask_alpha(mask, path)
         mask = mask[..., :3]  # ignore an alpha channel
         if not (mask == mask[..., :1]).all():
             raise UserError(f"mask {path} is a colour image: save masks as one channel of class indices")
         mask = mask[..., 0]
     return mask
+
+
+def check_mask_alpha(mask, path):
+    """A mask (H x W x channels) whose shape is drawn in its alpha channel on one flat value ("white on
+    transparent", as some editors export): without its alpha it reads as one class everywhere."""
+    if mask.shape[2] not in (2, 4):
+        return
+    values, alpha = mask[..., :-1], mask[..., -1]
+    if (values == values.flat[0]).all() and not (alpha == alpha.flat[0]).all():
+        raise UserError(f"mask {path} is {values.flat[0]} everywhere and draws its shape in the alpha channel "
+                        f"(transparency), which masks do not use: save the labels as pixel values (e.g. 255 where "
+                        f"it is opaque, 0 elsewhere) in a one-channel PNG")
 
 
 def pillow_reader(path, suffixes=(".png", ".bmp", ".jpg", ".jpeg")):
@@ -2987,6 +3000,10 @@ def check_pairs(pairs, cfg):
     if all(v <= {0} for v in values):
         raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
                         f"model does; check that the masks were saved with their labels")
+    if cfg["num_classes"] == 1 and not any(0 in v for v in values):
+        raise UserError(f"no mask holds a 0 (background): every pixel is foreground, so there is nothing to tell "
+                        f"apart, and IoU would be 1 whatever the model does; check that the masks were saved with "
+                        f"their labels, 0 for background")
     if cfg["num_classes"] > 1 and all(v <= {0, IGNORE_INDEX} for v in values):
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "

@@ -784,6 +784,33 @@ def test_masks_with_no_foreground_at_all_are_refused(make_cfg, data_dir, num_cla
         train_unet.train(make_cfg(num_classes=num_classes))
 
 
+@pytest.mark.parametrize("kind", ["LA", "RGBA"])
+def test_masks_drawn_in_the_alpha_channel_are_refused(make_cfg, data_dir, kind):
+    """A mask saved white on transparent (the shape only in its alpha) read as foreground everywhere: the run
+    trained on it to the end without a word. Now the mask is named, with the fix; an alpha beside real values
+    stays ignored."""
+    from PIL import Image
+
+    masks = sorted((data_dir / "masks").iterdir())
+    for i, path in enumerate(masks):
+        shape = cv2.imread(str(path), cv2.IMREAD_GRAYSCALE)
+        flat = np.full_like(shape, 255) if i == 1 else shape
+        channels = [flat] if kind == "LA" else [flat] * 3
+        Image.fromarray(np.dstack([*channels, np.where(shape > 0, 255, 0).astype(np.uint8)]), kind).save(path)
+    with pytest.raises(UserError, match=rf"mask .*{masks[1].name} is 255 everywhere and draws its shape in the "
+                                        r"alpha channel \(transparency\)"):
+        train_unet.train(make_cfg(epochs=1))
+    assert (train_unet.decode_mask(masks[0]) == cv2.imread(str(masks[0]), cv2.IMREAD_UNCHANGED)[..., 0]).all()
+
+
+def test_masks_with_no_background_at_all_are_refused(make_cfg, data_dir):
+    """Binary masks all foreground (all 255) trained to an IoU near 1 that says nothing: refused, as all-0 ones."""
+    for path in (data_dir / "masks").iterdir():
+        cv2.imwrite(str(path), np.full_like(cv2.imread(str(path), cv2.IMREAD_UNCHANGED), 255))
+    with pytest.raises(UserError, match="no mask holds a 0 \\(background\\): every pixel is foreground"):
+        train_unet.train(make_cfg())
+
+
 def test_the_worker_limit_counts_the_cores_this_process_may_use(monkeypatch):
     """Under taskset or a container's cpuset the machine's core count is not this process's."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
