@@ -6464,8 +6464,9 @@ def predict_intensity_range(cfg, opts):
 
 class InputNotes:
     """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
-    a range (sixteen_bit_input), and an 8-bit image that a given intensity_range= does not touch (8-bit
-    images are divided by 255 whatever the range, as in training: scale_image)."""
+    a range (sixteen_bit_input), an 8-bit image that a given intensity_range= does not touch (8-bit
+    images are divided by 255 whatever the range, as in training: scale_image), and an image whose pixels
+    lie outside the range, given or the checkpoint's (outside_range)."""
 
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, None, None, None
@@ -6473,12 +6474,10 @@ class InputNotes:
     def see(self, batch):
         """Take note of a read batch's images (the first of each kind is named)."""
         self.sixteen_bit = self.sixteen_bit or sixteen_bit_input(batch, self.cfg)
-        if self.opts["intensity_range"] is None:  # the other two are about a range the user gave
-            return
-        if self.eight_bit is None:
-            self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
-        if self.outside is None:
+        if self.outside is None and self.cfg["intensity_range"] is not None:
             self.outside = next(filter(None, (outside_range(path, image) for path, image, _ in batch)), None)
+        if self.eight_bit is None and self.opts["intensity_range"] is not None:  # about a range the user gave
+            self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
 
     def print(self):
         """The notes, after the last batch."""
@@ -6499,11 +6498,13 @@ class InputNotes:
                   f"8-bit image: the range maps integer images wider than 8 bits, and 8-bit images are divided by "
                   f"255 as in training")
         if self.outside is not None:
-            (path, share, least, most), (low, high) = self.outside, self.opts["intensity_range"]
+            (path, share, least, most), (low, high) = self.outside, self.cfg["intensity_range"]
             raw = [f"{low + v * (high - low):.0f}" for v in (least, most)]
-            print(f"note: {share:.0%} of {Path(path).name}'s pixels lie outside intensity_range={low:g},{high:g} (its "
-                  f"values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training images were "
-                  f"mapped to; check the range")
+            whose = "" if self.opts["intensity_range"] is not None else \
+                f" ({self.opts['checkpoint']}'s, learnt from its training images)"
+            print(f"note: {share:.0%} of {Path(path).name}'s pixels lie outside intensity_range={low:g},{high:g}{whose} "
+                  f"(its values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training images were "
+                  f"mapped to; check the range" + ("" if not whose else ", or predict with intensity_range=low,high"))
 
 
 # A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.

@@ -162,6 +162,19 @@ def test_the_range_is_saved_in_the_checkpoint_and_predict_uses_it(make_cfg, dept
     assert np.mean([(m == e * 255).mean() for m, e in zip(masks, expected)]) > 0.999
 
 
+def test_images_outside_the_checkpoints_own_range_get_a_note(make_cfg, depths, tmp_path, capsys):
+    """Full-range 16-bit images predicted with a model that learnt 0-4095 from 12-bit data reach it at up to
+    16x its training scale: the note a given range gets was not said for the checkpoint's own."""
+    ckpt = train_and_predict(make_cfg, depths[12], tmp_path, "run12")
+    capsys.readouterr()
+    predict_masks(ckpt, depths[12], tmp_path / "p12")
+    assert "outside intensity_range" not in capsys.readouterr().out
+    predict_masks(ckpt, depths[16], tmp_path / "p16")
+    note = [line for line in capsys.readouterr().out.splitlines() if "outside intensity_range" in line]
+    assert len(note) == 1 and "pixels lie outside intensity_range=0,4095 (" in note[0], note
+    assert f"{ckpt}'s, learnt from its training images)" in note[0] and "predict with intensity_range=" in note[0]
+
+
 def test_resume_keeps_the_runs_range(make_cfg, depths, tmp_path):
     cfg = make_cfg(data_dir=str(depths[12]))
     train_unet.train(cfg)
