@@ -2622,7 +2622,7 @@ def opencv_decode(path, flags, kind):
     (libjpeg decodes a truncated one with grey in place of the missing rows, and only warns), and a name
     that is not UTF-8 (cv2.imread crashed the process on one)."""
     name = str(path)
-    if Path(path).suffix.lower() not in JPEG_EXTS and utf8_name(name):
+    if format_suffix(path) not in JPEG_EXTS and utf8_name(name):
         return cv2.imread(name, flags)
     with open(path, "rb") as f:
         data = f.read()
@@ -2857,13 +2857,27 @@ def check_mask_alpha(mask, path):
 def pillow_reader(path, suffixes=(".png", ".bmp", ".jpg", ".jpeg")):
     """Pillow's reader class for the file's format (one of `suffixes`), or None. The format's own reader,
     not Image.open: its decompression-bomb limit (179 Mpx), a guard against untrusted downloads, would
-    refuse a user's own large scenes and their masks."""
+    refuse a user's own large scenes and their masks. The format is the one its first bytes say, as for
+    OpenCV, which decodes by them: a JPEG named .png is read, and turned by its EXIF, as a JPEG."""
     from PIL import BmpImagePlugin, JpegImagePlugin, PngImagePlugin
 
-    suffix = Path(path).suffix.lower()
+    suffix = format_suffix(path)
     readers = {".png": PngImagePlugin.PngImageFile, ".bmp": BmpImagePlugin.BmpImageFile,
                ".jpg": JpegImagePlugin.JpegImageFile, ".jpeg": JpegImagePlugin.JpegImageFile}
     return readers.get(suffix) if suffix in suffixes else None
+
+
+IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": ".png", b"\xff\xd8\xff": ".jpg", b"BM": ".bmp"}
+
+
+def format_suffix(path):
+    """The suffix of the format a file's first bytes say (PNG, JPEG, BMP) whatever its name, else its name's."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        head = b""
+    return next((suffix for sign, suffix in IMAGE_SIGNATURES.items() if head.startswith(sign)), Path(path).suffix.lower())
 
 
 def palette_indices(path):

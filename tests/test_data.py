@@ -233,14 +233,16 @@ def test_odd_sizes_come_out_square_padded_bottom_right(make_cfg, data_dir):
     """50 (high) x 70 (wide) -> longest side 64, aspect kept, padding below marked IGNORE_INDEX."""
     for path in (data_dir / "images").glob("*.png"):
         cv2.imwrite(str(path), cv2.resize(cv2.imread(str(path)), (70, 50)))
-    for path in (data_dir / "masks").glob("*.png"):
+    masks = sorted((data_dir / "masks").glob("*.png"))
+    for path in masks:
         cv2.imwrite(str(path), np.full((50, 70), 255, np.uint8))  # all foreground
+    cv2.imwrite(str(masks[0]), np.pad(np.full((48, 70), 255, np.uint8), ((2, 0), (0, 0))))  # one with background
     cfg = make_cfg()
     train, val = prepare_data(cfg)
     for dataset in (SegDataset(val, cfg, train=False), SegDataset(train, cfg, train=True)):
         x, y = dataset[0]
         assert x.shape == (3, 64, 64) and y.shape == (64, 64)
-    x, y = SegDataset(val, cfg, train=False)[0]
+    x, y = SegDataset(val, cfg, train=False)[next(i for i, (_, mask) in enumerate(val) if Path(mask) != masks[0])]
     rows = (y == 1).any(1).nonzero().flatten()
     assert (y[:44] == 1).all()                          # the image area: 64 wide, ~46 high
     assert (y[48:] == train_unet.IGNORE_INDEX).all()    # padding is ignored by loss and metrics
@@ -500,6 +502,29 @@ def test_colour_images_read_as_grey_get_a_note(tmp_path, capsys):
     entry = {"stamp": [1, 2, 3], "hw": [40, 48], "dtype": "uint8", "channels": 1}
     assert train_unet.entry_valid({**entry, "colour": True}, mask=False)
     assert not train_unet.entry_valid({**entry, "colour": "yes"}, mask=False)
+
+
+def test_a_jpeg_named_png_is_known_by_its_bytes(make_cfg, tmp_path, capsys):
+    """OpenCV decodes a file by its bytes, so a JPEG named .png was turned by its EXIF, while the data check
+    looked for the tag with the reader its name chose: no word of the turn, and a square image's mask misaligned
+    without a note. Now the format comes from the file's first bytes for both."""
+    root = tmp_path / "exif"
+    pairs = exif_set(root, (64, 96), 6, (64, 96), count=2)
+    for image, _ in pairs:
+        image.rename(image.with_suffix(".png"))
+    assert "is 64x96 as read (stored 96x64, turned by its EXIF Orientation tag 6" in \
+        data_error(make_cfg(data_dir=str(root)))
+    square = tmp_path / "square"
+    pairs = exif_set(square, (64, 64), 3, (64, 64), count=2)
+    for image, _ in pairs:
+        image.rename(image.with_suffix(".png"))
+    pairs = [(image.with_suffix(".png"), mask) for image, mask in pairs]
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(square),
+                                      "checkpoint_dir": str(tmp_path / "c")})
+    train_unet.check_pairs(pairs, cfg)
+    assert "note: 2 image(s) carry an EXIF Orientation" in capsys.readouterr().out
+    assert train_unet.format_suffix(pairs[0][0]) == ".jpg" and train_unet.format_suffix(pairs[0][1]) == ".png"
+    assert train_unet.image_header(pairs[0][0]) == (64, 64, 1)
 
 
 def test_a_tiff_with_an_orientation_tag_is_not_called_turned(tmp_path):
