@@ -394,16 +394,43 @@ def test_the_numpy_deployment_example_gives_predicts_masks_without_torch(binary,
     cv2.imwrite(str(tmp_path / "in" / "gray_60x40.png"), gray)
     cv2.imwrite(str(tmp_path / "in" / "deep_50x90.png"), cv2.resize(eight_bit, (90, 50)).astype(np.uint16) * 257)
     train_unet.predict(predict_opts(binary["onnx"], tmp_path / "in", tmp_path / "predict", backend="onnxruntime"))
-    tool = str(ROOT / "tools" / "onnx_predict.py")
-    run = ("import runpy, sys; sys.modules.update(torch=None, train_unet=None, segmentation_models_pytorch=None); "
-           f"sys.argv = ['onnx_predict.py'] + sys.argv[1:]; runpy.run_path({tool!r}, run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", run, str(binary["sidecar"]), str(tmp_path / "in"),
-                           str(tmp_path / "numpy")], capture_output=True, text=True, timeout=300)
+    done = run_tool(binary["sidecar"], tmp_path / "in", tmp_path / "numpy")
     assert done.returncode == 0, done.stderr[-2000:]
     want, got = read_masks(tmp_path / "predict"), read_masks(tmp_path / "numpy")
     assert set(got) == set(want) and len(want) == 6
     for name in want:
         assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+
+
+def run_tool(sidecar, source, output):
+    tool = str(ROOT / "tools" / "onnx_predict.py")
+    run = ("import runpy, sys; sys.modules.update(torch=None, train_unet=None, segmentation_models_pytorch=None); "
+           f"sys.argv = ['onnx_predict.py'] + sys.argv[1:]; runpy.run_path({tool!r}, run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", run, str(sidecar), str(source), str(output)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(binary, tmp_path):
+    """One unreadable file stopped the tool at it, the images after it unpredicted; a multi-page TIFF would
+    have given its first page's mask; a.jpg beside a.png wrote one a.png for both. Now unreadable files are
+    named and skipped (exit status 1), and a shared stem is refused before anything is written."""
+    import tifffile
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    image = cv2.imread(str(sorted((binary["data"] / "images").iterdir())[0]))
+    (folder / "a_broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    tifffile.imwrite(folder / "b_stack.tif", np.stack([image[..., 0]] * 4), photometric="minisblack")
+    cv2.imwrite(str(folder / "c_fine.png"), image)
+    done = run_tool(binary["sidecar"], folder, tmp_path / "out")
+    assert done.returncode == 1 and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["c_fine.png"]
+    assert "skipped" in done.stderr and "a_broken.png" in done.stderr
+    assert "b_stack.tif: a multi-page TIFF" in done.stderr
+    assert "1 mask(s) -> " in done.stdout and "2 image(s) skipped" in done.stdout
+    cv2.imwrite(str(folder / "c_fine.jpg"), image)
+    done = run_tool(binary["sidecar"], folder, tmp_path / "out2")
+    assert done.returncode != 0 and "c_fine.jpg and c_fine.png would both write c_fine.png" in done.stderr
+    assert not (tmp_path / "out2").exists()
 
 
 def test_an_earlier_export_is_moved_aside_only_once_the_new_one_passed(binary, patch, tmp_path, monkeypatch):

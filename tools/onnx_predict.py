@@ -6,7 +6,9 @@ runtime: every number comes from the sidecar. tests/test_export.py checks that i
     python tools/onnx_predict.py model.json photos/ masks/     # or a single image instead of photos/
 
 Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" says for 8-bit, wider
-integer and float images. Patch-mode models (the sliding window): use
+integer and float images, as OpenCV reads them: a file it cannot read (a multi-page TIFF stack, a TIFF
+layout it refuses) is skipped and named, the others are predicted, and the exit status is 1. For those
+files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 """
 import json
@@ -40,12 +42,21 @@ def model_input(image, meta):
     return (x[None, None] if x.ndim == 2 else x.transpose(2, 0, 1)[None]).astype(np.float32), (rh, rw)
 
 
-def predict(session, meta, path):
-    gray = meta["config"]["in_channels"] == 1
-    image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
+def read(path, gray):
+    """The image as the model takes it (HxW, or HxWx3 RGB), or a ValueError saying why it cannot be."""
+    if path.suffix.lower() in (".tif", ".tiff") and cv2.imcount(str(path)) > 1:
+        raise ValueError("a multi-page TIFF: OpenCV would read its first page only")
+    try:
+        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
+    except cv2.error as exc:
+        raise ValueError(str(exc).strip().splitlines()[-1]) from None
     if image is None:
-        raise SystemExit(f"cannot read {path}")
-    image = image if gray else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+        raise ValueError("OpenCV cannot read it (corrupt, or a layout it refuses)")
+    return image if gray else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def predict(session, meta, path):
+    image = read(path, meta["config"]["in_channels"] == 1)
     x, (rh, rw) = model_input(image, meta)
     logits = session.run(None, {meta["input"]["name"]: x})[0][0][:, :rh, :rw]          # the image's area
     h, w = image.shape[:2]
@@ -62,10 +73,25 @@ def main(sidecar, source, output):
     session = ort.InferenceSession(str(Path(sidecar).with_name(meta["onnx"])), providers=["CPUExecutionProvider"])
     source, output = Path(source), Path(output)
     paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS)
+    stems = {}
+    for path in paths:  # a.jpg and a.png would both write a.png: the second mask would replace the first
+        if path.stem in stems:
+            raise SystemExit(f"{stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
+                             f"rename one, or predict them apart")
+        stems[path.stem] = path
     output.mkdir(parents=True, exist_ok=True)
+    failed = []
     for path in paths:
-        cv2.imwrite(str(output / f"{path.stem}.png"), predict(session, meta, path))
-    print(f"{len(paths)} mask(s) -> {output}/")
+        try:
+            mask = predict(session, meta, path)
+        except ValueError as exc:
+            failed.append(path)
+            print(f"skipped {path}: {exc}", file=sys.stderr)
+            continue
+        cv2.imwrite(str(output / f"{path.stem}.png"), mask)
+    print(f"{len(paths) - len(failed)} mask(s) -> {output}/" + (f"; {len(failed)} image(s) skipped" if failed else ""))
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
