@@ -1331,8 +1331,12 @@ def explicit_keys(args):
 
 def check_known_key(key, defaults=CONFIG):
     known = shipped_keys(defaults)
-    if key not in known:
-        raise UserError(f"unknown key {key!r}: {near_key(key, known)}known keys: {', '.join(known)}")
+    if key in known:
+        return
+    if defaults is PREDICT_CONFIG and key in TRAINING_KEYS:  # in_channels, image_size, num_classes, ...
+        raise UserError(f"{key} is not a predict key: the model was trained with one, and predict takes it from "
+                        f"the checkpoint; predict's keys: {', '.join(known)}")
+    raise UserError(f"unknown key {key!r}: {near_key(key, known)}known keys: {', '.join(known)}")
 
 
 def near_key(key, known):
@@ -6833,7 +6837,10 @@ BENCHMARK_SETTINGS = {
 
 
 # Training keys every benchmark run sets itself.
-BENCHMARK_FIXED = ("checkpoint_dir", "resume", "progress", "early_stopping_patience")
+BENCHMARK_FIXED = {"checkpoint_dir": "each run writes to output=<folder>/<config>",
+                   "resume": "each run starts afresh, so the runs compare",
+                   "progress": "each run logs to <config>.log in output=, without a progress bar",
+                   "early_stopping_patience": "each run trains all its epochs, so the runs compare"}
 
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "timed_epochs", "epoch_spread", "images_per_s",
@@ -6923,7 +6930,7 @@ def parse_benchmark_args(args):
     base = parse_overrides(train_args)
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
-            raise UserError(f"{key} is set by the benchmark itself (results go to output=...): leave it out")
+            raise UserError(f"{key} is set by the benchmark itself ({BENCHMARK_FIXED[key]}): leave it out")
     if opts["probe_steps"] < 1 or opts["bare_steps"] < 0:
         raise UserError(f"probe_steps={opts['probe_steps']} must be >= 1, bare_steps={opts['bare_steps']} >= 0")
     if opts["inference_format"] not in ("png", "tif"):
@@ -7457,13 +7464,14 @@ def export(opts):
     try:
         export_onnx(model, cfg, tmp)
         check = check_export(model, onnx_session(tmp, hw), cfg)
-        moved = archive_previous_run(path.parent, (path.name, path.with_suffix(".json").name))  # after the check
+        there = [p.name for p in (path, path.with_suffix(".json")) if p.exists()]
+        moved = archive_previous_run(path.parent, there)  # after the check
         write_json(path.with_suffix(".json"), sidecar(cfg, tmp, path.name, opts["checkpoint"], check))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     if moved:
-        print(f"the earlier {path.name} and {path.with_suffix('.json').name} moved to {moved}/")
+        print(f"the earlier {' and '.join(there)} moved to {moved}/")
     print(f"wrote {path} ({size_text(path.stat().st_size)}) and {path.with_suffix('.json')}; predict with it: "
           f"python train_unet.py predict backend=onnxruntime checkpoint={path} input=...")
     return {"onnx": path, "sidecar": path.with_suffix(".json"), "check": check}

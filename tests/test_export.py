@@ -433,6 +433,17 @@ def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(bi
     assert not (tmp_path / "out2").exists()
 
 
+def test_a_lone_earlier_model_onnx_is_named_alone_when_moved(binary, tmp_path, capsys):
+    """A folder holding someone's own model.onnx and no model.json: the move named a model.json too."""
+    out = tmp_path / "deploy"
+    out.mkdir()
+    (out / "model.onnx").write_bytes(b"mine")
+    export(binary["ckpt"], out)
+    said = capsys.readouterr().out
+    assert "the earlier model.onnx moved to " in said and "model.json moved" not in said
+    assert [p.read_bytes() for p in (out / "previous").glob("*/model.onnx")] == [b"mine"]
+
+
 def test_an_earlier_export_is_moved_aside_only_once_the_new_one_passed(binary, patch, tmp_path, monkeypatch):
     """A second export into one folder moves the first model.onnx and model.json, unchanged, to
     previous/<time>/; a second export that fails its check leaves the first in place."""

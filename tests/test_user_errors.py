@@ -341,6 +341,9 @@ def test_benchmark_arguments(tmp_path):
     opts, base, _, names = train_unet.parse_benchmark_args(["--configs=fp32,bf16", "batch_size=4"])
     assert names == ["fp32", "bf16"] and base["batch_size"] == 4
     one_line_error(train_unet.parse_benchmark_args, ["checkpoint_dir=x"], match="set by the benchmark itself")
+    # each key's own reason (progress= was told "results go to output=...", which is checkpoint_dir's)
+    one_line_error(train_unet.parse_benchmark_args, ["progress=False"],
+                   match=r"progress is set by the benchmark itself \(each run logs to <config>.log in output=")
     assert train_unet.merge_args(["batch_size=4", "epochs=2"], ["batch_size=8"]) == ["batch_size=8", "epochs=2"]
 
 
@@ -623,6 +626,15 @@ def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path,
 def test_other_trainers_key_names_point_to_ours(args, defaults, hint):
     message = one_line_error(lambda: train_unet.parse_overrides(args, defaults=defaults), match="unknown key")
     assert hint in message
+
+
+@pytest.mark.parametrize("key", ["in_channels", "num_classes", "image_size"])
+def test_a_training_key_given_to_predict_says_the_checkpoint_holds_it(key):
+    """predict in_channels=1 was answered "did you mean 'channels_last'?"."""
+    message = one_line_error(lambda: train_unet.parse_overrides([f"{key}=1"], defaults=train_unet.PREDICT_CONFIG),
+                             match=f"{key} is not a predict key: the model was trained with one, and predict takes "
+                                   f"it from the checkpoint")
+    assert "did you mean" not in message
 
 
 def test_a_data_dir_that_is_a_file_says_so(tmp_path):
