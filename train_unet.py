@@ -853,15 +853,16 @@ def finish_epoch(run, row, cfg):
     with interrupts_held():  # the epoch's files all or none: last.pt alone would lose a best.pt for good
         if DIST.is_main:  # one writer; the other ranks hold the same weights
             state = run.state(cfg)
-            save_checkpoint(ckpt_dir / "last.pt", state)
-            if improved:
+            if improved:  # before last.pt: a write that fails (a full disk) leaves last.pt at the epoch before,
+                # which resume trains again; after it, last.pt would count a best.pt that was never written
                 save_checkpoint(ckpt_dir / "best.pt", best_checkpoint(state))
                 save_confusion(ckpt_dir, run.confusion, run.class_names or [])
+            save_checkpoint(ckpt_dir / "last.pt", state)
             write_history(ckpt_dir / "history.csv", run.history)
         print(epoch_summary(row, cfg, improved))
+        run.logger.log_epoch(row)  # in the hold too: TensorBoard has every epoch history.csv has
+        run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
     warn_fp16_underflow(row)
-    run.logger.log_epoch(row)
-    run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
 
 
 def refuse_nonfinite_validation(run, row, cfg):

@@ -660,6 +660,31 @@ def test_a_stop_waits_until_the_epochs_files_are_all_written(make_cfg, monkeypat
     written = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert {"last.pt", "best.pt", "history.csv"} <= written
     assert train_unet.load_checkpoint(tmp_path / "ckpt" / "best.pt")["epoch"] == 1
+    # ... and TensorBoard got the epoch too: it was logged after the hold, so the stop dropped it for good
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "ckpt" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("epoch/val_iou")] == [1]
+
+
+def test_a_best_pt_that_cannot_be_written_leaves_last_pt_at_the_epoch_before(make_cfg, monkeypatch, tmp_path):
+    """best.pt was written after last.pt: a full disk at best.pt left last.pt counting a best IoU that no
+    best.pt held, and a resume never wrote it. Now best.pt goes first: last.pt stays behind and resume
+    trains that epoch again."""
+    real = train_unet.save_checkpoint
+
+    def full_at_best(path, state):
+        if path.name == "best.pt" and state["epoch"] == 2:
+            raise train_unet.UserError(f"cannot write {path} (the write stopped short, as on a full disk)")
+        real(path, state)
+    train_unet.train(make_cfg(epochs=1))
+    monkeypatch.setattr(train_unet, "save_checkpoint", full_at_best)
+    monkeypatch.setattr(train_unet, "finish_epoch", lambda run, row, cfg, real=train_unet.finish_epoch: real(
+        run, {**row, "val_iou": 1.0} if row["epoch"] == 2 else row, cfg))  # epoch 2 is best
+    with pytest.raises(train_unet.UserError, match="full disk"):
+        train_unet.train(make_cfg(epochs=2, resume=True))
+    assert train_unet.load_checkpoint(tmp_path / "ckpt" / "last.pt")["epoch"] == 1
 
 
 def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back():
