@@ -382,6 +382,7 @@ def set_up_training(cfg, explicit):
             MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
         check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
         hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
+        remove_stale_temps(Path(cfg["checkpoint_dir"]))
     # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
     state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
     hw, prec, notes = setup_precision(cfg, state)
@@ -3889,7 +3890,17 @@ def loader_options(cfg, hw):
     non_blocking copies overlap the compute."""
     workers = worker_count(cfg, hw)
     return dict(num_workers=workers, pin_memory=hw.kind == "cuda", persistent_workers=workers > 0,
-                worker_init_fn=one_opencv_thread if workers else None)
+                worker_init_fn=start_worker if workers else None)
+
+
+def start_worker(worker_id):
+    """A DataLoader worker, forked from the training process, starts here: OpenCV on one thread, and its copy
+    of the checkpoint folder's lock closed (the lock stays the training process's). Killed (out of memory),
+    that process left workers alive for seconds, holding the lock: an immediate resume=True was refused."""
+    one_opencv_thread(worker_id)
+    for fd in HELD_FOLDERS.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)  # this process's descriptor only: the lock goes when the last one is closed
 
 
 def one_opencv_thread(worker_id):
@@ -5404,6 +5415,15 @@ def hold_checkpoint_dir(folder):
         raise UserError(f"checkpoint_dir={folder} is in use by another training run (it holds the folder's "
                         f"lock): let it finish, or choose another checkpoint_dir=...") from None
     HELD_FOLDERS[key] = fd
+
+
+def remove_stale_temps(folder):
+    """Temporary files atomic_write left in the checkpoint folder when its process was killed mid-write (a
+    half-written .last.pt.<8 characters>.tmp, as large as a checkpoint): the folder is this run's (locked)."""
+    for path in folder.glob(".*.tmp"):
+        if re.fullmatch(r"\..+\.[a-z0-9_]{8}\.tmp", path.name) and path.is_file():
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 HELD_FOLDERS = {}  # checkpoint folders this process has locked: {real path: descriptor}

@@ -367,6 +367,53 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_moves_nothing(make_cfg
         os.close(after)
 
 
+class FolderDescriptors(torch.utils.data.Dataset):
+    """In a worker: how many of the process's descriptors are open on `folder`."""
+    def __init__(self, folder):
+        self.folder = os.path.realpath(folder)
+
+    def __len__(self):
+        return 1
+
+    def __getitem__(self, i):
+        fds = Path("/proc/self/fd")
+        return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == self.folder) if fds.is_dir() else -1
+
+
+def test_loader_workers_do_not_share_the_folders_lock(tmp_path):
+    """A forked worker held a copy of the lock's descriptor: after the training process was killed (out of
+    memory), the workers still alive for seconds kept the folder locked and resume=True was refused."""
+    import fcntl
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    train_unet.hold_checkpoint_dir(folder)
+    try:
+        loader = torch.utils.data.DataLoader(FolderDescriptors(folder), num_workers=1,
+                                             worker_init_fn=train_unet.start_worker, multiprocessing_context="fork")
+        in_worker = list(loader)[0].item()
+        if in_worker == -1:
+            pytest.skip("no /proc/self/fd here")
+        assert in_worker == 0 and FolderDescriptors(folder)[0] == 1  # the training process keeps its own
+        probe = os.open(folder, os.O_RDONLY)
+        with pytest.raises(OSError):  # ... and with it the lock
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.close(probe)
+    finally:
+        os.close(train_unet.HELD_FOLDERS.pop(os.path.realpath(folder)))
+
+
+def test_half_written_temporary_checkpoints_of_a_killed_run_are_removed(make_cfg, tmp_path):
+    """A run killed mid-write left a hidden .last.pt.<random>.tmp as large as a checkpoint, for good; the next
+    run in the folder removes such files, and only those."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / ".last.pt.lu0b5c1b.tmp").write_bytes(b"half a checkpoint")
+    (folder / ".notes.tmp").write_text("mine")
+    train_unet.train(make_cfg(epochs=1))
+    assert not (folder / ".last.pt.lu0b5c1b.tmp").exists() and (folder / ".notes.tmp").read_text() == "mine"
+
+
 def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_last_one_stays(make_cfg, tmp_path, monkeypatch):
     """torch's zip writer reports a full disk as a RuntimeError ("unexpected pos"): that was a 30-line
     traceback out of finish_epoch. Now one line; the checkpoint it would have replaced is intact."""

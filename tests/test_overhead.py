@@ -292,4 +292,4 @@ def test_overhead_is_timed_over_the_runs_own_loader(tmp_path):
     batches = list(loader)
     assert len(loader) == 3 and [tuple(x.shape) for x, _ in batches] == [(2, 3, 32, 32)] * 3
     assert loader.num_workers == 1 and loader.persistent_workers
-    assert loader.worker_init_fn is train_unet.one_opencv_thread
+    assert loader.worker_init_fn is train_unet.start_worker
