@@ -295,6 +295,9 @@ def train_main(cfg, explicit=()):
         raise
     except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
         if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):
+            died = worker_death(exc, cfg)
+            if died:
+                raise died from None
             raise
         if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
             # the run is over: torch's handler would report the other loader's stopped workers as they are
@@ -341,6 +344,22 @@ def stopped_with_its_workers(exc):
     or while the run stops: an interruption, not a failure."""
     text = str(exc)
     return "DataLoader worker" in text and ("signal: Terminated" in text or "signal: Interrupt" in text)
+
+
+def worker_death(exc, cfg):
+    """A one-line UserError for a DataLoader worker that died other than by a stop (the out-of-memory
+    killer's SIGKILL; a bus error where /dev/shm is full): torch's RuntimeError came with 30 lines of
+    traceback and no word of what to do. None for any other RuntimeError."""
+    text = str(exc)
+    if "DataLoader worker" not in text:
+        return None
+    signal_name = (re.search(r"killed by signal: ([^.\n]+)", text) or [None, ""])[1].strip()
+    why = {"Killed": ", as the out-of-memory killer ends a process", "Bus error": ": shared memory (/dev/shm) full?"}
+    kept = ("last.pt is intact: resume=True continues from it" if (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
+            else "no checkpoint was written yet")
+    how = f" (signal {signal_name}{why.get(signal_name, '')})" if signal_name else ""
+    return UserError(f"a data loader worker died{how}; {kept}; to need less memory, use fewer num_workers (0 reads "
+                     f"in the training process) or a smaller batch_size")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -687,6 +687,29 @@ def test_a_best_pt_that_cannot_be_written_leaves_last_pt_at_the_epoch_before(mak
     assert train_unet.load_checkpoint(tmp_path / "ckpt" / "last.pt")["epoch"] == 1
 
 
+@pytest.mark.parametrize("text, said", [
+    ("DataLoader worker (pid 15597) is killed by signal: Killed. ", "(signal Killed, as the out-of-memory killer"),
+    ("DataLoader worker (pid(s) 15597) exited unexpectedly", "a data loader worker died; last.pt is intact"),
+])
+def test_a_killed_loader_worker_is_one_line_with_what_to_do(make_cfg, monkeypatch, text, said):
+    """The out-of-memory killer's SIGKILL to a worker gave 30 lines of traceback ending in torch's RuntimeError,
+    with no word of the intact last.pt or of what to change."""
+    real = train_unet.run_epoch
+
+    def die(run, epoch, *args):
+        if epoch == 2:
+            raise RuntimeError(text)
+        return real(run, epoch, *args)
+    monkeypatch.setattr(train_unet, "run_epoch", die)
+    with pytest.raises(UserError) as err:
+        train_unet.train_main(make_cfg(epochs=2))
+    assert said in str(err.value) and "resume=True continues from it" in str(err.value)
+    assert "use fewer num_workers" in str(err.value) and "\n" not in str(err.value)
+    monkeypatch.setattr(train_unet, "run_epoch", lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: x")))
+    with pytest.raises(RuntimeError, match="CUDA error"):  # any other RuntimeError is a bug: raised as it is
+        train_unet.train_main(make_cfg(epochs=3, resume=True))
+
+
 def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back():
     import signal
 
