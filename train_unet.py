@@ -654,7 +654,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
-                     + other_world_size(state, cfg))
+                     + other_world_size(state, cfg) + other_clipping(state, cfg))
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}"
@@ -665,6 +665,14 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         ids = [hw.device] if hw.kind == "cuda" else None
         run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
     return run
+
+
+def other_clipping(state, cfg):
+    """What the resume note adds where grad_clip_norm changed (to tame a run that diverged, say): allowed, but
+    the steps from here are not those of the run as it began."""
+    was = state["config"].get("grad_clip_norm", CONFIG["grad_clip_norm"])
+    return "" if was == cfg["grad_clip_norm"] else \
+        f"; grad_clip_norm changed from {was} to {cfg['grad_clip_norm']}: the steps from here differ from the run's"
 
 
 def other_world_size(state, cfg):
@@ -1278,7 +1286,7 @@ MODEL_KEYS = ("arch", "encoder_name", "in_channels", "num_classes")
 RESUME_KEYS = MODEL_KEYS + ("data_dir", "image_size", "val_fraction", "max_train_images", "loss", "class_weights",
                             "batch_size", "accumulation_steps", "learning_rate", "weight_decay", "warmup_fraction",
                             "seed", "data_mode", "patch_scale", "patch_foreground", "patches_per_image", "tta",
-                            "tile_overlap")
+                            "tile_overlap", "eval_amp")
 
 
 # Keys that also take the value "auto" (resolved at start-up; the resolved value is recorded).
@@ -4842,8 +4850,10 @@ class WeightEMA:
         """The banner's line: what the EMA does in this run (off: None, unless a resumed EMA is dropped)."""
         saved = state is not None and bool(state.get("ema"))
         if self.model is None:
-            return ("ema", "off (ema_decay=None): the EMA that last.pt holds is not carried on") if saved else None
-        start = "; last.pt holds no EMA: it starts from the resumed weights" if state is not None and not saved else ""
+            return ("ema", "off (ema_decay=None): the EMA that last.pt holds is not carried on; best.pt's IoU to "
+                           "beat is the EMA weights'") if saved else None
+        start = ("; last.pt holds no EMA: it starts from the resumed weights, and best.pt's IoU to beat is the raw "
+                 "weights'" if state is not None and not saved else "")
         return ("ema", f"decay {self.decay} (warm-up: min(decay, (1+n)/({EMA_WARMUP}+n)) at update n); "
                        f"validation, best.pt and predict use the EMA weights{start}")
 

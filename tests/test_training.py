@@ -439,6 +439,18 @@ def test_resume_with_another_tta_is_refused(make_cfg):
         train(make_cfg(epochs=2, resume=True, tta="flip"))
 
 
+def test_resume_with_another_eval_precision_is_refused_and_other_clipping_is_said(make_cfg, capsys):
+    """eval_amp scores the resumed epochs in another precision than best.pt's IoU to beat; grad_clip_norm
+    (turned on to tame a run, say) changes the steps: both were taken without a word."""
+    cfg = make_cfg()
+    state = {"config": dict(cfg), "data_split": None}
+    assert train_unet.changed_resume_keys(state, {**cfg, "eval_amp": True}) == ["eval_amp"]
+    assert train_unet.changed_resume_keys({"config": {k: v for k, v in cfg.items() if k != "eval_amp"}}, cfg) == []
+    train(make_cfg(epochs=1))
+    train(make_cfg(epochs=2, resume=True, grad_clip_norm=0.5))
+    assert "grad_clip_norm changed from 1.0 to 0.5: the steps from here differ" in capsys.readouterr().out
+
+
 def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
     cfg = make_cfg(image_size=32, batch_size=4)
     ckpt = Path(cfg["checkpoint_dir"])
