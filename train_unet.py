@@ -260,13 +260,18 @@ COMMAND_KEYS = {"predict": lambda: PREDICT_CONFIG, "export": lambda: EXPORT_CONF
 # train says which of the two (train_main).
 INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True continues",
                "train, no checkpoint": "no epoch had finished, so there is no checkpoint to resume: train again",
+               "train, at start": "stopped while the config was checked: nothing was written",
                "predict": "the masks written so far are complete; no partial file is left"}
 
 
 def run_command(command, args):
     """train, predict, benchmark or export: the exit code."""
     if command == "train":
-        train_main(parse_overrides(args), explicit_keys(args))
+        try:  # the config check imports the model library: seconds in which a Ctrl-C has written nothing
+            cfg = parse_overrides(args)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(INTERRUPTED["train, at start"]) from None
+        train_main(cfg, explicit_keys(args))
         return 0
     if command == "predict":
         return 1 if predict(parse_overrides(args, defaults=PREDICT_CONFIG))["failed"] else 0
@@ -5463,11 +5468,12 @@ MADE_FOLDERS = set()  # checkpoint folders a run in this process made (checkpoin
 def checkpoint_dir_held():
     """The scope of a training run: the checkpoint folder locked inside it (hold_checkpoint_dir) is let go
     at its end, so a notebook that trained can start the script on the same folder afterwards. A folder
-    the run made (MADE_FOLDERS) and left empty, refused at start-up (a data error), is removed."""
+    the run made (MADE_FOLDERS) and left empty, refused or stopped at start-up (a data error, Ctrl-C during
+    the data check), is removed."""
     before, made = set(HELD_FOLDERS), set(MADE_FOLDERS)
     try:
         yield
-    except UserError:
+    except (UserError, KeyboardInterrupt):
         for folder in MADE_FOLDERS - made:
             with contextlib.suppress(OSError):  # not empty (or gone): it stays as it is
                 folder.rmdir()

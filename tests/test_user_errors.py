@@ -1019,6 +1019,21 @@ def test_a_run_refused_at_start_up_leaves_no_empty_checkpoint_folder(make_cfg, t
     assert (tmp_path / "mine").is_dir()
 
 
+def test_a_run_stopped_at_start_up_leaves_no_empty_folder_and_says_nothing_was_written(make_cfg, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """Ctrl-C during the data check left an empty checkpoint folder; during the config check (the model
+    library's import) it said 'checkpoints written so far are intact; resume=True continues'."""
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "check_pairs", stop)
+    with pytest.raises(KeyboardInterrupt):
+        train_unet.train(make_cfg(checkpoint_dir=str(tmp_path / "new" / "ck")))
+    assert not (tmp_path / "new" / "ck").exists()
+    monkeypatch.setattr(train_unet, "parse_overrides", stop)
+    assert train_unet.main(["epochs=1"]) == 130
+    assert capsys.readouterr().err == "interrupted: stopped while the config was checked: nothing was written\n"
+
+
 def test_the_data_check_weighs_the_sets_binary_convention_once(make_data, make_cfg, monkeypatch):
     """binary_others looks at every mask: called per pair, a set of 20,000 masks took minutes."""
     root = make_data("once", count=6, size=32)
