@@ -485,7 +485,18 @@ def resume_state(cfg, ckpt_dir):
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
                         f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
+    refuse_early_stopped(state, cfg, path)
     return state
+
+
+def refuse_early_stopped(state, cfg, path):
+    """A run that stopped early, resumed with the same patience, trained one more epoch and stopped again,
+    on every resume: refused, with the key that lets it go on."""
+    patience, waited = cfg["early_stopping_patience"], state.get("epochs_since_best", 0)
+    if patience is not None and waited >= patience:
+        raise UserError(f"{path} stopped early after epoch {state['epoch']}: its val IoU had not improved for "
+                        f"{waited} epoch(s), and early_stopping_patience={patience}: raise it to go on (e.g. "
+                        f"early_stopping_patience={waited + 3}), or set it to None to train every epoch")
 
 
 def changed_resume_keys(state, cfg):

@@ -451,6 +451,21 @@ def test_resume_with_another_eval_precision_is_refused_and_other_clipping_is_sai
     assert "grad_clip_norm changed from 1.0 to 0.5: the steps from here differ" in capsys.readouterr().out
 
 
+def test_resuming_a_run_that_stopped_early_is_refused_unless_the_patience_grows(make_cfg, monkeypatch):
+    """Resumed with its patience, an early-stopped run trained one more epoch and stopped again, every time."""
+    rows = iter([0.5, 0.4, 0.3, 0.2])
+    real = train_unet.finish_epoch
+    monkeypatch.setattr(train_unet, "finish_epoch",
+                        lambda run, row, cfg: real(run, {**row, "val_iou": next(rows)}, cfg))
+    result = train(make_cfg(epochs=6, early_stopping_patience=1))
+    assert len(result["history"]) == 2
+    with pytest.raises(UserError, match=r"stopped early after epoch 2: its val IoU had not improved for 1 epoch\(s\), "
+                                        r"and early_stopping_patience=1: raise it to go on \(e.g. early_stopping"):
+        train(make_cfg(epochs=6, early_stopping_patience=1, resume=True))
+    result = train(make_cfg(epochs=6, early_stopping_patience=2, resume=True))
+    assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
+
+
 def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
     cfg = make_cfg(image_size=32, batch_size=4)
     ckpt = Path(cfg["checkpoint_dir"])
