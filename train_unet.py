@@ -253,6 +253,14 @@ def main(argv=None):
         return 130
 
 
+def exit_at_next_interrupt():
+    """Once the script's command has returned, Python joins its threads and runs its exit handlers (a cache
+    folder's removal): a Ctrl-C meanwhile (a second one, after a stop) printed a traceback from threading's
+    shutdown and ended the process by the signal. It now ends it at once with 130; a cache folder left
+    behind is removed by the next run (remove_stale_caches). Only as a script: a notebook keeps its Ctrl-C."""
+    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+
+
 # Each command's own keys, for `COMMAND --help` (the benchmark takes training keys beside its own).
 COMMAND_KEYS = {"predict": lambda: PREDICT_CONFIG, "export": lambda: EXPORT_CONFIG, "benchmark": lambda: BENCHMARK_CONFIG}
 
@@ -7784,7 +7792,9 @@ class OnnxModel:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
+        exit_at_next_interrupt()
+        sys.exit(code)
     except BrokenPipeError:  # output piped into `head` or `less` that stopped reading: no traceback for it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail too
         sys.exit(1)

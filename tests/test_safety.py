@@ -13,7 +13,9 @@ import dataclasses
 import io
 import math
 import shutil
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -513,3 +515,21 @@ def test_a_nonfinite_validation_is_never_best_and_stops_a_guarded_run(data, tmp_
         assert not first.endswith("| best"), first
     best = train_unet.load_checkpoint(ckpt_dir / "best.pt")
     assert best["epoch"] == (1 if guard else 2) and nonfinite(best["model"], buffers=True) == []
+
+
+def test_a_ctrl_c_while_the_script_exits_ends_it_at_once_with_130():
+    """After a stop, Python joins the script's threads and runs its exit handlers: a second Ctrl-C then printed
+    "Exception ignored in: <module 'threading'> ... KeyboardInterrupt" and ended the process by the signal."""
+    script = str(ROOT / "train_unet.py")
+    code = ("import os, runpy, signal, sys, threading, time\n"
+            f"sys.argv = [{script!r}, '--help']\n"
+            "try:\n"
+            f"    runpy.run_path({script!r}, run_name='__main__')\n"
+            "except SystemExit:\n"
+            "    threading.Thread(target=time.sleep, args=(60,)).start()  # joined at exit, as the script's are\n"
+            "    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()\n"
+            "    raise\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and time.monotonic() - start < 50, (done.returncode, done.stderr[-800:])
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
