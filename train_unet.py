@@ -2145,6 +2145,9 @@ def probe_times_here(cfg, hw, kind, labels, job_forwards, decides):
         unit = "training step(s)" if kind == "train" else "forward(s)"
         return None, (f"skipped: this job is {job_forwards} {unit}, the probe {cost}; the flag rule (a job of at "
                       f"least {cost} {unit} at this batch measures it, cached for later ones)")
+    unit = "training steps" if kind == "train" else "forwards"
+    print(f"probe: timing {len(labels)} modes on this CPU, {cost} {unit} (seconds to a minute; cached for later "
+          f"runs)...", flush=True)  # the banner, which says what it found, comes after it
     measured, seconds, busy = timed_beside_others(lambda: measure_cpu_modes(cfg, hw, labels, kind))
     times = {label: measured[label] for label in labels}
     record = {"torch": torch.__version__, "times": times, "rounds": CPU_PROBE_ROUNDS, "seconds": seconds,
@@ -3168,6 +3171,9 @@ def checked_facts(paths, cfg, write, share=False):
     stamps = {p: file_stamp(p) for p in mine}
     facts = {p: known_facts(known, p, stamps[p], p in masks, cfg["in_channels"]) for p in mine}
     todo = [p for p in mine if facts[p] is None]
+    if len(todo) >= DATA_CHECK_SAY_FILES and DIST.is_main:  # the first check of a large set: minutes, said
+        print(f"data check: reading {len(todo)} file(s) not checked before (once: the answers are cached)...",
+              flush=True)
 
     def check(path):
         if path in masks:
@@ -3185,6 +3191,9 @@ def checked_facts(paths, cfg, write, share=False):
     if write:
         save_check_cache(cache_paths, caches, facts)
     return facts
+
+
+DATA_CHECK_SAY_FILES = 500  # a data check that reads this many files or more says so before it starts
 
 
 # Facts checked_facts found since this process's last check_pairs, by path, stamped like the caches'

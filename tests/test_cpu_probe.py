@@ -61,7 +61,7 @@ def probe_cfg(make_cfg):
 # ---------------------------------------------------------------------------------------------------
 # The decision
 # ---------------------------------------------------------------------------------------------------
-def test_bf16_slower_than_fp32_trains_in_fp32_and_says_the_measured_ratio(probe_cfg, monkeypatch):
+def test_bf16_slower_than_fp32_trains_in_fp32_and_says_the_measured_ratio(probe_cfg, monkeypatch, capsys):
     prec, (nhwc, why), notes, calls = decide(probe_cfg, BF16_CPU, XEON, monkeypatch)
     assert prec.name == "fp32" and not prec.use_scaler
     ratio = min(XEON["fp32"], XEON["fp32_cl"]) / min(XEON["bf16"], XEON["bf16_cl"])
@@ -70,6 +70,8 @@ def test_bf16_slower_than_fp32_trains_in_fp32_and_says_the_measured_ratio(probe_
     assert calls == [(["fp32", "fp32_cl", "bf16", "bf16_cl"], "train", 8)]  # the run's own batch
     probe = dict(notes)["probe"]
     assert "fp32 + NHWC 0.360" in probe and "bf16 + NHWC 0.510" in probe and "measured in" in probe
+    # said before it runs: the banner that says what it found comes seconds to a minute later
+    assert "probe: timing 4 modes on this CPU, 16 training steps" in capsys.readouterr().out
 
 
 def test_bf16_faster_by_the_margin_stays_bf16(probe_cfg, monkeypatch):

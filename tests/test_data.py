@@ -527,6 +527,16 @@ def test_a_jpeg_named_png_is_known_by_its_bytes(make_cfg, tmp_path, capsys):
     assert train_unet.image_header(pairs[0][0]) == (64, 64, 1)
 
 
+def test_a_large_first_data_check_says_so_before_it_starts(make_cfg, monkeypatch, capsys):
+    """The first check of a large set decodes every file (minutes), before the banner: it said nothing."""
+    monkeypatch.setattr(train_unet, "DATA_CHECK_SAY_FILES", 4)
+    cfg = make_cfg()
+    train_unet.prepare_data(cfg)
+    assert "data check: reading " in capsys.readouterr().out
+    train_unet.prepare_data(cfg)  # from its cache: nothing to read, nothing said
+    assert "data check" not in capsys.readouterr().out
+
+
 def test_a_tiff_with_an_orientation_tag_is_not_called_turned(tmp_path):
     """tifffile ignores the tag: a TIFF is read as stored, so the size message must not say it was turned."""
     import tifffile
