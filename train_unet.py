@@ -636,12 +636,12 @@ def resumed_cpu_modes(cfg, hw, prec, state):
     was_auto = was.get("use_amp", True) and amp_dtype_name(was.get("amp_dtype", "auto")) == "auto"
     native = saved == "fp32" or (saved == "bf16" and hw.bf16)
     if autos_precision(cfg, hw, prec) and was_auto and saved != prec.name and native:
-        prec = Precision.of(DTYPES[saved], "auto, kept from the checkpoint (a resume goes on as its run began)")
+        prec = Precision.of(DTYPES[saved], "auto, kept from the checkpoint (a resume goes on as last.pt trained)")
     if cfg["channels_last"] != "auto":
         return prec, decide_channels_last(cfg, hw, prec)
     nhwc = was["channels_last"]
-    return prec, (nhwc, f"auto, kept from the checkpoint ({'NHWC' if nhwc else 'NCHW'}: a resume goes on as its "
-                        f"run began)")
+    return prec, (nhwc, f"auto, kept from the checkpoint ({'NHWC' if nhwc else 'NCHW'}: a resume goes on as "
+                        f"last.pt trained)")
 
 
 def ranks_agree(prec, layout, hw, notes):
@@ -681,7 +681,9 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
                      + other_world_size(state, cfg) + other_clipping(state, cfg))
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
-        notes.append(moved and f"an earlier run in {cfg['checkpoint_dir']} was moved to {moved}"
+        what = "an earlier run" if not moved or (Path(moved) / "history.csv").exists() else \
+            "what an earlier run that finished no epoch wrote (config.json, its TensorBoard log)"
+        notes.append(moved and f"{what} in {cfg['checkpoint_dir']} was moved to {moved}"
                      + archive_size_note(Path(moved).parent))
     run.eval_model = torch.compile(model) if cfg["compile_model"] else model
     run.run_model = run.eval_model

@@ -466,6 +466,22 @@ def test_resuming_a_run_that_stopped_early_is_refused_unless_the_patience_grows(
     assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
 
 
+def test_a_run_stopped_in_its_first_epoch_is_not_called_an_earlier_run(make_cfg, capsys, interrupt_at, monkeypatch):
+    """Ctrl-C in epoch 1 leaves config.json and a TensorBoard log; the next run said "an earlier run ... was
+    moved" of them. It now says what was moved."""
+    cfg = make_cfg(epochs=1)
+    real = interrupt_at(1)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(train_unet, "run_epoch", real)
+    capsys.readouterr()
+    train(cfg)
+    out = capsys.readouterr().out
+    assert "what an earlier run that finished no epoch wrote (config.json, its TensorBoard log) in " in out
+    train(cfg)
+    assert "note         an earlier run in " in capsys.readouterr().out
+
+
 def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
     cfg = make_cfg(image_size=32, batch_size=4)
     ckpt = Path(cfg["checkpoint_dir"])
