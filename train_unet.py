@@ -3923,8 +3923,9 @@ def cpu_quota(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
 def fit_cpu_threads():
     """torch's threads cut to the cores this process may use (cores_per_process), where its default counts
     more: it sees the CPU affinity, not a CPU quota, and each thread past the quota waits out the period
-    (a resnet18 step under a 1-core quota on 2 cores: 4-7x slower with 2 threads; BENCHMARKS.md "CPU
-    quota"). OMP_NUM_THREADS, set by the user or torchrun, is left as it is. A note for the banner, or None."""
+    (a resnet18 step under a 1-core quota on 2 cores: 1.24x as long with 2 threads on a quiet machine,
+    3.4x beside other jobs; BENCHMARKS.md "CPU quota"). OMP_NUM_THREADS, set by the user or torchrun, is
+    left as it is. A note for the banner, or None."""
     threads, cores = torch.get_num_threads(), cores_per_process()
     if threads <= cores or os.environ.get("OMP_NUM_THREADS"):
         return None

@@ -308,8 +308,8 @@ def torch_threads():
 
 
 def test_torch_threads_are_cut_to_a_cpu_quota(monkeypatch, torch_threads, capsys, make_cfg):
-    """torch counts the cores of the CPU affinity, not a container's quota: 4 threads under a quota of 1.5
-    cores on 2 ran 4-7x slower a step (BENCHMARKS.md "CPU quota"). The start-up cuts them to the quota,
+    """torch counts the cores of the CPU affinity, not a container's quota: 2 threads under a quota of 1 core
+    took 1.24-3.4x as long a step as 1 (BENCHMARKS.md "CPU quota"). The start-up cuts them to the quota,
     rounded up, and says so; OMP_NUM_THREADS, the user's choice, stays; no quota, no change."""
     monkeypatch.setattr(train_unet.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7}, raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
