@@ -2939,7 +2939,8 @@ def format_suffix(path):
             head = f.read(8)
     except OSError:
         head = b""
-    return next((suffix for sign, suffix in IMAGE_SIGNATURES.items() if head.startswith(sign)), Path(path).suffix.lower())
+    said = (suffix for sign, suffix in IMAGE_SIGNATURES.items() if head.startswith(sign))
+    return next(said, Path(path).suffix.lower())
 
 
 def palette_indices(path):
@@ -6607,9 +6608,10 @@ class InputNotes:
             raw = [f"{low + v * (high - low):.0f}" for v in (least, most)]
             whose = "" if self.opts["intensity_range"] is not None else \
                 f" ({self.opts['checkpoint']}'s, learnt from its training images)"
-            print(f"note: {share:.0%} of {Path(path).name}'s pixels lie outside intensity_range={low:g},{high:g}{whose} "
-                  f"(its values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training images were "
-                  f"mapped to; check the range" + ("" if not whose else ", or predict with intensity_range=low,high"))
+            print(f"note: {share:.0%} of {Path(path).name}'s pixels lie outside intensity_range={low:g},{high:g}"
+                  f"{whose} (its values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training "
+                  f"images were mapped to; check the range" + (", or predict with intensity_range=low,high" if whose
+                                                                else ""))
 
 
 # A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.
