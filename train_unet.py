@@ -5900,7 +5900,7 @@ def predict(opts):
     check_writable(out_dir)
     moved = archive_earlier_predictions(paths, out_dir)
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
-             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles per forward" if cfg["data_mode"] == "patch" else "")
+             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tile(s) per forward" if cfg["data_mode"] == "patch" else "")
     weights = f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg["ema_decay"] is not None else ""
     print(f"predict: {len(paths)} image(s) with {opts['checkpoint']}{weights} on {describe(hw)} in {prec.name}"
           + (f" ({prec.warning})" if prec.warning else "") + tiled + tta_summary(cfg["tta"]))
@@ -7020,8 +7020,9 @@ def parse_benchmark_args(args):
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
             raise UserError(f"{key} is set by the benchmark itself ({BENCHMARK_FIXED[key]}): leave it out")
-    if opts["probe_steps"] < 1 or opts["bare_steps"] < 0:
-        raise UserError(f"probe_steps={opts['probe_steps']} must be >= 1, bare_steps={opts['bare_steps']} >= 0")
+    for key, least in (("probe_steps", 1), ("bare_steps", 0)):
+        if opts[key] < least:
+            raise UserError(f"{key}={opts[key]} must be >= {least}")
     if opts["inference_format"] not in ("png", "tif"):
         raise UserError(f"inference_format={opts['inference_format']!r} is not allowed: use png or tif")
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
@@ -7029,8 +7030,16 @@ def parse_benchmark_args(args):
     if unknown or not names:
         raise UserError(f"configs={opts['configs']!r}: unknown {', '.join(unknown) or '(empty)'}; use a "
                         f"comma-separated list of {', '.join(BENCHMARK_SETTINGS)}")
+    check_once_each("configs", opts["configs"], names)  # two runs of one name would share its output folder
     check_inference_keys(opts)
     return opts, base, train_args, names
+
+
+def check_once_each(key, given, names):
+    """A list key (configs=, inference=) names each entry once."""
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(f"{key}={given!r} names {', '.join(twice)} more than once: name each once")
 
 
 def inference_modes(opts):
@@ -7044,6 +7053,7 @@ def check_inference_keys(opts):
     if unknown:
         raise UserError(f"inference={opts['inference']!r}: unknown {', '.join(unknown)}; use a comma-separated "
                         f"list of {', '.join(CPU_PROBE_MODES)}, or inference= (empty) for no inference table")
+    check_once_each("inference", opts["inference"], inference_modes(opts))
     for key in ("inference_images", "inference_size", "inference_rounds"):
         if inference_modes(opts) and opts[key] < 1:
             raise UserError(f"{key}={opts[key]} must be >= 1 (or inference= for no inference table)")
@@ -7245,8 +7255,8 @@ def benchmark_note(row, ref=None):
         notes.append("1 timed epoch: no spread to judge its noise by; use epochs=4 or more")
     elif (row.get("epoch_spread") or 1) > NOISY_SPREAD:
         notes.append(f"noisy: epoch times {row['epoch_spread']:.2f}x apart; more epochs, a quiet machine")
-    elif not row.get("compile") and row.get("first_epoch_s") and \
-            row["time_per_epoch_s"] > NOISY_SPREAD * row["first_epoch_s"]:
+    if row.get("epochs") != 1 and not row.get("compile") and row.get("first_epoch_s") and \
+            row["time_per_epoch_s"] > NOISY_SPREAD * row["first_epoch_s"]:  # one timed epoch too
         notes.append(f"noisy: timed epochs {row['time_per_epoch_s'] / row['first_epoch_s']:.1f}x slower than the "
                      f"first, warm-up and all (the machine got busy); a quiet machine")
     if ref is not None and ref is not row and row.get("speedup_vs_fp32") and benchmark_note(ref):

@@ -217,6 +217,9 @@ def test_a_row_says_when_its_time_cannot_be_trusted():
     assert one["time_per_epoch_s"] == 20.0 and "1 epoch: its time includes start-up" in table(one)
     two = train_unet.summarize_history("fp32", history([20.0, 5.8]), INFO)  # epochs=2: one timed epoch
     assert "1 timed epoch: no spread to judge its noise by; use epochs=4" in table(two)
+    assert "slower than the first" not in table(two)
+    busy_two = train_unet.summarize_history("fp32", history([6.88, 10.17]), INFO)  # a helper's: said only "1 timed"
+    assert "1 timed epoch" in table(busy_two) and "noisy: timed epochs 1.5x slower than the first" in table(busy_two)
 
 
 def test_a_row_timed_slower_than_its_first_epoch_and_the_rows_measured_against_it_say_so():

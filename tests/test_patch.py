@@ -298,7 +298,7 @@ def test_predict_can_override_the_tiling_and_refuses_impossible_values(make_cfg,
     base = {"checkpoint": str(tmp_path / "ckpt" / "last.pt"), "input": str(scenes / "images" / "scene_0.png"),
             "output": str(tmp_path / "p"), "use_amp": False, "progress": False, "device": "cpu"}
     assert train_unet.predict({**base, "tile_overlap": 0.5, "tile_batch_size": 2})["predicted"] == 1
-    assert "overlap 0.5, 2 tiles per forward" in capsys.readouterr().out
+    assert "overlap 0.5, 2 tile(s) per forward" in capsys.readouterr().out
     with pytest.raises(UserError, match=r"tile_overlap=0.95 must be in \[0, 0.9\]"):
         train_unet.predict({**base, "tile_overlap": 0.95})
 

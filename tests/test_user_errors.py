@@ -341,6 +341,10 @@ def test_benchmark_arguments(tmp_path):
     opts, base, _, names = train_unet.parse_benchmark_args(["--configs=fp32,bf16", "batch_size=4"])
     assert names == ["fp32", "bf16"] and base["batch_size"] == 4
     one_line_error(train_unet.parse_benchmark_args, ["checkpoint_dir=x"], match="set by the benchmark itself")
+    one_line_error(train_unet.parse_benchmark_args, ["configs=fp32,bf16,fp32"],
+                   match=r"configs='fp32,bf16,fp32' names fp32 more than once: name each once")
+    one_line_error(train_unet.parse_benchmark_args, ["inference=bf16,bf16"], match="names bf16 more than once")
+    one_line_error(train_unet.parse_benchmark_args, ["bare_steps=-1"], match=r"^bare_steps=-1 must be >= 0$")
     # each key's own reason (progress= was told "results go to output=...", which is checkpoint_dir's)
     one_line_error(train_unet.parse_benchmark_args, ["progress=False"],
                    match=r"progress is set by the benchmark itself \(each run logs to <config>.log in output=")
