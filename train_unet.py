@@ -2952,11 +2952,10 @@ def palette_indices(path):
         with reader(path) as image:
             if image.mode != "P":
                 return None
-            indices, palette = np.asarray(image), np.asarray(image.getpalette() or [0, 0, 0], np.uint8)
+            indices, palette = np.asarray(image), palette_entries(image)
     except (OSError, SyntaxError, ValueError):
         return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
-    palette = palette.reshape(-1, 3)
-    if indices.size and indices.max() < len(palette) and (palette == palette[:, :1]).all():
+    if indices.size and indices.max() < len(palette) and all_grey(palette):
         # An all-gray palette covering every index is a gray mask stored compactly (PNG optimisers do
         # this): its gray values are the mask, as an image viewer shows it, whatever order the entries
         # have. Indices past the palette's end (Pillow writes a one-entry palette for mode "P" unless
@@ -3252,17 +3251,23 @@ def header_says_grey(path):
     """Whether a PNG, BMP or JPEG header says grey: a grey mode, or a palette of greys. False where it says
     colour or cannot be read here."""
     reader = pillow_reader(path)
+    if reader is None:
+        return False
     try:
         with reader(path) as image:  # the header only (a PNG's palette comes before its pixels)
-            return image.mode in GREY_MODES or image.mode == "P" and not palette_in_colour(image)
-    except (TypeError, OSError, SyntaxError, ValueError):  # no reader for the format, or a header it refuses
+            return image.mode in GREY_MODES or image.mode == "P" and all_grey(palette_entries(image))
+    except (OSError, SyntaxError, ValueError):  # a header the reader refuses: decoded in colour to look
         return False
 
 
-def palette_in_colour(image):
-    """Whether a Pillow palette image's palette holds a colour (an entry whose R, G and B differ)."""
-    entries = np.asarray(image.getpalette() or [], np.int16).reshape(-1, 3)
-    return bool((entries != entries[:, :1]).any())
+def palette_entries(image):
+    """A Pillow palette image's palette as N x 3 uint8 entries (one black entry where it has none)."""
+    return np.asarray(image.getpalette() or [0, 0, 0], np.uint8).reshape(-1, 3)
+
+
+def all_grey(entries):
+    """Whether every palette entry is a grey (R = G = B)."""
+    return bool((entries == entries[:, :1]).all())
 
 
 def exif_orientation(path):
@@ -4340,7 +4345,7 @@ class TileBlend:
             return self.accumulate(tiles, weighted)
         if weighted.device.type != "cuda":  # MPS: no events to wait on; a plain copy
             return self.accumulate(tiles, weighted.cpu())
-        host = torch.empty(weighted.shape, pin_memory=True)
+        host = page_locked(weighted.shape, weighted.dtype)
         host.copy_(weighted, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(weighted.device))  # the copy's stream: cuda:1's, not the current device's
@@ -6280,7 +6285,7 @@ def on_host(masks, hw):
     queued by then, the next batch's forward included. Elsewhere the masks are already on the host."""
     if hw.kind != "cuda" or not masks or masks[0].device.type != "cuda":
         return masks, None
-    host = [torch.empty(mask.shape, dtype=mask.dtype, pin_memory=True) for mask in masks]
+    host = [page_locked(mask.shape, mask.dtype) for mask in masks]
     for to, mask in zip(host, masks):
         to.copy_(mask, non_blocking=True)
     ready = torch.cuda.Event()
