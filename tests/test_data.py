@@ -1,5 +1,6 @@
 """Data: folder layout, checks that name the bad file, mask conventions, SegDataset output."""
 import hashlib
+import zlib
 from pathlib import Path
 
 import cv2
@@ -76,6 +77,53 @@ def test_corrupt_mask(make_cfg, data_dir):
     bad.write_bytes(b"garbage" * 50)
     message = data_error(make_cfg())
     assert str(bad) in message
+
+
+def png_chunks(data):
+    """[(type, start, end)] of a PNG's chunks, end after the CRC."""
+    pos, chunks = 8, []
+    while pos < len(data):
+        end = pos + 12 + int.from_bytes(data[pos:pos + 4], "big")
+        chunks.append((data[pos + 4:pos + 8], pos, end))
+        pos = end
+    return chunks
+
+
+@pytest.mark.parametrize("sub", ["images", "masks"])
+def test_a_damaged_png_is_one_line_with_no_libpng_line_before_it(make_cfg, data_dir, capfd, sub):
+    """libpng printed 'libpng error: IDAT: CRC error' on stderr, from C, before the one-line error."""
+    bad = first(data_dir, sub)
+    data = bytearray(bad.read_bytes())
+    _, start, end = next(c for c in png_chunks(bytes(data)) if c[0] == b"IDAT")
+    data[(start + end) // 2] ^= 0x55  # one flipped byte inside the image data, as a failing disk leaves
+    bad.write_bytes(bytes(data))
+    capfd.readouterr()
+    message = data_error(make_cfg())
+    assert str(bad) in message and "IDAT chunk fails its CRC check" in message
+    assert "libpng" not in capfd.readouterr().err
+
+
+def test_a_png_cut_short_is_named_truncated_with_no_libpng_line(data_dir, capfd):
+    bad = first(data_dir, "images")
+    data = bad.read_bytes()
+    for cut in (len(data) - 12, len(data) // 2):  # only IEND lost (OpenCV refused it too), and half lost
+        bad.write_bytes(data[:cut])
+        capfd.readouterr()
+        with pytest.raises(UserError, match=r"a truncated PNG: its data stop before the IEND chunk\): fix"):
+            train_unet.read_image(bad, 3)
+        assert "libpng" not in capfd.readouterr().err
+
+
+def test_a_png_with_a_damaged_text_chunk_reads_as_before(data_dir):
+    """libpng only warns about an ancillary chunk's CRC and skips the chunk: the pixels are whole."""
+    path = first(data_dir, "images")
+    data = path.read_bytes()
+    before = train_unet.read_image(path, 3)
+    _, _, ihdr_end = png_chunks(data)[0]
+    text = b"tEXt" + b"Comment\0scanned"
+    bad_crc = (zlib.crc32(text) ^ 1).to_bytes(4, "big")
+    path.write_bytes(data[:ihdr_end] + (len(text) - 4).to_bytes(4, "big") + text + bad_crc + data[ihdr_end:])
+    np.testing.assert_array_equal(train_unet.read_image(path, 3), before)
 
 
 def test_multiclass_mask_value_out_of_range(make_cfg, make_data):

@@ -561,12 +561,14 @@ def test_an_unreadable_file_says_what_it_is(tmp_path):
     (no OpenCV warning beside it)."""
     (tmp_path / "folder.png").mkdir()
     (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "empty.jpg").write_bytes(b"")  # decoded from its bytes, as PNGs are too: imdecode asserted
     (tmp_path / "broken.png").symlink_to(tmp_path / "gone.png")
     (tmp_path / "junk.png").write_bytes(b"not an image at all" * 10)
-    for name, why in (("folder", "a folder, not an image"), ("empty", "an empty file"), ("broken", "a broken link"),
-                      ("junk", "corrupt or not an image")):
-        one_line_error(train_unet.read_image, tmp_path / f"{name}.png", 3,
-                       match=f"cannot read image {tmp_path / name}.png \\({why}\\): fix or remove it")
+    for name, why in (("folder.png", "a folder, not an image"), ("empty.png", "an empty file"),
+                      ("empty.jpg", "an empty file"), ("broken.png", "a broken link"),
+                      ("junk.png", "corrupt or not an image")):
+        one_line_error(train_unet.read_image, tmp_path / name, 3,
+                       match=f"cannot read image {tmp_path / name} \\({why}\\): fix or remove it")
     # OpenCV's own warning for a path it cannot open reaches stderr at exit: seen in a fresh process only
     code = f"import train_unet\ntry: train_unet.read_image(train_unet.Path({str(tmp_path / 'broken.png')!r}), 3)\n" \
            f"except train_unet.UserError: pass"
