@@ -59,9 +59,12 @@ REAL_MEASURE_CPU_MODES = train_unet.measure_cpu_modes
 def hermetic_cpu_probe(tmp_path_factory):
     """For the whole session, set up before any module- or class-scoped fixture trains: the CPU probe's
     timings are faked (rule_confirming_timings) and its cache is a temporary folder, in os.environ, so
-    subprocesses (torchrun, notebook kernels, the CLI) inherit it; nothing reads or writes the user's cache."""
+    subprocesses (torchrun, notebook kernels, the CLI) inherit it; nothing reads or writes the user's cache.
+    Their temporary files go under pytest's own folder too (TMPDIR): torchrun leaves a torchelastic_* folder
+    in the temporary folder after every run, and a killed process its pymp-* folder."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache_session")))
+        patch.setenv("TMPDIR", str(tmp_path_factory.mktemp("subprocess_tmp")))
         patch.setattr(train_unet, "measure_cpu_modes", rule_confirming_timings)
         yield
 
