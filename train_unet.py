@@ -7008,11 +7008,11 @@ def run_benchmark(args=()):
     add_speedups(rows)
     result = {"device": describe(hw), "machine": benchmark_machine(hw, args),
               "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
-              "batch_size", "epochs", "data_dir", "max_train_images", "seed")},
+              "batch_size", "epochs", "data_dir", "max_train_images", "seed", "eval_amp")},
               "rows": rows, "histories": histories, "bare_loop_s_per_step": bare, "bare_loop_step_spread": bare_spread}
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
-    print_benchmark_summary(rows, bare, hw, bare_spread)
+    print_benchmark_summary(rows, bare, hw, bare_spread, base["eval_amp"])
     result["inference"] = inference_table(base, hw, opts, out_dir)
     write_json(out_dir / "benchmark.json", result)
     return result
@@ -7026,10 +7026,10 @@ def benchmark_machine(hw, args):
             "cpu_bf16": hw.bf16_feature, "command": shlex.join(["python", "train_unet.py", "benchmark", *args])}
 
 
-def print_benchmark_summary(rows, bare, hw, bare_spread=None):
+def print_benchmark_summary(rows, bare, hw, bare_spread=None, eval_amp=False):
     """The table, the bare loop's speeds (noted as noisy where a mode's steps were NOISY_SPREAD apart, as
     the rows are: on a 2-core Xeon one run's bare loop read bf16_cl 1.40x fp32, its trained rows 2.37x and a
-    rerun 2.27x), and what each column means."""
+    rerun 2.27x), and what each column means (eval_amp=True validated each row at its own precision)."""
     print(format_benchmark_table(rows))
     if bare:
         label, worst = max((bare_spread or {"fp32": 1.0}).items(), key=lambda item: item[1])
@@ -7041,7 +7041,7 @@ def print_benchmark_summary(rows, bare, hw, bare_spread=None):
               f"({bare['fp32'] / bare['bf16_cl']:.2f}x){noisy}")
     print("Time/Epoch: median training pass over epochs 2..N (epoch 1, with any compile time, is "
           "first_epoch_s in the CSV); Speedup: images/s of that epoch vs fp32's; Final IoU: last epoch, "
-          "evaluated in fp32.\n"
+          f"evaluated {'at its own precision (eval_amp=True)' if eval_amp else 'in fp32'}.\n"
           f"Precision fp32 = strict fp32 (TF32 off); tf32 = fp32 with TF32 convolutions/matmuls (CUDA Ampere+); "
           f"default = the config as given (layout auto). Plain fp32 on {hw.device} runs as {fp32_math(hw)}.")
 

@@ -144,6 +144,14 @@ def test_benchmark_answers_for_bf16_on_a_cpu_without_native_bf16(tmp_path, monke
     assert "bf16 (not native)" in text and "strict fp32" in text
 
 
+@pytest.mark.parametrize("eval_amp, said", [(False, "evaluated in fp32."),
+                                             (True, "evaluated at its own precision (eval_amp=True).")])
+def test_the_table_says_at_what_precision_the_final_iou_was_validated(eval_amp, said, capsys):
+    """With eval_amp=True a bf16 row is validated in bf16: the table said 'evaluated in fp32' all the same."""
+    train_unet.print_benchmark_summary([], {}, train_unet.detect_hardware("cpu"), eval_amp=eval_amp)
+    assert f"Final IoU: last epoch, {said}\n" in capsys.readouterr().out
+
+
 def test_the_bare_loop_line_says_when_its_steps_were_noisy(monkeypatch, capsys):
     """One run's bare loop on a Xeon read bf16_cl 1.40x fp32 beside its trained rows at 2.37x, with no word
     of doubt (a rerun read 2.27x): where a mode's steps spread, the line now says so, as the rows' Note does."""
