@@ -873,7 +873,8 @@ def finish_run(run, hw, cfg):
 def end_of_run_table(run):
     """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
     best = max(run.history, key=lambda r: r["val_iou"], default=None)
-    table = best and per_class_table(best, run.class_names or [])
+    absent = {i for i, row in enumerate(run.confusion or ()) if not sum(row)}  # true classes: every epoch's
+    table = best and per_class_table(best, run.class_names or [], absent)
     return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
 
 
@@ -2383,6 +2384,9 @@ def prepare_data(cfg):
         if note and DIST.is_main:
             print(note)
     check_pairs(train + val, cfg)
+    note = nothing_to_score(val, cfg)
+    if note and DIST.is_main:
+        print(note)
     samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
         what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
@@ -2436,6 +2440,30 @@ def largest_val_fraction(count, cfg):
     most = math.floor(100 * (count - keep) / count) / 100  # two decimals that leave `keep`
     smaller = f", with batch_size={keep} or less" if keep < need else ""
     return f"use val_fraction={most:g} or less (e.g. 0.2){smaller}"
+
+
+def nothing_to_score(val, cfg):
+    """A note where no validation mask holds anything to find, so the val IoU (SegMetric) cannot rank models and
+    best.pt and early stopping follow noise: binary masks with no foreground (1.0 while the model predicts
+    nothing, 0 once it predicts anything), class masks with none above 0 (background's IoU, averaged with 0
+    for each other class predicted), or all void (1.0 whatever is predicted). From the data check's facts."""
+    values = set().union(*(CHECKED_HERE[os.path.abspath(mask)]["values"] for _, mask in val))
+    binary = cfg["num_classes"] == 1
+    if values - {0, IGNORE_INDEX} or (binary and IGNORE_INDEX in values):
+        return None
+    if binary:
+        what = ("none holds foreground: val IoU will be 1.0 while the model predicts nothing there and 0 once it "
+                "predicts anything")
+    elif 0 in values:
+        what = ("none holds a class above 0 (background): val_iou will be background's IoU, averaged with 0 for "
+                "each other class the model predicts there")
+    else:
+        what = f"all their pixels are void ({IGNORE_INDEX}): val_iou will be 1.0 whatever the model predicts"
+    thing = "foreground" if binary else "classes above 0"
+    fix = (f"move images with {thing} into val/" if (Path(cfg["data_dir"]) / "val").is_dir() else
+           "change seed or raise val_fraction")
+    return (f"note: of the {len(val)} validation mask(s), {what}, so best.pt and early stopping follow that, not "
+            f"the model's quality; {fix}")
 
 
 def pairs_beside_the_split(root):
@@ -5087,15 +5115,18 @@ def per_class_columns(result, names, prefix="val"):
     return cols
 
 
-def per_class_table(row, names):
-    """The end-of-run table: IoU and Dice per class of one history row (multi-class runs)."""
+def per_class_table(row, names, absent=()):
+    """The end-of-run table: IoU and Dice per class of one history row (multi-class runs). `absent`: the
+    classes no validation mask holds; one the model predicted all the same has IoU 0, said as such."""
     if len(names) < 2:
         return None
     width = max(len("class"), *map(len, names))
     lines = [f"  {'class':<{width}}    IoU    Dice"]
-    for name in names:
+    for i, name in enumerate(names):
         iou, dice = row[f"val_iou_{class_slug(name)}"], row[f"val_dice_{class_slug(name)}"]
         cells = "absent from the val set" if math.isnan(iou) else f"{iou:.4f}  {dice:.4f}"
+        if i in absent and not math.isnan(iou):
+            cells += "  absent from the val set but predicted: 0 in the mean"
         lines.append(f"  {name:<{width}}  {cells}")
     lines.append(f"  {'mean':<{width}}  {row['val_iou']:.4f}  {row['val_dice']:.4f}")
     return "\n".join(lines)
@@ -5929,6 +5960,7 @@ def predict(opts):
     paths = list_images(opts["input"])
     cfg = predict_intensity_range(cfg, opts)
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
+    note_validated_precision(cfg, opts, prec)
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
@@ -6017,6 +6049,14 @@ def note_checkpoint_settings(cfg, opts, tiling):
         print(f"note: {opts['checkpoint']} was validated with tta={validated} (the average of "
               f"{len(TTA(validated))} views); predict runs tta={opts['tta']}: add tta={validated} for the masks "
               f"its validation IoU describes, at {len(TTA(validated))}x the forwards")
+
+
+def note_validated_precision(cfg, opts, prec):
+    """A note where predict runs autocast but the checkpoint was validated in fp32 (eval_amp=False, the
+    default): its val IoU scored fp32's masks, and bf16/fp16 logits flip a few pixels at the edges."""
+    if opts["backend"] == "torch" and prec.amp and not cfg["eval_amp"]:
+        print(f"note: masks in {prec.name}; {opts['checkpoint']} was validated in fp32 (eval_amp=False): "
+              f"use_amp=False gives the masks its val IoU scored ({prec.name} may change a few edge pixels)")
 
 
 def masks_within_memory(model, paths, images, inputs, run):

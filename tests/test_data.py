@@ -615,3 +615,24 @@ def test_classes_that_no_mask_holds_get_a_note(tmp_path, capsys):
         out = capsys.readouterr().out
         assert ("note: class(es) 4 of num_classes=5 appear in no mask: if the masks hold classes 0-3, "
                 "num_classes=4 fits them" in out) == noted, out
+
+
+@pytest.mark.parametrize("num_classes, fill, said", [
+    (1, 0, "none holds foreground: val IoU will be 1.0 while the model predicts nothing there and 0 once"),
+    (3, 0, "none holds a class above 0 (background): val_iou will be background's IoU, averaged with 0"),
+    (3, 255, "all their pixels are void (255): val_iou will be 1.0 whatever the model predicts")])
+def test_a_validation_set_with_nothing_to_find_gets_a_note(make_cfg, make_data, capsys, num_classes, fill, said):
+    """A binary val split with no foreground scored 1.0 while the model predicted nothing and 0 after: best.pt
+    and early stopping followed that, and nothing said so."""
+    root = make_data("sparse", num_classes=num_classes)
+    cfg = make_cfg(data_dir=str(root), num_classes=num_classes)
+    _, val = train_unet.split_pairs(cfg)
+    for _, mask in val:
+        cv2.imwrite(str(mask), np.full(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED).shape, fill, np.uint8))
+    train_unet.prepare_data(cfg)
+    out = capsys.readouterr().out
+    assert f"note: of the {len(val)} validation mask(s), {said}" in out
+    assert out.rstrip().endswith("not the model's quality; change seed or raise val_fraction")
+    cv2.imwrite(str(val[0][1]), np.pad(np.full((4, 4), 1, np.uint8), ((0, 60), (0, 60))))
+    train_unet.prepare_data(cfg)
+    assert "validation mask" not in capsys.readouterr().out  # one mask with a class to find is enough

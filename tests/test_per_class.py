@@ -108,3 +108,17 @@ def test_bad_class_names_file_is_a_one_line_error(make_cfg, multi_data, text, ma
                             f"checkpoint_dir={make_cfg()['checkpoint_dir']}"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_the_table_says_when_a_class_absent_from_the_val_set_was_predicted():
+    """A class in no validation mask but predicted has IoU 0 and counts in the mean: the table printed a bare
+    0.0000 for it, while one neither held nor predicted read 'absent from the val set'."""
+    names = ["bg", "cell", "debris", "dust"]
+    row = {"epoch": 2, "val_iou": 0.4, "val_dice": 0.5, **{f"val_iou_{n}": v for n, v in
+           zip(names, (0.9, 0.0, 0.0, math.nan))}, **{f"val_dice_{n}": v for n, v in zip(names, (0.95, 0, 0, math.nan))}}
+    confusion = [[90, 5, 5, 0], [10, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]  # rows: true class; debris, dust in none
+    run = type("Run", (), {"history": [row], "class_names": names, "confusion": confusion})
+    lines = dict(line.split(None, 1) for line in train_unet.end_of_run_table(run).splitlines()[2:])
+    assert lines["cell"] == "0.0000  0.0000"  # in the masks, never found: a plain 0
+    assert lines["debris"] == "0.0000  0.0000  absent from the val set but predicted: 0 in the mean"
+    assert lines["dust"] == "absent from the val set"

@@ -509,3 +509,15 @@ def test_tile_settings_for_a_fit_checkpoint_are_named_as_ignored(binary_model, t
     result = train_unet.predict(opts(ckpt, image, tmp_path / "out", tile_overlap=0.5))
     assert result["predicted"] == 1
     assert "note: tile_overlap ignored" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("use_amp", [True, False])
+def test_predict_in_bf16_says_the_checkpoint_was_validated_in_fp32(binary_model, tmp_path, capsys, use_amp):
+    """The README said the val IoU is predict's: predict's default bf16 (where native) changed a few pixels
+    of the fp32 masks that validation scored, with no word."""
+    ckpt, data = binary_model
+    image = sorted((data / "images").glob("*.png"))[0]
+    train_unet.predict(opts(ckpt, image, tmp_path / "out", use_amp=use_amp, amp_dtype="bfloat16",
+                            force_amp_dtype=True, channels_last=False))
+    said = f"note: masks in bf16; {ckpt} was validated in fp32 (eval_amp=False): use_amp=False gives the masks"
+    assert (said in capsys.readouterr().out) == use_amp
