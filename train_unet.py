@@ -238,7 +238,8 @@ def main(argv=None):
         with sigterm_as_exit():
             return run_command(command, args)
     except UserError as exc:
-        print(f"error: {user_message(exc)}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0" or user_message(exc).startswith("[rank "):
+            print(f"error: {user_message(exc)}", file=sys.stderr)  # a key every rank read alike: rank 0 says it
         return 2
     except OSError as exc:  # a full disk under any write that has no message of its own (history, logs)
         if exc.errno not in FULL_DISK:
@@ -250,7 +251,7 @@ def main(argv=None):
     except KeyboardInterrupt as exc:
         left = exc.args[0] if exc.args else INTERRUPTED.get(command, "files written so far are complete")
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone says it (DIST is reset by now)
-            print(f"interrupted: {left}", file=sys.stderr)
+            print(f"{stop_word()}: {left}", file=sys.stderr)
         return 130
 
 
@@ -308,6 +309,9 @@ def train_main(cfg, explicit=()):
             raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None
         raise
     except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
+        if isinstance(exc, RuntimeError) and DIST.enabled and peer_failed(exc):
+            raise UserError(f"[rank {DIST.rank}] stopped: another process of this torchrun job ended (its error, "
+                            f"where it printed one, and torchrun's report say which)") from None
         if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):
             died = worker_death(exc, cfg)
             if died:
@@ -350,6 +354,14 @@ def interrupts_held():
         raise KeyboardInterrupt
     if held and callable(previous[signal.SIGCHLD]):  # a child ended meanwhile: its handler judges it now
         previous[signal.SIGCHLD](signal.SIGCHLD, None)
+
+
+def peer_failed(exc):
+    """A collective's error where another process of the job has ended (a rank that stopped on an error only
+    it checks, such as an unwritable checkpoint_dir, or one killed): gloo's "Connection closed by peer" with
+    25 lines of traceback on every surviving rank, NCCL's aborted communicator."""
+    return any(sign in str(exc) for sign in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                              "NCCL communicator was aborted"))
 
 
 def stopped_with_its_workers(exc):
@@ -418,7 +430,7 @@ def set_up_training(cfg, explicit):
         remove_stale_temps(Path(cfg["checkpoint_dir"]))
     # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
     state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
-    hw, prec, notes = setup_precision(cfg, state)
+    cfg, hw, prec, notes = setup_precision(cfg, state, explicit)
     notes.insert(0, preset_line and ("preset", preset_line))
     seed_everything(cfg["seed"])
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
@@ -572,15 +584,17 @@ def no_data_elsewhere(was, data_dir):
     return was is not None and os.path.realpath(was) != os.path.realpath(data_dir) and not has_files(data_dir)
 
 
-def setup_precision(cfg, state=None):
-    """Hardware and the precision this run trains in: a resumed run that fell back keeps its safer
-    precision (keep_safer_precision), decided here, before the layout and batch size are."""
+def setup_precision(cfg, state=None, explicit=()):
+    """(cfg, hardware, the precision this run trains in, notes): a resumed run that fell back keeps its safer
+    precision (keep_safer_precision), one whose precision was set keeps it (keep_chosen_precision, whose
+    keys cfg then records), decided here, before the layout and batch size are."""
     hw = detect_hardware(cfg["device"])
     if cfg["sync_batchnorm"] and hw.kind != "cuda":
         raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
                         "set sync_batchnorm=False")
     decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    prec = decided if state is None else keep_safer_precision(decided, state, hw)
+    prec, cfg = (decided, cfg) if state is None else keep_chosen_precision(keep_safer_precision(decided, state, hw),
+                                                                             cfg, state, hw, explicit)
     # tf32's note and prec.warning are noted once the probe has settled the precision (effective_config)
     apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
@@ -588,7 +602,7 @@ def setup_precision(cfg, state=None):
     notes = [decided.warning if kept else None, prec.reason if kept else None, fit_cpu_threads()]
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect about a minute of compiling for little or no gain")
-    return hw, prec, notes
+    return cfg, hw, prec, notes
 
 
 def run_intensity_range(cfg, state, train_pairs):
@@ -679,7 +693,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
-                     + other_world_size(state, cfg) + other_clipping(state, cfg))
+                     + other_world_size(state, cfg) + other_clipping(state, cfg) + other_modes(state, cfg, prec))
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         what = "an earlier run" if not moved or (Path(moved) / "history.csv").exists() else \
@@ -700,6 +714,21 @@ def other_clipping(state, cfg):
     was = state["config"].get("grad_clip_norm", CONFIG["grad_clip_norm"])
     return "" if was == cfg["grad_clip_norm"] else \
         f"; grad_clip_norm changed from {was} to {cfg['grad_clip_norm']}: the steps from here differ from the run's"
+
+
+def other_modes(state, cfg, prec):
+    """What the resume note adds where the precision, layout or preset is not last.pt's: allowed (a run may
+    move to a faster or a safer mode), but the steps from here differ from the run's."""
+    was, said = state["config"], []
+    if state["precision"] != prec.name:
+        said.append(f"it trained in {state['precision']}, this run in {prec.name}")
+    if isinstance(was.get("channels_last"), bool) and was["channels_last"] != cfg["channels_last"]:
+        said.append(f"it trained {'NHWC' if was['channels_last'] else 'NCHW'}, this run "
+                    f"{'NHWC' if cfg['channels_last'] else 'NCHW'} (channels_last={cfg['channels_last']})")
+    if was.get("preset") and was["preset"] != cfg.get("preset"):
+        said.append(f"it ran with preset={was['preset']}, this run with {cfg.get('preset') or 'none'}: give "
+                    f"preset={was['preset']} to keep that preset's settings")
+    return "".join(f"; {text}" for text in said)
 
 
 def other_world_size(state, cfg):
@@ -823,7 +852,7 @@ def announce_run(cfg, hw, run, sizes, extra):
         print(patch_summary(cfg, trained))
     if DIST.enabled:
         print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
-              f"batch {cfg['batch_size']} x {cfg['accumulation_steps']} x {DIST.world}")
+              f"batch {cfg['batch_size']} x {min(cfg['accumulation_steps'], n_batches)} x {DIST.world}")
     if DIST.is_main:
         write_json(Path(cfg["checkpoint_dir"]) / "config.json",
                    {"config": cfg, "precision": run.prec.name, "fp32_math": fp32_math(hw),
@@ -1166,6 +1195,18 @@ def first_line(exc, limit=160):
     return line if len(line) <= limit else line[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
 
 
+STOP_SIGNAL = []  # "SIGTERM" once sigterm_as_exit's handler has run: the stop is then not a Ctrl-C
+
+
+def stop_word():
+    """How a stop is named: a Ctrl-C interrupts; a SIGTERM is a stop from outside (a scheduler, `kill`), and
+    under torchrun most often torchrun stopping the others after one process ended (its report says which)."""
+    if not STOP_SIGNAL:
+        return "interrupted"
+    return "stopped by SIGTERM" + (" (under torchrun: another process ended, or the job was stopped)"
+                                   if "LOCAL_RANK" in os.environ else "")
+
+
 @contextlib.contextmanager
 def sigterm_as_exit():
     """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends the run like
@@ -1176,7 +1217,9 @@ def sigterm_as_exit():
         return
 
     def stop(signum, frame):
+        STOP_SIGNAL.append("SIGTERM")
         raise KeyboardInterrupt
+    STOP_SIGNAL.clear()  # a notebook's earlier command's stop is not this one's
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
@@ -2387,15 +2430,25 @@ def prepare_data(cfg):
     note = nothing_to_score(val, cfg)
     if note and DIST.is_main:
         print(note)
+    check_enough_samples(train, cfg)
+    return train, val
+
+
+def check_enough_samples(train, cfg):
+    """A batch_size each process can fill from its share of the training set, else the fix: fewer
+    processes, where a resume keeps its batch_size."""
     samples = training_samples(train, cfg)
     if samples // DIST.world < cfg["batch_size"]:
         what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
             f"{samples} patch(es) per epoch from {len(train)} image(s)"
         per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
         more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
-        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: "
-                        f"lower batch_size or {more}")
-    return train, val
+        fix = f"lower batch_size or {more}"
+        if cfg["resume"]:  # a resume keeps its batch_size (changed_resume_keys)
+            fewer = samples // cfg["batch_size"]
+            fix = (f"resume on at most {fewer} process(es)" if DIST.enabled and fewer else more) + \
+                " (batch_size is the run's)"
+        raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: {fix}")
 
 
 def split_pairs(cfg):
@@ -5450,6 +5503,27 @@ def keep_safer_precision(prec, state, hw):
     return Precision.of(DTYPES[safer], f"kept from the checkpoint: {why}")
 
 
+def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
+    """On resume with the precision left at auto (CONFIG's use_amp=True, amp_dtype="auto", neither given), a
+    run whose precision was set (use_amp=False, preset=stable, amp_dtype=float16) goes on in it where it is
+    native here: resumed without repeating preset=stable, an fp32 run went on in bf16, unsaid. Returns
+    (precision, cfg with the checkpoint's use_amp and amp_dtype: config.json and the next resume see them).
+    A precision given on resume is used as given (other_modes notes the change)."""
+    was, saved = state["config"], state["precision"]
+    chosen = not was.get("use_amp", True) or amp_dtype_name(was.get("amp_dtype", "auto")) != "auto"
+    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}[saved]
+    auto = cfg["use_amp"] and cfg["amp_dtype"] == "auto" and not {"use_amp", "amp_dtype"} & set(explicit)
+    if not (auto and chosen and native):
+        return prec, cfg
+    cfg = {**cfg, "use_amp": was.get("use_amp", True), "amp_dtype": was.get("amp_dtype", "auto")}
+    if saved == prec.name:
+        return prec, cfg
+    setting = "use_amp=False" if not was.get("use_amp", True) else f"amp_dtype={was['amp_dtype']}"
+    preset = f", from preset={was['preset']}" if was.get("preset") else ""
+    return Precision.of(DTYPES[saved], f"kept from the checkpoint: last.pt trained in {saved} as set ({setting}"
+                                       f"{preset}); give use_amp=True, or an amp_dtype, to change it"), cfg
+
+
 def banner_line(text):
     rule = "!" * 78
     print(f"{rule}\n{text}\n{rule}", flush=True)
@@ -6893,7 +6967,9 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         use, info = state["config"]["batch_size"], "kept the resumed run's batch size"
     elif hw.kind != "cuda":
         use = min(AUTO_BATCH_FALLBACK, cap)
-        info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}"
+        capped = f" (the {cap} training image(s) {'per process' if DIST.enabled else 'there are'})" if use < \
+            AUTO_BATCH_FALLBACK else ""
+        info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}{capped}"
     else:
         start = time.perf_counter()
         # The trials run in the run's layout: on CUDA it does not depend on the batch size.

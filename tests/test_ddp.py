@@ -96,6 +96,17 @@ def test_ddp_user_error_stops_the_group_with_its_message(tmp_path):
     assert not any("Traceback" in line for line in lines[:first])
 
 
+def test_an_error_only_rank_0_checks_leaves_no_traceback_on_the_others(tmp_path):
+    """checkpoint_dir is checked on rank 0 alone: rank 1, waiting at the next collective, printed gloo's
+    'Connection closed by peer' in 25 lines of traceback after rank 0's one-line error."""
+    (tmp_path / "a_file").write_text("x")
+    out = torchrun(f"data_dir={tmp_path / 'data'}", "device=cpu", f"checkpoint_dir={tmp_path / 'a_file' / 'c'}",
+                   "cpu_probe=False", timeout=120)
+    assert out.returncode != 0
+    assert re.search(r"^error: \[rank 0\] checkpoint_dir .* is not writable", out.stderr, re.M), out.stderr
+    assert "Connection closed by peer" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr
+
+
 def test_sync_batchnorm_on_cpu_is_a_clear_error(make_cfg):
     with pytest.raises(train_unet.UserError, match="sync_batchnorm=True needs CUDA"):
         train_unet.train(make_cfg(sync_batchnorm=True))
@@ -124,3 +135,45 @@ def test_processes_on_gpus_of_different_generations_train_alike(monkeypatch):
     monkeypatch.setattr(train_unet, "gather_setup", lambda obj: same)
     bf16 = train_unet.Precision.of(torch.bfloat16, "auto")
     assert train_unet.ranks_agree(bf16, (True, "rule"), volta, notes) == (bf16, (True, "rule"))
+
+
+@pytest.mark.parametrize("resume, world, fix", [
+    (False, 2, "lower batch_size or add images"),
+    (True, 2, "resume on at most 1 process(es) (batch_size is the run's)"),  # lowering batch_size was refused
+    (True, 1, "add images (batch_size is the run's)"),
+])
+def test_too_few_images_per_process_gives_a_fix_a_resume_accepts(make_cfg, monkeypatch, resume, world, fix):
+    """Resumed on 2 processes, 14 images (7 each) for batch_size=8 said 'lower batch_size', which the resume
+    then refused: a dead end."""
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=world))
+    pairs = [(f"{i}.png", f"{i}.png") for i in range(14 if world == 2 else 7)]
+    with pytest.raises(train_unet.UserError) as info:
+        train_unet.check_enough_samples(pairs, make_cfg(batch_size=8, resume=resume))
+    assert str(info.value).endswith(f"fewer than batch_size=8: {fix}")
+
+
+def test_the_effective_batch_counts_the_accumulation_an_epoch_can_fill(make_cfg, monkeypatch, capsys):
+    """batch_size=7, accumulation_steps=3, one batch an epoch, 2 processes: the banner said 7 x 3 x 2 while
+    every optimizer step covered 7 x 1 x 2 images."""
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=1, world=2))  # not rank 0: writes no config.json
+    cfg = make_cfg(batch_size=7, accumulation_steps=3)
+    train_unet.announce_run(cfg, train_unet.detect_hardware("cpu"), None, (14, 6, 1, 1), {})
+    assert "effective batch 7 x 1 x 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
+def test_a_config_error_under_torchrun_is_printed_once(monkeypatch, capsys, rank, shown):
+    """Every rank reads the same keys: an unknown key was printed by each, with no rank to tell them apart."""
+    monkeypatch.setenv("RANK", rank)
+    assert train_unet.main(["batchsize=2", "device=cpu"]) == 2
+    assert ("error: unknown key 'batchsize'" in capsys.readouterr().err) is shown
+
+
+def test_a_stop_by_sigterm_is_not_called_an_interruption(monkeypatch):
+    monkeypatch.setattr(train_unet, "STOP_SIGNAL", [])
+    assert train_unet.stop_word() == "interrupted"
+    monkeypatch.setattr(train_unet, "STOP_SIGNAL", ["SIGTERM"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert train_unet.stop_word() == "stopped by SIGTERM"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert train_unet.stop_word().endswith("(under torchrun: another process ended, or the job was stopped)")

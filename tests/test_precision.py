@@ -232,7 +232,7 @@ def test_banner_on_fake_gpu(fake_gpu):
 
 def test_setup_precision_reports_the_fallback(make_cfg, monkeypatch):
     cfg = make_cfg(use_amp=True, amp_dtype="float16")
-    hw, prec, notes = train_unet.setup_precision(cfg)
+    _, hw, prec, notes = train_unet.setup_precision(cfg)
     assert hw.kind == "cpu"
     assert prec.dtype != torch.float16
     _, prec, _, _ = train_unet.effective_config(cfg, hw, prec, None, 10, notes)  # noted once the probe settled it

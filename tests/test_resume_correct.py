@@ -283,8 +283,8 @@ def test_a_resume_on_another_number_of_processes_says_what_changes(monkeypatch):
 
 
 def test_a_resume_keeps_only_a_precision_its_run_chose_by_auto(make_cfg):
-    """A run that began in fp32 because use_amp=False, resumed with use_amp=True: the user asked for AMP,
-    so auto decides again; a run that began with auto keeps its precision."""
+    """The probe's rule: a run that began with auto keeps its precision; one that began in fp32 because
+    use_amp=False is not auto's (keep_chosen_precision keeps it unless use_amp or amp_dtype is given)."""
     hw = train_unet.Hardware("cpu", "cpu", "Fake EPYC", None, bf16=True, fp16=False, bf16_feature="AVX512-BF16")
     cfg = make_cfg(use_amp=True, amp_dtype="auto", channels_last="auto", cpu_probe=True)
     prec = train_unet.decide_precision(hw, True, "auto")
@@ -293,3 +293,57 @@ def test_a_resume_keeps_only_a_precision_its_run_chose_by_auto(make_cfg):
     assert kept.name == "fp32" and layout[0] is True
     state["config"]["use_amp"] = False
     assert train_unet.resumed_cpu_modes(cfg, hw, prec, state)[0].name == "bf16"
+
+
+AMX_CPU = train_unet.Hardware("cpu", "cpu", "Fake Xeon", None, bf16=True, fp16=False, bf16_feature="AMX")
+
+
+@pytest.mark.parametrize("was, explicit, expected", [
+    ({"use_amp": False, "preset": "stable"}, (), "fp32"),  # preset=stable left out on resume: fp32 kept
+    ({"use_amp": False}, ("use_amp",), "bf16"),  # use_amp=True given: auto decides again
+    ({"use_amp": True, "amp_dtype": "auto"}, (), "bf16"),  # an auto run: auto again (the probe keeps its own)
+])
+def test_a_resumed_run_keeps_the_precision_it_was_given(make_cfg, monkeypatch, was, explicit, expected):
+    """A preset=stable (fp32) run resumed without repeating the preset went on in bf16, and config.json then
+    recorded use_amp=True: nothing said the precision had changed."""
+    monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": AMX_CPU)
+    cfg = make_cfg(use_amp=True, amp_dtype="auto")
+    state = {"precision": "fp32", "config": {**cfg, **was}}
+    out, _, prec, notes = train_unet.setup_precision(cfg, state, explicit)
+    assert prec.name == expected
+    kept = expected == "fp32"
+    assert out["use_amp"] is not kept
+    assert any("kept from the checkpoint: last.pt trained in fp32 as set (use_amp=False, from preset=stable); "
+               "give use_amp=True, or an amp_dtype, to change it" in str(n) for n in notes) is kept
+
+
+def test_a_set_precision_not_native_here_is_not_kept(make_cfg, monkeypatch):
+    """amp_dtype=bfloat16 trained on a bf16 machine, resumed on one without: auto's choice, not emulated bf16."""
+    no_bf16 = train_unet.Hardware("cpu", "cpu", "Fake Zen 3", None, bf16=False, fp16=False, bf16_feature="no")
+    monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": no_bf16)
+    cfg = make_cfg(use_amp=True, amp_dtype="auto")
+    _, _, prec, _ = train_unet.setup_precision(cfg, {"precision": "bf16", "config": {**cfg, "amp_dtype": "bfloat16"}})
+    assert prec.name == "fp32"
+
+
+def test_the_resume_note_says_what_mode_changed():
+    was = {"channels_last": False, "preset": "stable"}
+    prec = train_unet.Precision.of(torch.bfloat16, "bfloat16 as requested")
+    said = train_unet.other_modes({"precision": "fp32", "config": was}, {"channels_last": True, "preset": None}, prec)
+    assert said == ("; it trained in fp32, this run in bf16; it trained NCHW, this run NHWC (channels_last=True); "
+                    "it ran with preset=stable, this run with none: give preset=stable to keep that preset's settings")
+    assert train_unet.other_modes({"precision": "bf16", "config": {**was, "preset": None}},
+                                  {"channels_last": False, "preset": None}, prec) == ""
+
+
+def test_a_stable_run_resumed_without_its_preset_goes_on_in_fp32(make_cfg, capsys):
+    """End to end, on whatever this CPU is: every epoch in fp32, config.json saying use_amp=False."""
+    cfg = make_cfg(epochs=1, preset="stable")
+    train_unet.train(cfg)
+    capsys.readouterr()
+    resumed = train_unet.train({**cfg, "preset": None, "use_amp": True, "amp_dtype": "auto", "epochs": 2,
+                                "resume": True})
+    assert resumed["precision"] == "fp32" and [row["precision"] for row in resumed["history"]] == ["fp32", "fp32"]
+    saved = json.loads((Path(cfg["checkpoint_dir"]) / "config.json").read_text())["config"]
+    assert saved["use_amp"] is False
+    assert "it ran with preset=stable, this run with none: give preset=stable" in capsys.readouterr().out
