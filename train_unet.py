@@ -491,7 +491,8 @@ def resume_state(cfg, ckpt_dir):
     if not path.is_file():
         raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
                         f"start without resume, or set checkpoint_dir to the run you want to continue")
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, fix=f"restore it from a copy to resume, or train without resume=True (a new run "
+                                      f"moves it to {ckpt_dir / 'previous'}/)")
     changed = changed_resume_keys(state, cfg)
     if changed:
         was = state["config"].get("preset")
@@ -5706,7 +5707,7 @@ def write_fix(exc, key=None):
     return f"free disk space there or {other}"
 
 
-def load_checkpoint(path, map_location="cpu"):
+def load_checkpoint(path, map_location="cpu", fix="give a best.pt or last.pt as training wrote it"):
     path = Path(path)
     if path.is_dir():
         found = [p.name for p in (path / "best.pt", path / "last.pt") if p.is_file()]
@@ -5722,9 +5723,9 @@ def load_checkpoint(path, map_location="cpu"):
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))  # whole, but of objects we never load
         what = (f"holds a pickled {found[1]} (a whole object saved with torch.save?), not a checkpoint of this "
                 f"trainer" if found else "is not a readable checkpoint of this trainer, or was cut short in a copy")
-        raise UserError(f"{path} {what}: give a best.pt or last.pt as training wrote it") from None
+        raise UserError(f"{path} {what}: {fix}") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):
-        raise UserError(f"{path} is not a checkpoint of this trainer (no 'model'/'config' inside)")
+        raise UserError(f"{path} is not a checkpoint of this trainer (no 'model'/'config' inside): {fix}")
     return state
 
 

@@ -171,6 +171,21 @@ def test_resume_refuses_changed_optimisation_settings_and_finished_runs(trained)
                    match="trained with batch_size=2, seed=42; this run has batch_size=4, seed=7: resume with the same")
 
 
+@pytest.mark.parametrize("damage", ["truncated", "empty"])
+def test_a_damaged_last_pt_on_resume_says_how_to_go_on(trained, tmp_path, damage):
+    """A last.pt cut short said 'give a best.pt or last.pt as training wrote it': resume takes no file, and a
+    best.pt cannot be resumed."""
+    cfg, _ = trained
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(cfg["checkpoint_dir"], ckpt)
+    data = (ckpt / "last.pt").read_bytes()
+    (ckpt / "last.pt").write_bytes(data[:len(data) // 2] if damage == "truncated" else b"")
+    one_line_error(train_unet.train, {**cfg, "checkpoint_dir": str(ckpt), "resume": True, "epochs": 2},
+                   match=f"last.pt is not a readable checkpoint of this trainer, or was cut short in a copy: restore "
+                         f"it from a copy to resume, or train without resume=True \\(a new run moves it to "
+                         f"{re.escape(str(ckpt / 'previous'))}/\\)")
+
+
 def test_a_resume_without_the_runs_preset_names_the_preset(make_data, make_cfg):
     cfg = make_cfg(data_dir=str(make_data(count=8, size=32)), image_size=32, preset="debug", epochs=1)
     train_unet.train(cfg)
