@@ -238,8 +238,8 @@ def main(argv=None):
         with sigterm_as_exit():
             return run_command(command, args)
     except UserError as exc:
-        if os.environ.get("RANK", "0") == "0" or user_message(exc).startswith("[rank "):
-            print(f"error: {user_message(exc)}", file=sys.stderr)  # a key every rank read alike: rank 0 says it
+        if not same_error_on_every_rank(exc):
+            print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a full disk under any write that has no message of its own (history, logs)
         if exc.errno not in FULL_DISK:
@@ -272,6 +272,14 @@ INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True cont
                "train, no checkpoint": "no epoch had finished, so there is no checkpoint to resume: train again",
                "train, at start": "stopped while the config was checked: nothing was written",
                "predict": "the masks written so far are complete; no partial file is left"}
+
+
+def same_error_on_every_rank(exc):
+    """Under torchrun (WORLD_SIZE > 1), whether this is a rank other than 0 and the error came before the
+    processes joined (a key every rank read alike): rank 0 alone says it. Errors from a rank's own run carry
+    its [rank N]."""
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return torchrun and os.environ.get("RANK", "0") != "0" and not user_message(exc).startswith("[rank ")
 
 
 def run_command(command, args):
@@ -315,7 +323,7 @@ def train_main(cfg, explicit=()):
         if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):
             died = worker_death(exc, cfg)
             if died:
-                raise died from None
+                raise (UserError(f"[rank {DIST.rank}] {died}") if DIST.enabled else died) from None
             raise
         if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
             # the run is over: torch's handler would report the other loader's stopped workers as they are
@@ -2445,10 +2453,10 @@ def check_enough_samples(train, cfg):
         per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
         more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
         fix = f"lower batch_size or {more}"
-        if cfg["resume"]:  # a resume keeps its batch_size (changed_resume_keys)
+        if cfg["resume"]:  # a resume keeps batch_size and patches_per_image (changed_resume_keys)
             fewer = samples // cfg["batch_size"]
-            fix = (f"resume on at most {fewer} process(es)" if DIST.enabled and fewer else more) + \
-                " (batch_size is the run's)"
+            fix = (f"resume on at most {fewer} process(es) (batch_size is the run's)" if DIST.enabled and fewer else
+                   "the run trained on more: were files removed from data_dir? put them back, or start a new run")
         raise UserError(f"the training set has {what}{per}, fewer than batch_size={cfg['batch_size']}: {fix}")
 
 
@@ -2780,6 +2788,8 @@ def opencv_decode(path, flags, kind):
     damage = png_damage(data) if data[:8] == PNG_SIGNATURE else None
     if damage:
         raise UserError(f"cannot read {kind} {path} ({damage}): fix or remove it")
+    if data[:8] == PNG_SIGNATURE and utf8_name(name):
+        return cv2.imread(name, flags)  # checked: decoded as before (imdecode reads a grey APNG 1 level apart)
     return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
 
 
@@ -2787,21 +2797,24 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def png_damage(data):
-    """Why a PNG's bytes are damaged as libpng would refuse them, or None: a critical chunk (IHDR, PLTE,
-    IDAT) whose CRC does not match (a bit flipped on disk or in a copy), or data that stop before the IEND
-    chunk (a partial copy or download). An ancillary chunk's (text, EXIF) is not checked: libpng only
-    warns and skips it. About 2 % of the decode's time: zlib's crc32 runs at GB/s."""
-    view, pos = memoryview(data), len(PNG_SIGNATURE)
+    """Why a PNG's bytes are damaged as libpng would refuse them, or None: a chunk libpng needs (IHDR, IDAT,
+    and PLTE in a palette image) whose CRC does not match (a bit flipped on disk or in a copy), or data that
+    stop before the IEND chunk (a partial copy or download). Other chunks' CRCs are not checked: libpng
+    only warns (text, EXIF, IEND's own, a truecolour image's suggested PLTE). A few % of the decode's time:
+    zlib's crc32 runs at GB/s."""
+    view, pos, palette = memoryview(data), len(PNG_SIGNATURE), False
     while pos + 12 <= len(data):
         end = pos + 8 + int.from_bytes(view[pos:pos + 4], "big")
         if end + 4 > len(data):
             break
         kind = bytes(view[pos + 4:pos + 8])
-        critical = not kind[0] & 0x20  # the case of a chunk type's first letter: upper for critical
-        if critical and zlib.crc32(view[pos + 4:end]) != int.from_bytes(view[end:end + 4], "big"):
-            return f"a damaged PNG: its {kind.decode('latin-1')} chunk fails its CRC check"
         if kind == b"IEND":
             return None
+        if kind == b"IHDR" and end - pos > 17:
+            palette = view[pos + 17] == 3  # colour type 3: indexed
+        needed = kind in (b"IHDR", b"IDAT") or (kind == b"PLTE" and palette)
+        if needed and zlib.crc32(view[pos + 4:end]) != int.from_bytes(view[end:end + 4], "big"):
+            return f"a damaged PNG: its {kind.decode('latin-1')} chunk fails its CRC check"
         pos = end + 4
     return "a truncated PNG: its data stop before the IEND chunk"
 
@@ -5513,7 +5526,8 @@ def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
     was, saved = state["config"], state["precision"]
     chosen = not was.get("use_amp", True) or amp_dtype_name(was.get("amp_dtype", "auto")) != "auto"
     native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}[saved]
-    auto = cfg["use_amp"] and cfg["amp_dtype"] == "auto" and not {"use_amp", "amp_dtype"} & set(explicit)
+    given = set(explicit) | set(PRESETS.get(cfg.get("preset")) or ())  # a preset given now sets them too
+    auto = cfg["use_amp"] and cfg["amp_dtype"] == "auto" and not {"use_amp", "amp_dtype"} & given
     if not (auto and chosen and native):
         return prec, cfg
     cfg = {**cfg, "use_amp": was.get("use_amp", True), "amp_dtype": was.get("amp_dtype", "auto")}
@@ -5521,8 +5535,9 @@ def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
         return prec, cfg
     setting = "use_amp=False" if not was.get("use_amp", True) else f"amp_dtype={was['amp_dtype']}"
     preset = f", from preset={was['preset']}" if was.get("preset") else ""
+    other = "amp_dtype=bfloat16 or float16" if saved == "fp32" else "use_amp=False or another amp_dtype"
     return Precision.of(DTYPES[saved], f"kept from the checkpoint: last.pt trained in {saved} as set ({setting}"
-                                       f"{preset}); give use_amp=True, or an amp_dtype, to change it"), cfg
+                                       f"{preset}); set {other} to change it"), cfg
 
 
 def banner_line(text):
@@ -6039,7 +6054,6 @@ def predict(opts):
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
-    check_writable(out_dir)
     moved = archive_earlier_predictions(paths, out_dir)
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tile(s) per forward" if cfg["data_mode"] == "patch" else "")
@@ -6129,8 +6143,9 @@ def note_checkpoint_settings(cfg, opts, tiling):
 def note_validated_precision(cfg, opts, prec):
     """A note where predict runs autocast but the checkpoint was validated in fp32 (eval_amp=False, the
     default): its val IoU scored fp32's masks, and bf16/fp16 logits flip a few pixels at the edges."""
-    if opts["backend"] == "torch" and prec.amp and not cfg["eval_amp"]:
-        print(f"note: masks in {prec.name}; {opts['checkpoint']} was validated in fp32 (eval_amp=False): "
+    if opts["backend"] == "torch" and prec.amp and not (cfg["eval_amp"] and cfg["use_amp"]):
+        why = "eval_amp=False" if cfg["use_amp"] else "use_amp=False"
+        print(f"note: masks in {prec.name}; {opts['checkpoint']} was validated in fp32 ({why}): "
               f"use_amp=False gives the masks its val IoU scored ({prec.name} may change a few edge pixels)")
 
 
@@ -6793,7 +6808,9 @@ def archive_earlier_predictions(paths, out_dir):
     (archive_previous_run), so no result is lost, and a mask never stands beside an older run's overlay
     of the same image. Masks of other images stay. A file of such a name that predict did not write is
     refused before anything moves: output=data/masks would otherwise move the ground truth aside and put
-    predictions in its place, which the next training run learns from. Returns the folder, or None."""
+    predictions in its place, which the next training run learns from. Returns the folder, or None. The
+    folder is checked writable first."""
+    check_writable(out_dir)
     names = [name for p in paths for name in prediction_names(p)]
     there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]
     foreign = [name for name in there if not ((out_dir / name).is_file() and written_by_predict(out_dir / name))]
@@ -6968,7 +6985,8 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         use, info = state["config"]["batch_size"], "kept the resumed run's batch size"
     elif hw.kind != "cuda":
         use = min(AUTO_BATCH_FALLBACK, cap)
-        capped = f" (the {cap} training image(s) {'per process' if DIST.enabled else 'there are'})" if use < \
+        unit = "patches" if cfg["data_mode"] == "patch" else "images"
+        capped = f" (the {cap} training {unit} {'per process' if DIST.enabled else 'there are'})" if use < \
             AUTO_BATCH_FALLBACK else ""
         info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}{capped}"
     else:

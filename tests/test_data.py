@@ -126,6 +126,36 @@ def test_a_png_with_a_damaged_text_chunk_reads_as_before(data_dir):
     np.testing.assert_array_equal(train_unet.read_image(path, 3), before)
 
 
+def with_chunk_crc_flipped(data, kind):
+    chunk = next(c for c in png_chunks(data) if c[0] == kind)
+    return data[:chunk[2] - 1] + bytes([data[chunk[2] - 1] ^ 1]) + data[chunk[2]:]
+
+
+def with_chunk_after_ihdr(data, kind, body):
+    _, _, ihdr_end = png_chunks(data)[0]
+    return data[:ihdr_end] + len(body).to_bytes(4, "big") + kind + body + \
+        zlib.crc32(kind + body).to_bytes(4, "big") + data[ihdr_end:]
+
+
+def test_chunks_libpng_only_warns_about_read_as_before(tmp_path):
+    """IEND's own CRC, and a truecolour image's suggested palette: libpng warns and reads the pixels, so
+    OpenCV read them before; png_damage refused them at first. A palette image's PLTE is needed."""
+    from PIL import Image
+
+    image = np.random.default_rng(0).integers(0, 255, (16, 20, 3), np.uint8)
+    path = tmp_path / "a.png"
+    cv2.imwrite(str(path), image)
+    data = path.read_bytes()
+    for damaged in (with_chunk_crc_flipped(data, b"IEND"),
+                    with_chunk_crc_flipped(with_chunk_after_ihdr(data, b"PLTE", bytes(range(48))), b"PLTE")):
+        path.write_bytes(damaged)
+        np.testing.assert_array_equal(train_unet.read_image(path, 3), image[..., ::-1])  # written BGR, read RGB
+    Image.fromarray(np.arange(16 * 20, dtype=np.uint8).reshape(16, 20) % 7).convert("P").save(path)
+    path.write_bytes(with_chunk_crc_flipped(path.read_bytes(), b"PLTE"))
+    with pytest.raises(UserError, match=r"a damaged PNG: its PLTE chunk fails its CRC check"):
+        train_unet.read_image(path, 3)
+
+
 def test_multiclass_mask_value_out_of_range(make_cfg, make_data):
     root = make_data("multi", num_classes=3)
     bad = first(root, "masks")

@@ -140,7 +140,7 @@ def test_processes_on_gpus_of_different_generations_train_alike(monkeypatch):
 @pytest.mark.parametrize("resume, world, fix", [
     (False, 2, "lower batch_size or add images"),
     (True, 2, "resume on at most 1 process(es) (batch_size is the run's)"),  # lowering batch_size was refused
-    (True, 1, "add images (batch_size is the run's)"),
+    (True, 1, "the run trained on more: were files removed from data_dir? put them back, or start a new run"),
 ])
 def test_too_few_images_per_process_gives_a_fix_a_resume_accepts(make_cfg, monkeypatch, resume, world, fix):
     """Resumed on 2 processes, 14 images (7 each) for batch_size=8 said 'lower batch_size', which the resume
@@ -161,12 +161,36 @@ def test_the_effective_batch_counts_the_accumulation_an_epoch_can_fill(make_cfg,
     assert "effective batch 7 x 1 x 2" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("rank, shown", [("0", True), ("1", False)])
-def test_a_config_error_under_torchrun_is_printed_once(monkeypatch, capsys, rank, shown):
-    """Every rank reads the same keys: an unknown key was printed by each, with no rank to tell them apart."""
+@pytest.mark.parametrize("rank, world, shown", [("0", "2", True), ("1", "2", False), ("1", None, True)])
+def test_a_config_error_under_torchrun_is_printed_once(monkeypatch, capsys, rank, world, shown):
+    """Every rank reads the same keys: an unknown key was printed by each, with no rank to tell them apart.
+    Outside torchrun (no WORLD_SIZE: a pod that sets RANK for its own reasons) every error is printed."""
     monkeypatch.setenv("RANK", rank)
+    if world is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world)
     assert train_unet.main(["batchsize=2", "device=cpu"]) == 2
     assert ("error: unknown key 'batchsize'" in capsys.readouterr().err) is shown
+
+
+@pytest.mark.parametrize("text, said", [
+    ("DataLoader worker (pid 4242) is killed by signal: Killed. ", "[rank 1] a data loader worker"),
+    ("[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:15790",
+     "[rank 1] stopped: another process of this torchrun job ended"),
+])
+def test_a_ranks_own_failure_is_printed_with_its_rank(make_cfg, monkeypatch, capsys, text, said):
+    """A worker's death on rank 1 came without [rank 1], and main() then printed nothing for it."""
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=1, world=2))
+    monkeypatch.setattr(train_unet, "setup_distributed", lambda device: None)
+    monkeypatch.setattr(train_unet, "cleanup_distributed", lambda: None)
+    monkeypatch.setattr(train_unet, "train", lambda cfg, explicit=(): (_ for _ in ()).throw(RuntimeError(text)))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train_unet, "parse_overrides", lambda args: make_cfg())
+    assert train_unet.main(["device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
 
 
 def test_a_stop_by_sigterm_is_not_called_an_interruption(monkeypatch):

@@ -519,5 +519,5 @@ def test_predict_in_bf16_says_the_checkpoint_was_validated_in_fp32(binary_model,
     image = sorted((data / "images").glob("*.png"))[0]
     train_unet.predict(opts(ckpt, image, tmp_path / "out", use_amp=use_amp, amp_dtype="bfloat16",
                             force_amp_dtype=True, channels_last=False))
-    said = f"note: masks in bf16; {ckpt} was validated in fp32 (eval_amp=False): use_amp=False gives the masks"
+    said = f"note: masks in bf16; {ckpt} was validated in fp32 (use_amp=False): use_amp=False gives the masks"
     assert (said in capsys.readouterr().out) == use_amp

@@ -314,7 +314,15 @@ def test_a_resumed_run_keeps_the_precision_it_was_given(make_cfg, monkeypatch, w
     kept = expected == "fp32"
     assert out["use_amp"] is not kept
     assert any("kept from the checkpoint: last.pt trained in fp32 as set (use_amp=False, from preset=stable); "
-               "give use_amp=True, or an amp_dtype, to change it" in str(n) for n in notes) is kept
+               "set amp_dtype=bfloat16 or float16 to change it" in str(n) for n in notes) is kept
+
+
+def test_a_preset_given_on_resume_sets_the_precision(make_cfg, monkeypatch):
+    """preset=fast (use_amp=True, amp_dtype=auto) given to resume a preset=stable run still trained in fp32."""
+    monkeypatch.setattr(train_unet, "detect_hardware", lambda device="auto": AMX_CPU)
+    cfg = make_cfg(use_amp=True, amp_dtype="auto", preset="fast")
+    state = {"precision": "fp32", "config": {**cfg, "use_amp": False, "preset": "stable"}}
+    assert train_unet.setup_precision(cfg, state)[2].name == "bf16"
 
 
 def test_a_set_precision_not_native_here_is_not_kept(make_cfg, monkeypatch):
