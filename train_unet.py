@@ -2699,14 +2699,15 @@ def hidden_image(name, is_dir):
 def image_file_count(folder):
     """Files of an image format in a folder, as index_by_stem would take them, for a note or a hint only:
     nothing is checked (a folder no run reads must not stop one)."""
-    return sum(1 for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith("."))
+    return sum(1 for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS and not p.name.startswith(".")
+               and not p.is_dir())
 
 
 def index_by_stem(folder):
     found = {}
     for path in sorted(folder.iterdir()):
-        if path.suffix.lower() not in IMAGE_EXTS or path.name.startswith("."):
-            continue
+        if path.suffix.lower() not in IMAGE_EXTS or path.name.startswith(".") or path.is_dir():
+            continue  # a folder named like an image is not read: unread_entries' note says so
         if not path.exists():  # before pairing, where it would read as a file without a partner
             raise UserError(f"{path} is a broken link (it points to {os.readlink(path)}, which is not there): "
                             f"fix or remove it")
@@ -4070,12 +4071,41 @@ def fit_cpu_threads():
 
 def check_worker_count(cfg):
     """num_workers the machine that starts them can run, checked before the run moves anything aside
-    (a checkpoint from a larger machine keeps its num_workers; this is a check of here, not of the key)."""
+    (a checkpoint from a larger machine keeps its num_workers; this is a check of here, not of the key):
+    cores, and open files (the soft limit raised to the hard one first: raise_open_files_limit)."""
     cores = cores_per_process()
     if cfg["num_workers"] is not None and cfg["num_workers"] > (most := WORKERS_PER_CORE * cores):
         raise UserError(f"num_workers={cfg['num_workers']} is more than this machine can run: "
                         f"{cores} core(s) per process here, and each worker is a process with "
                         f"memory of its own; use num_workers=None (automatic) or at most {most}")
+    workers = cfg["num_workers"] if cfg["num_workers"] is not None else min(8, max(1, cores // 2))  # auto's most
+    limit = raise_open_files_limit()
+    if workers and limit is not None and limit < OPEN_FILES_BASE + OPEN_FILES_PER_WORKER * workers:
+        raise UserError(f"the open-file limit here is {limit} (ulimit -n, its hard limit too): too few for "
+                        f"{workers} data loader worker(s), whose pipes and shared batches need about "
+                        f"{OPEN_FILES_PER_WORKER} each: raise it (ulimit -n 4096; in Docker --ulimit "
+                        f"nofile=4096) or set num_workers=0")
+
+
+# Measured on a 2-core Xeon (tiny run, ulimit -n): 1 worker trained at 28 open files, not 24; 2 workers
+# failed at 32 (at 20, a run hung for good in a worker's start-up).
+OPEN_FILES_BASE, OPEN_FILES_PER_WORKER = 24, 8
+
+
+def raise_open_files_limit():
+    """The soft limit on open files, raised to the hard one where lower (as Go's runtime does at start;
+    no privilege needed): 1024 is common, 256 on macOS. None where it cannot be read (Windows)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = min(hard, 2**16) if hard != resource.RLIM_INFINITY else 2**16
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return None if soft == resource.RLIM_INFINITY else soft
+    except (ImportError, OSError, ValueError):
+        return None
 
 
 def loader_options(cfg, hw):
@@ -7773,6 +7803,8 @@ def export_onnx(model, cfg, path):
                               dynamic_axes={"image": dims, "logits": dims})
         onnx.checker.check_model(str(path), full_check=True)  # valid ONNX for other runtimes too
     except Exception as exc:  # the exporter's and the checker's errors share no base class
+        if isinstance(exc, OSError) and exc.errno in FULL_DISK:  # main says it: a disk, not the architecture
+            raise
         raise UserError(f"torch.onnx cannot export arch={cfg['arch']} with encoder {cfg['encoder_name']} for "
                         f"any height and width ({type(exc).__name__}: {first_line(exc)}): Unet, UnetPlusPlus, "
                         f"FPN, Linknet, MAnet, DeepLabV3(Plus) and Segformer export") from None
@@ -7916,13 +7948,31 @@ def load_exported(path, hw):
     ort, = onnx_modules("onnxruntime")
     onnx_path, meta = read_sidecar(Path(path))
     saved = {key: value for key, value in meta["config"].items() if key in CONFIG}
+    missing = [key for key in EXPORT_KEYS if key not in saved]
+    if missing:
+        raise UserError(f"{onnx_path.with_suffix('.json').name} lacks {', '.join(missing)}, which predict needs: "
+                        f"export again")
     cfg = validate_config({**CONFIG, **saved}, model_names=False)
     model = OnnxModel(onnx_session(onnx_path, hw))
+    check_sidecar_matches(model.session, cfg, onnx_path)
     where = ", ".join(model.session.get_providers())
     if hw.kind == "cuda" and "CUDAExecutionProvider" not in where:
         where += " (this onnxruntime has no CUDA provider: pip install onnxruntime-gpu for the GPU)"
     print(f"onnxruntime {ort.__version__} on {where}: {onnx_path}, exported from {meta.get('exported_from')}")
     return model, cfg
+
+
+def check_sidecar_matches(session, cfg, onnx_path):
+    """The sidecar's in_channels and num_classes against the .onnx's own input and output channels (a
+    sidecar edited by hand, num_classes=3 for a binary model, gave all-0 masks, exit 0)."""
+    pairs = (("in_channels", session.get_inputs()[0].shape, cfg["in_channels"]),
+             ("num_classes", session.get_outputs()[0].shape, max(1, cfg["num_classes"])))
+    for key, shape, said in pairs:
+        held = shape[1] if len(shape) == 4 else None
+        if isinstance(held, int) and held != said:
+            raise UserError(f"{onnx_path.with_suffix('.json').name} says {key}={cfg[key]} but {onnx_path.name} has "
+                            f"{held} {'input' if key == 'in_channels' else 'output'} channel(s): the two files are "
+                            f"of different exports, or the .json was edited: export again")
 
 
 def read_sidecar(path):

@@ -666,3 +666,13 @@ def test_a_validation_set_with_nothing_to_find_gets_a_note(make_cfg, make_data, 
     cv2.imwrite(str(val[0][1]), np.pad(np.full((4, 4), 1, np.uint8), ((0, 60), (0, 60))))
     train_unet.prepare_data(cfg)
     assert "validation mask" not in capsys.readouterr().out  # one mask with a class to find is enough
+
+
+def test_a_folder_named_like_an_image_is_skipped_as_the_note_says(make_cfg, data_dir, capsys):
+    """The note said images/sub.png/ was not read, and the next line stopped the run on it as 'a folder,
+    not an image'."""
+    for sub in ("images", "masks"):
+        (data_dir / sub / "sub.png").mkdir()
+    train, val = prepare_data(make_cfg())
+    assert len(train) + len(val) == 12 and all("sub" not in str(p) for pair in train + val for p in pair)
+    assert "(e.g. images/sub.png/, masks/sub.png/)" in capsys.readouterr().out

@@ -5,6 +5,7 @@ RGB fit-mode one, and a 3-class grayscale patch-mode one (predicted through the 
 segmentation heads are re-centred first (centred_checkpoint), so their masks hold both answers: "masks
 equal" is then not the vacuous all-background.
 """
+import errno
 import json
 import shutil
 import subprocess
@@ -344,6 +345,35 @@ def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
     with pytest.raises(train_unet.UserError, match=match) as info:
         train_unet.predict(predict_opts(given, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ({"num_classes": 3}, r"model.json says num_classes=3 but model.onnx has 1 output channel\(s\): the two files"),
+    ({"in_channels": 1}, r"model.json says in_channels=1 but model.onnx has 3 input channel\(s\)"),
+    ({"image_size": None}, r"model.json lacks image_size, which predict needs: export again"),
+])
+def test_a_sidecar_that_does_not_match_its_onnx_is_refused(binary, tmp_path, edit, match):
+    """A model.json edited to num_classes=3 for a binary model predicted all-0 masks with exit 0; without
+    image_size, images were resized to the default 256 unsaid."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    onnx, sidecar = (Path(shutil.copy(p, folder / p.name)) for p in (binary["onnx"], binary["sidecar"]))
+    meta = json.loads(sidecar.read_text())
+    config = {k: v for k, v in {**meta["config"], **edit}.items() if not (k in edit and v is None)}
+    sidecar.write_text(json.dumps({**meta, "config": config}))
+    with pytest.raises(train_unet.UserError, match=match) as info:
+        train_unet.predict(predict_opts(onnx, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_during_export_is_said_as_such(binary, tmp_path, monkeypatch, capsys):
+    """No space left while the exporter wrote the .onnx read 'torch.onnx cannot export arch=Unet ...'."""
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(torch.onnx, "export", full)
+    code = train_unet.main(["export", f"checkpoint={binary['ckpt']}", f"output={tmp_path / 'e' / 'model.onnx'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "No space left on device): free disk space there" in err and "cannot export arch" not in err
 
 
 def test_a_corrupt_onnx_file_is_one_line(binary, tmp_path, hw):

@@ -1,5 +1,6 @@
 """Data loading that keeps up (issue 10): the worker-count rule, persistent workers, pinned memory."""
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +95,28 @@ def test_workers_run_opencv_on_one_thread(make_cfg, cpu_hw):
     assert seen == [1, 1]
     assert cv2.getNumThreads() == before
     assert train_unet.loader_options(make_cfg(num_workers=0), cpu_hw)["worker_init_fn"] is None
+
+
+@pytest.mark.parametrize("hard", [20, 4096])
+def test_a_low_open_file_limit_is_raised_or_refused_in_one_line(make_data, tmp_path, hard):
+    """At ulimit -n 20 a run with a loader worker printed a multiprocessing traceback and hung for good. The
+    soft limit is now raised to the hard one; where the hard one is that low too, one line says what to do."""
+    import resource
+    import subprocess
+    import sys
+
+    data = make_data(count=8, size=32)
+    limit = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (20, hard))  # noqa: E731
+    run = subprocess.run([sys.executable, str(Path(train_unet.__file__)), f"data_dir={data}", "image_size=32",
+                          f"checkpoint_dir={tmp_path / 'ck'}", "epochs=1", "batch_size=2", "num_workers=1",
+                          "progress=False", "device=cpu", "use_amp=False", "cpu_probe=False", "encoder_name=resnet18"],
+                         capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    if hard == 20:
+        assert run.returncode == 2 and run.stderr == (
+            "error: the open-file limit here is 20 (ulimit -n, its hard limit too): too few for 1 data loader "
+            "worker(s), whose pipes and shared batches need about 8 each: raise it (ulimit -n 4096; in Docker "
+            "--ulimit nofile=4096) or set num_workers=0\n")
+        assert not (tmp_path / "ck").exists()
+    else:
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert (tmp_path / "ck" / "best.pt").is_file()
