@@ -445,7 +445,7 @@ def set_up_training(cfg, explicit):
     train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
     notes.append(unused_val_fraction(cfg, explicit))
-    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs),
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
     # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
@@ -614,11 +614,15 @@ def setup_precision(cfg, state=None, explicit=()):
     return cfg, hw, prec, notes
 
 
-def run_intensity_range(cfg, state, train_pairs):
+def run_intensity_range(cfg, state, train_pairs, val_pairs=()):
     """scale_image's range for this run: a resumed run's (its model learnt on that scale; None for a run
-    from before ranges were learnt), else intensity_range as given, else learnt from the training images."""
+    from before ranges were learnt), else intensity_range as given, else learnt from the training images.
+    With none, an image no range maps (wide_integers_unmapped) stops the run here, not at its first read."""
     if state is None:
-        return cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
+        found = cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
+        if found is None:
+            wide_integers_unmapped([*train_pairs, *val_pairs], cfg)
+        return found
     saved = state["config"].get("intensity_range")
     if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
         raise UserError(f"cannot resume exactly: the run was trained with intensity_range={saved!r}, this run "
@@ -2940,14 +2944,30 @@ def scale_image(image, path="image", intensity_range=None):
     check_pixels(image, path)
     if np.issubdtype(image.dtype, np.integer):
         if intensity_range is None and image.dtype.itemsize > 2:  # over the whole int32 range: one flat grey
-            raise UserError(f"image {path} has {image.dtype} pixels ({image.min()} to {image.max()}) and no "
-                            f"intensity_range maps them to 0-1 (none was learnt from the training images, "
-                            f"or given): set intensity_range=low,high, the span of such images' values")
+            raise no_range_for(path, image.dtype, image.min(), image.max())
         low, high = intensity_range or dtype_range(image.dtype)
         return unit_scale(image.astype(np.float32), low, high)
     image = image.astype(np.float32)
     low, high = float(image.min()), float(image.max())
     return unit_scale(image, low, high) if high > low else np.zeros_like(image)
+
+
+def no_range_for(path, dtype, low, high):
+    """The UserError for integers over 16 bits that no intensity_range maps (scale_image's rule)."""
+    return UserError(f"image {path} has {dtype} pixels ({low} to {high}) and no intensity_range maps them to 0-1 "
+                     f"(none was learnt from the training images, or given): set intensity_range=low,high, the "
+                     f"span of such images' values")
+
+
+def wide_integers_unmapped(pairs, cfg):
+    """At start-up, from the data check's facts, the images scale_image would refuse with no intensity_range
+    (int32 and wider): one stopped the run only once the first epoch read it."""
+    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    for image, _ in pairs:
+        entry = facts[os.path.abspath(image)]
+        dtype = np.dtype(entry["dtype"])
+        if np.issubdtype(dtype, np.integer) and dtype.itemsize > 2:
+            raise no_range_for(image, dtype, *entry.get("range", ("?", "?")))
 
 
 def check_pixels(image, path):

@@ -603,6 +603,20 @@ def test_wide_integer_pixels_need_a_range(tmp_path):
     np.testing.assert_allclose(train_unet.read_image(tmp_path / "i.tif", 1, [0, 1000]), pixels / 1000, atol=1e-6)
 
 
+def test_a_wide_integer_image_no_range_maps_stops_the_run_at_start_up(make_cfg, data_dir, monkeypatch):
+    """One flat int32 TIFF among PNGs (no range to learn) passed the data check and stopped the run only
+    when the first epoch read it, after the banner."""
+    png = sorted((data_dir / "images").glob("*.png"))[3]
+    png.unlink()
+    tifffile.imwrite(png.with_suffix(".tif"), np.full((64, 64), 5, np.int32))
+    built, real = [], train_unet.build_loaders
+    monkeypatch.setattr(train_unet, "build_loaders", lambda *a: built.append(1) or real(*a))
+    with pytest.raises(UserError, match=r"image .*\.tif has int32 pixels \(5 to 5\) and no intensity_range") as info:
+        train_unet.train(make_cfg())
+    assert "\n" not in str(info.value) and not built  # at start-up, before any loader
+    assert train_unet.train(make_cfg(intensity_range=[0, 10]))["history"]  # with a range it trains
+
+
 def test_a_cmyk_tiff_is_read_as_its_rgb_colours(tmp_path):
     """tifffile returns a CMYK TIFF's four inks; K was dropped as if it were alpha and C, M, Y read as R, G,
     B (inverted colours). OpenCV converts it to RGB, as Pillow converts it back."""
