@@ -392,8 +392,22 @@ def worker_death(exc, cfg):
     kept = ("last.pt is intact: resume=True continues from it" if (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
             else "no checkpoint was written yet")
     how = f" (signal {signal_name}{why.get(signal_name, '')})" if signal_name else ""
-    return UserError(f"a data loader worker died{how}; {kept}; to need less memory, use fewer num_workers (0 reads "
-                     f"in the training process) or a smaller batch_size")
+    return UserError(f"a data loader worker died{how}; {kept}{little_shared_memory()}; to need less memory, use "
+                     f"fewer num_workers (0 reads in the training process) or a smaller batch_size")
+
+
+SHM_LOW_BYTES = 256 * 2**20  # /dev/shm with less free than this is named when a worker dies (Docker: 64 MB)
+
+
+def little_shared_memory():
+    """'; /dev/shm has X free ...' where it is small: DataLoader workers pass each batch through it, and a
+    container's 64 MB default killed a worker on a batch of 4 x 1024² images, said only as 'worker died'."""
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:  # no /dev/shm (macOS, Windows)
+        return ""
+    return (f"; /dev/shm, through which workers pass batches, has {size_text(free)} free (Docker's default is "
+            f"64 MB: run the container with --shm-size=2g)" if free < SHM_LOW_BYTES else "")
 
 
 # ----------------------------------------------------------------------------------------------------

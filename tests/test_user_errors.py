@@ -731,6 +731,18 @@ def test_a_killed_loader_worker_is_one_line_with_what_to_do(make_cfg, monkeypatc
         train_unet.train_main(make_cfg(epochs=3, resume=True))
 
 
+def test_a_dead_worker_names_a_small_dev_shm(make_cfg, monkeypatch):
+    """A 64 MB /dev/shm (Docker's default) killed a worker: the message spoke only of memory."""
+    exc = RuntimeError("DataLoader worker (pid(s) 15597) exited unexpectedly")
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: usage._replace(free=60 * 2**20))
+    said = str(train_unet.worker_death(exc, make_cfg()))
+    assert "; /dev/shm, through which workers pass batches, has 60 MB free (Docker's default is 64 MB: run the " \
+           "container with --shm-size=2g); to need less memory" in said
+    monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: usage._replace(free=2**33))
+    assert "/dev/shm" not in str(train_unet.worker_death(exc, make_cfg()))
+
+
 def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back():
     import signal
 
