@@ -1463,6 +1463,10 @@ def check_known_key(key, defaults=CONFIG):
     if defaults is PREDICT_CONFIG and key in TRAINING_KEYS:  # in_channels, image_size, num_classes, ...
         raise UserError(f"{key} is not a predict key: the model was trained with one, and predict takes it from "
                         f"the checkpoint; predict's keys: {', '.join(known)}")
+    owners = [command for command, keys in COMMAND_KEYS.items() if key in keys()] if defaults is CONFIG else []
+    if owners:  # overlay=True given to training read "did you mean 'tile_overlap'?"
+        raise UserError(f"{key} is a key of {' and '.join(owners)}, not of training: python train_unet.py "
+                        f"{owners[0]} {key}=...")
     raise UserError(f"unknown key {key!r}: {near_key(key, known)}known keys: {', '.join(known)}")
 
 
@@ -7250,6 +7254,12 @@ def parse_benchmark_args(args):
     bench_args = [a for a in args if normalize_key(a.partition("=")[0]) in BENCHMARK_CONFIG]
     opts = parse_overrides(bench_args, defaults=BENCHMARK_CONFIG)
     train_args = [a for a in args if a not in bench_args]
+    for arg in train_args:  # a misspelt benchmark key was matched against the training keys alone
+        key = normalize_key(arg.partition("=")[0])
+        if "=" in arg and key not in TRAINING_KEYS:
+            known = (*BENCHMARK_CONFIG, *TRAINING_KEYS)
+            raise UserError(f"unknown key {key!r}: {near_key(key, known)}the benchmark's keys: "
+                            f"{', '.join(BENCHMARK_CONFIG)}; and any training key ({', '.join(TRAINING_KEYS)})")
     base = parse_overrides(train_args)
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):

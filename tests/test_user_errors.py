@@ -591,6 +591,19 @@ def test_an_unreadable_file_says_what_it_is(tmp_path):
     assert run.returncode == 0 and "WARN" not in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("args, said", [
+    (["overlay=True"], "overlay is a key of predict, not of training: python train_unet.py predict overlay=..."),
+    (["configs=fp32"], "configs is a key of benchmark, not of training: python train_unet.py benchmark configs=..."),
+    (["benchmark", "inferense=fp32"], "unknown key 'inferense': did you mean 'inference'? the benchmark's keys: "),
+])
+def test_a_key_of_another_command_or_a_misspelt_benchmark_key_is_named(args, said, capsys):
+    """overlay=True given to training read "did you mean 'tile_overlap'?"; a misspelt benchmark key was matched
+    against the training keys alone, with no suggestion and a list that left the benchmark's own out."""
+    assert train_unet.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("command, key", [("predict", "tile_overlap"), ("export", "output"), ("benchmark", "configs")])
 def test_each_command_lists_its_keys_with_help(command, key, capsys):
     assert train_unet.main([command, "--help"]) == 0
