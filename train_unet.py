@@ -7797,6 +7797,9 @@ def export(opts):
     check_paths_given(opts, EXPORT_CONFIG)
     onnx_modules("onnxruntime", "onnx")
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides
+    if Path(opts["checkpoint"]).suffix.lower() in (".onnx", ".json"):  # it was said to be cut short in a copy
+        raise UserError(f"checkpoint={opts['checkpoint']} is already an exported model: give the PyTorch "
+                        f"checkpoint (.pt) to export")
     model, cfg = load_model(opts["checkpoint"], hw)
     path = Path(opts["output"]) if opts["output"].lower().endswith(".onnx") else Path(opts["output"]) / "model.onnx"
     check_writable(path.parent)

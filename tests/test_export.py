@@ -376,6 +376,14 @@ def test_a_full_disk_during_export_is_said_as_such(binary, tmp_path, monkeypatch
     assert code == 2 and "No space left on device): free disk space there" in err and "cannot export arch" not in err
 
 
+def test_exporting_an_exported_model_says_so(binary, tmp_path):
+    """export checkpoint=model.onnx said the file was 'not a readable checkpoint ... or cut short in a copy'."""
+    with pytest.raises(train_unet.UserError, match=r"model.onnx is already an exported model: give the PyTorch "
+                                                   r"checkpoint \(.pt\) to export$"):
+        export(binary["onnx"], tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
 def test_a_corrupt_onnx_file_is_one_line(binary, tmp_path, hw):
     bad = tmp_path / "model.onnx"
     bad.write_bytes(b"\x08\x07garbage" * 50)
