@@ -2531,6 +2531,8 @@ def nothing_to_score(val, cfg):
     best.pt and early stopping follow noise: binary masks with no foreground (1.0 while the model predicts
     nothing, 0 once it predicts anything), class masks with none above 0 (background's IoU, averaged with 0
     for each other class predicted), or all void (1.0 whatever is predicted). From the data check's facts."""
+    if not val:
+        return None
     values = set().union(*(CHECKED_HERE[os.path.abspath(mask)]["values"] for _, mask in val))
     binary = cfg["num_classes"] == 1
     if values - {0, IGNORE_INDEX} or (binary and IGNORE_INDEX in values):
@@ -2796,8 +2798,8 @@ def opencv_decode(path, flags, kind):
     """cv2.imread(path, flags), but decoded from the file's bytes (cv2.imdecode, which turns a JPEG upright
     by its EXIF as imread does) where imread cannot be trusted: a JPEG, whose end is checked first
     (libjpeg decodes a truncated one with grey in place of the missing rows, and only warns), and a name
-    that is not UTF-8 (cv2.imread crashed the process on one); a PNG, whose chunks are checked first
-    (libpng prints its own "libpng error" line to stderr before failing on a damaged one)."""
+    that is not UTF-8 (cv2.imread crashed the process on one). A PNG's chunks are checked first (png_damage:
+    libpng prints its own "libpng error" line to stderr before failing on a damaged one), then imread reads it."""
     name = str(path)
     if format_suffix(path) not in (*JPEG_EXTS, ".png") and utf8_name(name):
         return cv2.imread(name, flags)
