@@ -2825,8 +2825,9 @@ def png_damage(data):
     """Why a PNG's bytes are damaged as libpng would refuse them, or None: a chunk libpng needs (IHDR, IDAT,
     and PLTE in a palette image) whose CRC does not match (a bit flipped on disk or in a copy), or data that
     stop before the IEND chunk (a partial copy or download). Other chunks' CRCs are not checked: libpng
-    only warns (text, EXIF, IEND's own, a truecolour image's suggested PLTE). A few % of the decode's time:
-    zlib's crc32 runs at GB/s."""
+    only warns (text, EXIF, IEND's own, a truecolour image's suggested PLTE). Measured on a busy 2-core Xeon,
+    the check and the read of the bytes added 8 % to a 512² PNG's imread and 15 % to a 2048²'s (crc32 at
+    about 1 GB/s)."""
     view, pos, palette = memoryview(data), len(PNG_SIGNATURE), False
     while pos + 12 <= len(data):
         end = pos + 8 + int.from_bytes(view[pos:pos + 4], "big")
