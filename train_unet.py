@@ -318,6 +318,7 @@ def train_main(cfg, explicit=()):
         raise
     except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
         if isinstance(exc, RuntimeError) and DIST.enabled and peer_failed(exc):
+            time.sleep(PEER_FAILED_GRACE_S)  # the failed rank's own error first (not mid-line), and its exit
             raise UserError(f"[rank {DIST.rank}] stopped: another process of this torchrun job ended (its error, "
                             f"where it printed one, and torchrun's report say which)") from None
         if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):
@@ -362,6 +363,12 @@ def interrupts_held():
         raise KeyboardInterrupt
     if held and callable(previous[signal.SIGCHLD]):  # a child ended meanwhile: its handler judges it now
         previous[signal.SIGCHLD](signal.SIGCHLD, None)
+
+
+# A rank that saw another end waits this long before saying so: the other closes its connections just before
+# printing its error, and the two lines came out of the shared pipe interleaved, this one first; torchrun's
+# report then named the waiting rank, which exited first, as the root cause.
+PEER_FAILED_GRACE_S = 2.0
 
 
 def peer_failed(exc):
