@@ -682,7 +682,7 @@ def resumed_cpu_modes(cfg, hw, prec, state):
     if state is None or hw.kind != "cpu" or state.get("device_kind") != "cpu":
         return None
     saved, was = state["precision"], state["config"]
-    was_auto = was.get("use_amp", True) and amp_dtype_name(was.get("amp_dtype", "auto")) == "auto"
+    was_auto = precision_was_auto(was)
     native = saved == "fp32" or (saved == "bf16" and hw.bf16)
     if autos_precision(cfg, hw, prec) and was_auto and saved != prec.name and native:
         prec = Precision.of(DTYPES[saved], "auto, kept from the checkpoint (a resume goes on as last.pt trained)")
@@ -699,7 +699,7 @@ def ranks_agree(prec, layout, hw, notes):
     of the elements in its buckets), would train replicas that silently drift apart. Processes on GPUs of
     different generations decide differently: all then take the safest precision every one runs natively
     (SAFETY_ORDER), and rank 0's layout."""
-    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
+    native = native_precisions(hw)
     seen = gather_setup((prec.name, native, layout))
     names = sorted({name for name, _, _ in seen}, key=SAFETY_ORDER.index)
     if len(names) > 1:
@@ -5581,13 +5581,24 @@ def safer_precision(prec, hw):
     return None
 
 
+def native_precisions(hw):
+    """{precision: whether this hardware runs it natively}; fp32 always."""
+    return {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
+
+
+def precision_was_auto(config):
+    """Whether a saved config left the precision to auto (use_amp=True, amp_dtype="auto"; a checkpoint from
+    before either key counts as auto)."""
+    return config.get("use_amp", True) and amp_dtype_name(config.get("amp_dtype", "auto")) == "auto"
+
+
 def keep_safer_precision(prec, state, hw):
     """On resume, a run that fell back earlier keeps its safer precision, on the hardware it runs on now:
     where that precision is not native here (bf16 on a CPU without AVX512-BF16), one step safer still."""
     if not state.get("fallbacks") or SAFETY_ORDER.index(state["precision"]) <= SAFETY_ORDER.index(prec.name):
         return prec
     name = state["precision"]
-    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}
+    native = native_precisions(hw)
     safer = next(n for n in SAFETY_ORDER[SAFETY_ORDER.index(name):] if native[n])
     why = f"this run fell back to {name} ({state['fallbacks'][-1]['event']})"
     if safer != name:
@@ -5602,8 +5613,8 @@ def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
     (precision, cfg with the checkpoint's use_amp and amp_dtype: config.json and the next resume see them).
     A precision given on resume is used as given (other_modes notes the change)."""
     was, saved = state["config"], state["precision"]
-    chosen = not was.get("use_amp", True) or amp_dtype_name(was.get("amp_dtype", "auto")) != "auto"
-    native = {"fp16": hw.fp16, "bf16": hw.bf16, "fp32": True}[saved]
+    chosen = not precision_was_auto(was)
+    native = native_precisions(hw)[saved]
     given = set(explicit) | set(PRESETS.get(cfg.get("preset")) or ())  # a preset given now sets them too
     auto = cfg["use_amp"] and cfg["amp_dtype"] == "auto" and not {"use_amp", "amp_dtype"} & given
     if not (auto and chosen and native):
