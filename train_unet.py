@@ -2990,7 +2990,7 @@ def no_range_for(path, dtype, low, high):
 def wide_integers_unmapped(pairs, cfg):
     """At start-up, from the data check's facts, the images scale_image would refuse with no intensity_range
     (int32 and wider): one stopped the run only once the first epoch read it."""
-    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    facts = start_up_facts(pairs, cfg)
     for image, _ in pairs:
         entry = facts[os.path.abspath(image)]
         dtype = np.dtype(entry["dtype"])
@@ -3369,13 +3369,25 @@ def checked_facts(paths, cfg, write, share=False):
     return facts
 
 
+def start_up_facts(pairs, cfg):
+    """{path: facts} for the pairs' files: this start-up's own (CHECKED_HERE) where its check holds them all,
+    so each later question (the intensity range, class counts, cache size...) neither stats every file nor
+    loads the caches again; else from checked_facts (a caller outside a start-up: a tool, a notebook)."""
+    paths = [os.path.abspath(p) for pair in pairs for p in pair]
+    images = paths[::2]
+    if all(p in CHECKED_HERE for p in paths) and \
+            all(CHECKED_HERE[p].get("channels") == cfg["in_channels"] for p in images):
+        return CHECKED_HERE
+    return checked_facts(paths, cfg, write=False)
+
+
 DATA_CHECK_SAY_FILES = 500  # a data check that reads this many files or more says so before it starts
 
 
 # Facts checked_facts found since this process's last check_pairs, by path, stamped like the caches'
-# entries: the start-up's later questions (learnt_intensity_range, cache_bytes, image_sizes) need no
-# decoding where no cache could be written, and under torchrun they take the facts the ranks exchanged.
-# Cleared once build_loaders has asked them.
+# entries: the start-up's later questions (learnt_intensity_range, cache_bytes, image_sizes) take them
+# (start_up_facts) with no decoding, stat or cache load, and under torchrun they take the facts the ranks
+# exchanged. Cleared once build_loaders has asked them.
 CHECKED_HERE = {}
 
 
@@ -3477,7 +3489,7 @@ def learnt_intensity_range(pairs, cfg):
     with a dark offset, [min, max] trained to a 0.02 higher IoU than the range rounded out to whole bits
     (0..4095), and percentiles, which clip, did not beat it. None: no such images (8-bit and float
     files have their own rules) or all of one value. From the data check's cache: no decoding."""
-    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    facts = start_up_facts(pairs, cfg)
     ranges = [facts[os.path.abspath(image)].get("range") for image, _ in pairs]
     ranges = [r for r in ranges if r is not None]
     if not ranges:
@@ -3489,7 +3501,7 @@ def learnt_intensity_range(pairs, cfg):
 def class_pixel_counts(pairs, cfg):
     """Pixels of each class in the training masks, void left out (binary: [background, foreground]):
     class_weights=auto's frequencies. From the data check's facts: no decoding."""
-    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    facts = start_up_facts(pairs, cfg)
     counts = np.zeros(max(2, cfg["num_classes"]), np.int64)
     for _, mask in pairs:
         entry = facts[os.path.abspath(mask)]
@@ -3921,7 +3933,7 @@ def cache_bytes(pairs, cfg, sizes=None):
     image is 8-bit, else 4: scale_image makes wider integers and floats float32), 1 byte per mask pixel."""
     if not pairs:
         return 0
-    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    facts = start_up_facts(pairs, cfg)
     depth = 1 if all(facts[os.path.abspath(image)]["dtype"] == "uint8" for image, _ in pairs) else 4
     pixels = (len(pairs) * cfg["image_size"] ** 2 if sizes is None else
               sum(h * w for h, w in (scaled_size(size, cfg["patch_scale"]) for size in sizes)))
@@ -4206,7 +4218,7 @@ def rescale(image, mask, scale):
 
 def image_sizes(pairs, cfg):
     """(height, width) of each pair's image, from the data check's cache: no decoding."""
-    facts = checked_facts([os.path.abspath(p) for pair in pairs for p in pair], cfg, write=False)
+    facts = start_up_facts(pairs, cfg)
     return [tuple(facts[os.path.abspath(image)]["hw"]) for image, _ in pairs]
 
 
