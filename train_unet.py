@@ -2465,9 +2465,9 @@ def prepare_data(cfg):
         if note and DIST.is_main:
             print(note)
     check_pairs(train + val, cfg)
-    note = nothing_to_score(val, cfg)
-    if note and DIST.is_main:
-        print(note)
+    for note in (nothing_to_score(val, cfg), patches_of_padding(train, cfg)):
+        if note and DIST.is_main:
+            print(note)
     check_enough_samples(train, cfg)
     return train, val
 
@@ -4220,6 +4220,34 @@ def image_sizes(pairs, cfg):
     """(height, width) of each pair's image, from the data check's cache: no decoding."""
     facts = start_up_facts(pairs, cfg)
     return [tuple(facts[os.path.abspath(image)]["hw"]) for image, _ in pairs]
+
+
+MIN_SCALED_SIDE = 8  # px: an image patch_scale shrinks below this on a side has no shape left to segment
+
+
+def patches_of_padding(train, cfg):
+    """Patch mode, from the data check's sizes: a UserError where patch_scale shrinks an image below
+    MIN_SCALED_SIDE on a side (0.01 made 64 px images 1 px, unsaid); a note where every training image
+    covers less than half a patch, so patches are mostly padding (left out of the loss)."""
+    if cfg["data_mode"] != "patch" or not train:
+        return None
+    scale, size, sizes = cfg["patch_scale"], cfg["image_size"], image_sizes(train, cfg)
+    scaled = [scaled_size(hw, scale) for hw in sizes]
+    small = min(range(len(train)), key=lambda i: min(scaled[i]))
+    if min(scaled[small]) < MIN_SCALED_SIDE <= min(sizes[small]):
+        least = math.ceil(100 * MIN_SCALED_SIDE / min(sizes[small])) / 100
+        raise UserError(f"patch_scale={scale:g} shrinks {train[small][0]} ({sizes[small][1]}x{sizes[small][0]}) "
+                        f"to {scaled[small][1]}x{scaled[small][0]} px, too small to hold a shape: use "
+                        f"patch_scale={least:g} or more ({MIN_SCALED_SIDE} px on its shorter side)")
+    cover = [min(h, size) * min(w, size) / size ** 2 for h, w in scaled]
+    if max(cover) >= 0.5:
+        return None
+    h, w = scaled[cover.index(max(cover))]
+    fits = max(32, max(h, w) // 32 * 32)
+    at = f" at patch_scale={scale:g}" if scale != 1 else ""
+    return (f"note:{at} every training image covers less than half a {size}x{size} patch (the largest: {w}x{h} px), "
+            f"so most of each patch is padding, computed and left out of the loss: set image_size={fits}"
+            f"{' or raise patch_scale' if scale < 1 else ''}, or use data_mode=fit")
 
 
 def patch_counts(sizes, cfg):

@@ -323,6 +323,29 @@ def test_too_few_patches_for_a_batch_is_a_clear_error(make_cfg, scenes):
         train_unet.prepare_data(cfg)
 
 
+def test_a_patch_scale_that_shrinks_images_to_a_few_pixels_is_a_one_line_error(make_cfg, scenes):
+    """160x200 scenes at patch_scale=0.02 would train on 3x4 px images, unsaid; 0.05 gives 8x10."""
+    with pytest.raises(UserError, match=r"patch_scale=0.02 shrinks \S+scene_\d.png \(200x160\) to 4x3 px, too small "
+                                        r"to hold a shape: use patch_scale=0.05 or more \(8 px on its shorter side\)"):
+        train_unet.prepare_data(patch_config(make_cfg, scenes, patch_scale=0.02, batch_size=2))
+    train_unet.prepare_data(patch_config(make_cfg, scenes, patch_scale=0.05, batch_size=2))
+
+
+@pytest.mark.parametrize("settings, note", [
+    ({"image_size": 448}, "note: every training image covers less than half a 448x448 patch (the largest: 200x160 "
+                          "px), so most of each patch is padding, computed and left out of the loss: set "
+                          "image_size=192, or use data_mode=fit"),
+    ({"image_size": 256, "patch_scale": 0.5}, "note: at patch_scale=0.5 every training image covers less than half "
+                                              "a 256x256 patch (the largest: 100x80 px)"),
+    ({"image_size": 224}, None),  # 160x200 of 224x224: 64 % of the patch is image
+    ({"image_size": 448, "data_mode": "fit"}, None),
+])
+def test_patches_that_would_be_mostly_padding_get_a_note(make_cfg, scenes, capsys, settings, note):
+    train_unet.prepare_data(patch_config(make_cfg, scenes, **settings))
+    out = capsys.readouterr().out
+    assert (note in out) if note else "most of each patch is padding" not in out, out
+
+
 @pytest.mark.cuda
 def test_whole_image_counts_taken_on_the_cpu_add_up_on_the_gpu():
     """Patch-mode validation counts whole images on the CPU and moves only the counts to the device."""
