@@ -1449,8 +1449,19 @@ def parse_overrides(args, base=None, defaults=None):
         if key in seen:
             raise UserError(f"{key} is given twice on the command line: keep one")
         seen.add(key)
+        check_not_quoted(key, text)
         cfg[key] = parse_value(key, text, defaults)
     return validate_config(cfg) if defaults is CONFIG else cfg
+
+
+def check_not_quoted(key, text):
+    """A value wrapped in quote marks got them from a shell that passes them on (data_dir="'my data'",
+    or data_dir='x' in Windows' cmd): they would be part of a path or a word, and its error would
+    read 'not found'."""
+    value = text.strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        raise UserError(f"{key}={value} holds its quote marks (the shell passed them on): write {key}={value[1:-1]}, "
+                        f"or quote the whole argument where the value has spaces: \"{key}={value[1:-1]}\"")
 
 
 def normalize_key(key):

@@ -547,6 +547,24 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
         "intensity_range"] == [0.0, 4095.0]
 
 
+@pytest.mark.parametrize("arg, defaults", [("data_dir='my data'", None), ('epochs="2"', None),
+                                           ("checkpoint='best.pt'", "PREDICT_CONFIG"), (" amp_dtype= 'bf16' ", None)])
+def test_values_that_kept_their_quote_marks_say_so(arg, defaults):
+    """A shell that passes quotes on (data_dir="'x'", or data_dir='x' in Windows' cmd): the path read
+    'not found' with its quotes, a number 'not a whole number'."""
+    key, _, value = arg.strip().partition("=")
+    bare = value.strip()[1:-1]
+    parse = lambda: train_unet.parse_overrides([arg], defaults=getattr(train_unet, defaults or "CONFIG"))  # noqa: E731
+    err = one_line_error(parse, match=f"{key.strip()}={value.strip()} holds its quote marks")
+    key = key.strip()
+    assert err.endswith(f'write {key}={bare}, or quote the whole argument where the value has spaces: "{key}={bare}"')
+
+
+def test_quote_marks_inside_a_value_are_kept():
+    assert train_unet.parse_overrides(["data_dir='a'b"])["data_dir"] == "'a'b"
+    assert train_unet.parse_overrides(["data_dir=it's"])["data_dir"] == "it's"
+
+
 def test_words_are_read_in_any_case_and_near_misses_get_a_suggestion():
     parsed = train_unet.parse_overrides(["tta=FLIP", "preset=Debug", "device=CPU", "amp_dtype=BFloat16"])
     assert (parsed["tta"], parsed["preset"], parsed["device"], parsed["amp_dtype"]) == ("flip", "debug", "cpu", "bfloat16")
