@@ -7436,8 +7436,8 @@ def run_benchmark_config(name, base, train_args, out_dir):
         proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     history_path = run_dir / "history.csv"
     if proc.returncode != 0 or not history_path.is_file():
-        tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]
-        return {"config": name, "status": f"failed (exit {proc.returncode}): {tail[0][:160]}"}, []
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]  # whole: the fix ends the line
+        return {"config": name, "status": f"failed (exit {proc.returncode}): {tail[0]} (log: {log_path})"}, []
     with open(history_path) as f:
         history = list(csv.DictReader(f))
     info = json.loads((run_dir / "config.json").read_text())

@@ -404,3 +404,14 @@ def test_inference_keys_are_refused_before_any_training(arg, message):
 def test_an_unknown_inference_format_is_refused():
     with pytest.raises(train_unet.UserError, match="inference_format='jpg' is not allowed: use png or tif"):
         train_unet.parse_benchmark_args(["inference_format=jpg"])
+
+
+def test_a_failed_rows_note_holds_the_whole_error_and_its_log(tmp_path):
+    """The run's last line, its fix at the end, was cut at 160 characters."""
+    missing = tmp_path / ("a_long_folder_name_" * 8)
+    base = train_unet.validate_config(dict(train_unet.CONFIG))
+    row, history = train_unet.run_benchmark_config("fp32", base, [f"data_dir={missing}", "cpu_probe=False"], tmp_path)
+    assert history == []
+    assert row["status"] == (f"failed (exit 2): error: data_dir {missing} not found: create {missing}/images and "
+                             f"{missing}/masks, or use data_dir=data/shapes for the embedded data set "
+                             f"(log: {tmp_path / 'fp32.log'})")
