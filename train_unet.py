@@ -1272,9 +1272,10 @@ MALLOC_TUNING_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 def printable_file_names():
     """Let the commands' messages print any file name: one whose bytes are not UTF-8 (Python keeps them as
     surrogates) stopped print with UnicodeEncodeError where stdout's encoding is strict (a UTF-8 locale
-    such as en_US.UTF-8); such characters are now printed as escapes."""
+    such as en_US.UTF-8); such characters are now printed as escapes, on both streams: in the C locale
+    stdout wrote the raw bytes (surrogateescape) where stderr, the errors' stream, wrote escapes."""
     for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "reconfigure") and stream.errors == "strict":
+        if hasattr(stream, "reconfigure") and stream.errors in ("strict", "surrogateescape"):
             stream.reconfigure(errors="backslashreplace")
 
 
