@@ -2484,10 +2484,20 @@ def prepare_data(cfg):
     return train, val
 
 
+# Patches an epoch may hold: its shuffled order takes 8 bytes a patch (torch.randperm, 800 MB here), and at
+# 1,000 patches/s it lasts 28 hours. patches_per_image=10**9 asked randperm for 80 GB, a traceback from torch.
+MAX_EPOCH_SAMPLES = 10**8
+
+
 def check_enough_samples(train, cfg):
     """A batch_size each process can fill from its share of the training set, else the fix: fewer
-    processes, where a resume keeps its batch_size."""
+    processes, where a resume keeps its batch_size; and no more than MAX_EPOCH_SAMPLES patches."""
     samples = training_samples(train, cfg)
+    if samples > MAX_EPOCH_SAMPLES:
+        given = (f"patches_per_image={cfg['patches_per_image']}" if cfg["patches_per_image"] else
+                 f"tiling each image once at image_size={cfg['image_size']}")
+        raise UserError(f"{given} makes {samples:,} patches per epoch from {len(train)} image(s), more than "
+                        f"{MAX_EPOCH_SAMPLES:,}: set patches_per_image={MAX_EPOCH_SAMPLES // len(train)} or less")
     if samples // DIST.world < cfg["batch_size"]:
         what = f"{len(train)} image(s)" if cfg["data_mode"] == "fit" else \
             f"{samples} patch(es) per epoch from {len(train)} image(s)"

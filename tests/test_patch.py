@@ -346,6 +346,17 @@ def test_patches_that_would_be_mostly_padding_get_a_note(make_cfg, scenes, capsy
     assert (note in out) if note else "most of each patch is padding" not in out, out
 
 
+def test_an_epoch_of_more_patches_than_memory_holds_is_a_one_line_error(make_cfg, scenes, monkeypatch):
+    """patches_per_image=10**9: torch.randperm asked for 80 GB, a traceback once the run had begun."""
+    with pytest.raises(UserError, match=r"^patches_per_image=1000000000 makes 4,000,000,000 patches per epoch from 4 "
+                                        r"image\(s\), more than 100,000,000: set patches_per_image=25000000 or less$"):
+        train_unet.prepare_data(patch_config(make_cfg, scenes, patches_per_image=10**9))
+    monkeypatch.setattr(train_unet, "MAX_EPOCH_SAMPLES", 10)  # tiling: 4 images of 160x200 in 64 px, 12 each
+    with pytest.raises(UserError, match=r"^tiling each image once at image_size=64 makes 48 patches per epoch from 4 "
+                                        r"image\(s\), more than 10: set patches_per_image=2 or less$"):
+        train_unet.prepare_data(patch_config(make_cfg, scenes))
+
+
 @pytest.mark.cuda
 def test_whole_image_counts_taken_on_the_cpu_add_up_on_the_gpu():
     """Patch-mode validation counts whole images on the CPU and moves only the counts to the device."""
