@@ -6886,8 +6886,9 @@ def predict_intensity_range(cfg, opts):
 
 class InputNotes:
     """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
-    a range (sixteen_bit_input), an 8-bit image that a given intensity_range= does not touch (8-bit
-    images are divided by 255 whatever the range, as in training: scale_image), and an image whose pixels
+    a range (sixteen_bit_input), an 8-bit or float image that a given intensity_range= does not touch
+    (divided by 255, or mapped by its own min and max, whatever the range, as in training: scale_image),
+    and an image whose pixels
     lie outside the range, given or the checkpoint's (outside_range)."""
 
     def __init__(self, cfg, opts):
@@ -6899,7 +6900,8 @@ class InputNotes:
         if self.outside is None and self.cfg["intensity_range"] is not None:
             self.outside = next(filter(None, (outside_range(path, image) for path, image, _ in batch)), None)
         if self.eight_bit is None and self.opts["intensity_range"] is not None:  # about a range the user gave
-            self.eight_bit = next((path for path, image, _ in batch if image.dtype == np.uint8), None)
+            self.eight_bit = next((path for path, image, _ in batch
+                                   if image.dtype == np.uint8 or float_file(path)), None)
 
     def print(self):
         """The notes, after the last batch."""
@@ -6917,8 +6919,8 @@ class InputNotes:
         if self.eight_bit is not None:
             low, high = self.opts["intensity_range"]
             print(f"note: intensity_range={low:g},{high:g} was not used for {Path(self.eight_bit).name} and any other "
-                  f"8-bit image: the range maps integer images wider than 8 bits, and 8-bit images are divided by "
-                  f"255 as in training")
+                  f"8-bit or float image: the range maps integer images wider than 8 bits; as in training, 8-bit "
+                  f"images are divided by 255 and float images mapped by their own min and max")
         if self.outside is not None:
             (path, share, least, most), (low, high) = self.outside, self.cfg["intensity_range"]
             raw = [f"{low + v * (high - low):.0f}" for v in (least, most)]
@@ -6950,8 +6952,14 @@ def sixteen_bit_input(batch, cfg):
     8-bit file stays uint8), from their header."""
     if cfg["intensity_range"] is not None:
         return None
-    return next((path for path, image, _ in batch
-                 if image.dtype == np.float32 and (image_header(path) or (0, 0, 0))[2] == 2), None)
+    return next((path for path, image, _ in batch if image.dtype == np.float32
+                 and (image_header(path) or (0, 0, 0))[2] == 2 and not float_file(path)), None)
+
+
+def float_file(path):
+    """Whether a file stores floats (a float16/32 TIFF; no other format read here does), which scale_image
+    maps by the image's own min and max, whatever intensity_range."""
+    return is_tiff(path) and getattr(stored_dtype(path), "kind", "u") == "f"
 
 
 def archive_earlier_predictions(paths, out_dir):

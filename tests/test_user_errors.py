@@ -509,6 +509,27 @@ def test_signed_16_bit_images_without_a_range_get_a_note_of_the_range_they_were_
     assert "0-65535" not in out and "intensity_range=0,4095" not in out
 
 
+def test_float_tiffs_get_no_16_bit_note_and_a_range_given_for_them_is_named_as_unused(trained, tmp_path, capsys):
+    """A float16 TIFF has 2 bytes a sample: predict called it 16-bit and advised intensity_range=0,4095, which
+    changed nothing (floats are mapped by their own min and max); a range given for float TIFFs was dropped
+    silently, where for 8-bit images it is named."""
+    import tifffile
+
+    cfg, _ = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pixels = np.random.default_rng(0).random((32, 32), np.float32) * 3
+    tifffile.imwrite(inp / "half.tif", pixels.astype(np.float16))
+    tifffile.imwrite(inp / "single.tif", pixels)
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp), "progress": False}
+    train_unet.predict({**opts, "output": str(tmp_path / "a")})
+    assert "16-bit" not in capsys.readouterr().out
+    train_unet.predict({**opts, "output": str(tmp_path / "b"), "intensity_range": [0, 4095]})
+    assert ("note: intensity_range=0,4095 was not used for half.tif and any other 8-bit or float image: the range "
+            "maps integer images wider than 8 bits; as in training, 8-bit images are divided by 255 and float "
+            "images mapped by their own min and max") in capsys.readouterr().out
+
+
 def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_and_a_key(trained, tmp_path,
                                                                                          capsys):
     """12-bit data in 16-bit files, predicted with a model trained on 8-bit images: scaled from 0-65535,
@@ -527,7 +548,7 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
     out = capsys.readouterr().out
     assert "16-bit" not in out  # the range given: the 12-bit data were scaled by it
     # ... and the 8-bit image beside it, which the range does not touch, is named (it was ignored silently)
-    assert "note: intensity_range=0,4095 was not used for eight.png and any other 8-bit image" in out
+    assert "note: intensity_range=0,4095 was not used for eight.png and any other 8-bit or float image" in out
     (inp / "eight.png").unlink()
     train_unet.predict({**opts, "output": str(tmp_path / "b2"), "intensity_range": [0, 4095]})
     out = capsys.readouterr().out
