@@ -6612,6 +6612,7 @@ def load_predictor(opts, hw):
     onnxruntime (load_exported, IV.4), called alike by the same predict code."""
     if opts["backend"] == "onnxruntime":
         return load_exported(opts["checkpoint"], hw)
+    check_not_run_record(opts["checkpoint"])
     if Path(opts["checkpoint"]).suffix.lower() in (".onnx", ".json"):
         raise UserError(f"checkpoint={opts['checkpoint']} is an exported model: add backend=onnxruntime, or "
                         f"give the PyTorch checkpoint (.pt) it was exported from")
@@ -7888,6 +7889,7 @@ def export(opts):
     check_paths_given(opts, EXPORT_CONFIG)
     onnx_modules("onnxruntime", "onnx")
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides
+    check_not_run_record(opts["checkpoint"])
     if Path(opts["checkpoint"]).suffix.lower() in (".onnx", ".json"):  # it was said to be cut short in a copy
         raise UserError(f"checkpoint={opts['checkpoint']} is already an exported model: give the PyTorch "
                         f"checkpoint (.pt) to export")
@@ -8080,6 +8082,24 @@ def file_sha256(path):
     return digest.hexdigest()
 
 
+def check_not_run_record(path):
+    """checkpoint= naming the config.json a training run writes (a .json, as an export's sidecar is) gets
+    the checkpoint beside it: predict called it an exported model, and with backend=onnxruntime added, as
+    told, 'not a sidecar... export again'."""
+    path = Path(path)
+    if path.suffix.lower() != ".json" or not path.is_file():
+        return
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return  # not a run's record: the sidecar check says what it is
+    if isinstance(record, dict) and "format" not in record and isinstance(record.get("config"), dict) \
+            and "world_size" in record:
+        model = next((path.parent / n for n in ("best.pt", "last.pt") if (path.parent / n).is_file()), None)
+        raise UserError(f"checkpoint={path} is the config.json a training run writes, not a model: give "
+                        + (f"checkpoint={model}" if model else "the run's best.pt or last.pt"))
+
+
 def load_exported(path, hw):
     """predict backend=onnxruntime: (OnnxModel, the run's cfg from the sidecar). Neither the .pt nor
     segmentation_models_pytorch is needed."""
@@ -8120,6 +8140,7 @@ def read_sidecar(path):
     if path.suffix.lower() not in (".onnx", ".json"):
         raise UserError(f"backend=onnxruntime runs an exported model: give checkpoint=model.onnx (python "
                         f"train_unet.py export checkpoint={path} writes it)")
+    check_not_run_record(path)
     sidecar_path = path.with_suffix(".json")
     if not path.exists() and not sidecar_path.exists():  # a typo in the path, not a lost sidecar
         raise UserError(f"checkpoint={path} not found: give the .onnx file (or the folder) export wrote")

@@ -7,6 +7,7 @@ equal" is then not the vacuous all-background.
 """
 import errno
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -382,6 +383,24 @@ def test_exporting_an_exported_model_says_so(binary, tmp_path):
                                                    r"checkpoint \(.pt\) to export$"):
         export(binary["onnx"], tmp_path / "again")
     assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.parametrize("command", ["predict", "predict_onnxruntime", "export"])
+def test_a_training_runs_config_json_given_as_the_checkpoint_names_the_checkpoint_beside_it(binary, tmp_path,
+                                                                                            command):
+    """predict called it an exported model; with backend=onnxruntime added, as told, 'not a sidecar... export
+    again', which could not help."""
+    record = Path(binary["ckpt"]).parent / "config.json"
+    assert record.is_file()
+    message = (rf"^checkpoint={re.escape(str(record))} is the config.json a training run writes, not a model: "
+               rf"give checkpoint={re.escape(str(record.parent / 'best.pt'))}$")
+    with pytest.raises(train_unet.UserError, match=message):
+        if command == "export":
+            export(record, tmp_path / "e")
+        else:
+            backend = {"backend": "onnxruntime"} if command.endswith("onnxruntime") else {}
+            train_unet.predict(predict_opts(record, binary["data"] / "images", tmp_path / "out", **backend))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "e").exists()
 
 
 def test_a_corrupt_onnx_file_is_one_line(binary, tmp_path, hw):
