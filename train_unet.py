@@ -234,6 +234,7 @@ def main(argv=None):
         return 0
     keep_freed_memory()
     printable_file_names()
+    quiet_readers()
     try:
         with sigterm_as_exit():
             return run_command(command, args)
@@ -1277,6 +1278,19 @@ def printable_file_names():
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure") and stream.errors in ("strict", "surrogateescape"):
             stream.reconfigure(errors="backslashreplace")
+
+
+def quiet_readers():
+    """A damaged file gets one line, the script's own (read_image's, or predict's 'failed:'): tifffile also
+    logged '<tifffile.TiffFile ...> contains no pages' up to 4 times a file (each header read), and OpenCV
+    '[ERROR:0@10.6] global loadsave.cpp:568 imread_(...): can't read header: ... Assertion failed', and
+    '<tifffile.TiffPages @8> invalid offset to page 2' at its error level."""
+    import logging
+
+    logging.getLogger("tifffile").setLevel(logging.CRITICAL)  # its errors too: the read says what is wrong
+    opencv_log = getattr(getattr(cv2, "utils", None), "logging", None)
+    if opencv_log is not None:
+        opencv_log.setLogLevel(opencv_log.LOG_LEVEL_FATAL)
 
 
 def keep_freed_memory():
@@ -2938,6 +2952,8 @@ def read_tiff(path, mask=False):
     try:
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
+            if len(plane_size(series)) != 2 or not all(series.shape):  # a damaged file's series without an image
+                return None
             planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
             check_single_image(path, tif, series, planar, "mask" if mask else "image")
             if series.keyframe.photometric in OPENCV_PHOTOMETRICS and not mask:
@@ -6443,7 +6459,9 @@ def tiff_header(path):
     try:
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
-            return (*plane_size(series), series.dtype.itemsize)
+            hw = plane_size(series)
+            # a damaged file's series can have no plane (shape ()): its 1-tuple header took predict down
+            return (*hw, series.dtype.itemsize) if len(hw) == 2 and min(hw) > 0 else None
     except Exception:  # noqa: BLE001 - truncated and mutated files raise struct.error, TypeError, ...
         return None
 

@@ -588,6 +588,28 @@ def test_an_image_whose_name_is_not_utf8_is_read_predicted_and_named(fresh_check
     assert b"Traceback" not in proc.stderr
 
 
+def test_damaged_files_get_predicts_line_alone(fresh_checkpoint, tmp_path, capfd):
+    """A TIFF whose first image has no plane (its series' shape is ()) took predict down with a TypeError
+    from the memory check; tifffile logged '<tifffile.TiffPages @8> invalid offset ...' and '... contains
+    no pages', and OpenCV '[ERROR:0@5.9] global loadsave.cpp ... imread_(...): can't read header', beside
+    the script's own line for each."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write(folder / "ok.png", cv2.imencode(".png", rgb_image())[1].tobytes())
+    write(folder / "planeless.tif", b"II*\x00\x08\x00\x00\x00\x00\x00")
+    write(folder / "empty.tif", b"")
+    write(folder / "header.bmp", b"BM" + b"x" * 40)
+    code = train_unet.main(["predict", f"checkpoint={fresh_checkpoint}", f"input={folder}", f"output={tmp_path / 'out'}",
+                            "progress=False", "cpu_probe=False", "use_amp=False"])
+    out, err = capfd.readouterr()
+    assert code == 1 and sorted(os.listdir(tmp_path / "out")) == ["ok.png"], err[-2000:]
+    failed = sorted(line.strip() for line in out.splitlines() if line.strip().startswith("failed:"))
+    assert failed == [f"failed: cannot read image {folder / name} ({why}): fix or remove it" for name, why in
+                      (("empty.tif", "an empty file"), ("header.bmp", "corrupt or not an image"),
+                       ("planeless.tif", "corrupt or not an image"))]
+    assert err == "", err
+
+
 def test_the_split_record_of_a_name_that_is_not_utf8(tmp_path):
     """Training on such a name: the split's digest hashed the stems as UTF-8 and stopped the run."""
     image = write(Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9.png")), b"x")
