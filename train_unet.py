@@ -5263,6 +5263,16 @@ class SegMetric:
         return self.flat[:self.n * self.n].cpu().view(self.n, self.n).tolist()
 
 
+def score_masks(pred, truth, num_classes):
+    """SegMetric's result for one predicted mask (class indices, as predict writes them) against its truth
+    (read_mask's; void left out): a mask scored as validation scores logits (the notebook's per-image IoU)."""
+    metric, pred = SegMetric(num_classes), torch.as_tensor(np.asarray(pred)).long()
+    logits = (pred > 0).float()[None, None] * 2 - 1 if num_classes == 1 else \
+        nn.functional.one_hot(pred, num_classes).permute(2, 0, 1)[None].float()  # argmax gives pred back
+    metric.update(logits, torch.as_tensor(np.asarray(truth))[None])
+    return metric.compute()
+
+
 class EpochTally:
     """A training pass's loss and IoU/Dice, summed on the device (no host sync per micro-step) and read
     back once, by result(). Non-finite losses count as 0 and are left out of the mean."""

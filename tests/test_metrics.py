@@ -193,3 +193,17 @@ def test_ignored_pixels_count_nowhere():
              torch.where(padded_target == train_unet.IGNORE_INDEX, padded_target, padded_target.clamp(max=1)))):
         loss = train_unet.SegLoss(num_classes)
         assert loss(plg, ptg).item() == pytest.approx(loss(lg, tg).item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("num_classes", [1, 3])
+def test_score_masks_scores_a_predicted_mask_as_validation_scores_its_logits(num_classes):
+    """The notebook's per-image IoU: it counted void (255) as foreground (gt > 0) in class runs."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, num_classes, 12, 10, generator=gen)
+    truth = torch.randint(0, max(2, num_classes), (12, 10), generator=gen)
+    truth[:2] = train_unet.IGNORE_INDEX if num_classes > 1 else truth[:2]
+    pred = (logits[0, 0] > 0).long() if num_classes == 1 else logits[0].argmax(0)
+    validation = SegMetric(num_classes)
+    validation.update(logits, truth[None])
+    assert train_unet.score_masks(pred.numpy().astype("uint8"), truth.numpy().astype("uint8"),
+                                  num_classes) == validation.compute()
