@@ -2498,9 +2498,10 @@ def prepare_data(cfg):
     return train, val
 
 
-# Patches an epoch may hold: its shuffled order takes 8 bytes a patch (torch.randperm, 800 MB here), and at
-# 1,000 patches/s it lasts 28 hours. patches_per_image=10**9 asked randperm for 80 GB, a traceback from torch.
-MAX_EPOCH_SAMPLES = 10**8
+# Patches an epoch may hold: the samplers shuffle with torch.randperm(n).tolist(), about 46 bytes a patch
+# as Python ints (10**7: 460 MB measured), and at 1,000 patches/s such an epoch lasts 2.8 hours.
+# patches_per_image=10**9 asked randperm for 80 GB, a traceback from torch.
+MAX_EPOCH_SAMPLES = 10**7
 
 
 def check_enough_samples(train, cfg):
@@ -4264,28 +4265,37 @@ MIN_SCALED_SIDE = 8  # px: an image patch_scale shrinks below this on a side has
 
 
 def patches_of_padding(train, cfg):
-    """Patch mode, from the data check's sizes: a UserError where patch_scale shrinks an image below
-    MIN_SCALED_SIDE on a side (0.01 made 64 px images 1 px, unsaid); a note where every training image
-    covers less than half a patch, so patches are mostly padding (left out of the loss)."""
-    if cfg["data_mode"] != "patch" or not train:
+    """Patch mode, from the data check's sizes, as a run begins (a resume keeps both keys): a UserError where
+    patch_scale shrinks an image below MIN_SCALED_SIDE on a side (check_scaled_sides); a note where every
+    training image covers less than half a patch, so patches are mostly padding (left out of the loss),
+    naming the largest image_size at which one covers half, if any."""
+    if cfg["data_mode"] != "patch" or not train or cfg["resume"]:
         return None
     scale, size, sizes = cfg["patch_scale"], cfg["image_size"], image_sizes(train, cfg)
+    check_scaled_sides(train, sizes, scale)
     scaled = [scaled_size(hw, scale) for hw in sizes]
-    small = min(range(len(train)), key=lambda i: min(scaled[i]))
-    if min(scaled[small]) < MIN_SCALED_SIDE <= min(sizes[small]):
-        least = math.ceil(100 * MIN_SCALED_SIDE / min(sizes[small])) / 100
-        raise UserError(f"patch_scale={scale:g} shrinks {train[small][0]} ({sizes[small][1]}x{sizes[small][0]}) "
-                        f"to {scaled[small][1]}x{scaled[small][0]} px, too small to hold a shape: use "
-                        f"patch_scale={least:g} or more ({MIN_SCALED_SIDE} px on its shorter side)")
     cover = [min(h, size) * min(w, size) / size ** 2 for h, w in scaled]
     if max(cover) >= 0.5:
         return None
     h, w = scaled[cover.index(max(cover))]
-    fits = max(32, max(h, w) // 32 * 32)
+    fits = next((s for s in range(size - 32, 31, -32)
+                 if max(min(a, s) * min(b, s) for a, b in scaled) >= s * s / 2), None)
+    fixes = [f"set image_size={fits}"] * (fits is not None) + ["raise patch_scale"] * (scale < 1) + ["use data_mode=fit"]
     at = f" at patch_scale={scale:g}" if scale != 1 else ""
     return (f"note:{at} every training image covers less than half a {size}x{size} patch (the largest: {w}x{h} px), "
-            f"so most of each patch is padding, computed and left out of the loss: set image_size={fits}"
-            f"{' or raise patch_scale' if scale < 1 else ''}, or use data_mode=fit")
+            f"so most of each patch is padding, computed and left out of the loss: {', or '.join(fixes)}")
+
+
+def check_scaled_sides(train, sizes, scale):
+    """No image patch_scale shrinks below MIN_SCALED_SIDE on a side (0.01 made 64 px images 1 px, unsaid);
+    an image already that small as stored is the user's data, and does not hide a larger one shrunk."""
+    shrunk = [i for i, hw in enumerate(sizes) if min(hw) >= MIN_SCALED_SIDE > min(scaled_size(hw, scale))]
+    if shrunk:
+        i = min(shrunk, key=lambda i: min(sizes[i]))
+        (h, w), least = scaled_size(sizes[i], scale), math.ceil(100 * MIN_SCALED_SIDE / min(sizes[i])) / 100
+        raise UserError(f"patch_scale={scale:g} shrinks {train[i][0]} ({sizes[i][1]}x{sizes[i][0]}) to {w}x{h} px, "
+                        f"too small to hold a shape: use patch_scale={least:g} or more ({MIN_SCALED_SIDE} px on its "
+                        f"shorter side)")
 
 
 def patch_counts(sizes, cfg):

@@ -323,6 +323,23 @@ def test_too_few_patches_for_a_batch_is_a_clear_error(make_cfg, scenes):
         train_unet.prepare_data(cfg)
 
 
+def test_the_padding_note_never_advises_a_larger_image_size_and_an_image_small_as_stored_hides_none(monkeypatch):
+    """Review: a 100x1000 strip at image_size=256 was told image_size=992 (from its longer side), where it
+    covers less; a 4x4 image, small as stored, hid a 100x100 one that patch_scale=0.05 shrank to 5x5."""
+    cfg = {"data_mode": "patch", "resume": False, "patch_scale": 1.0, "image_size": 256}
+    note = lambda sizes, **kw: train_unet.patches_of_padding([(f"{i}.png", "m.png") for i in range(len(sizes))],  # noqa: E731
+                                                             {**cfg, **kw})
+    monkeypatch.setattr(train_unet, "image_sizes", lambda pairs, cfg: sizes)
+    sizes = [(100, 1000)]
+    assert note(sizes).endswith("(the largest: 1000x100 px), so most of each patch is padding, computed and left out "
+                                "of the loss: set image_size=192, or use data_mode=fit")  # 100 of 192 rows: 52 %
+    sizes = [(10, 1000)]
+    assert note(sizes).endswith("loss: use data_mode=fit")  # 10 rows cover under half of any patch
+    sizes = [(4, 4), (100, 100)]
+    with pytest.raises(UserError, match=r"^patch_scale=0.05 shrinks 1.png \(100x100\) to 5x5 px"):
+        note(sizes, patch_scale=0.05)
+
+
 def test_a_patch_scale_that_shrinks_images_to_a_few_pixels_is_a_one_line_error(make_cfg, scenes):
     """160x200 scenes at patch_scale=0.02 would train on 3x4 px images, unsaid; 0.05 gives 8x10."""
     with pytest.raises(UserError, match=r"patch_scale=0.02 shrinks \S+scene_\d.png \(200x160\) to 4x3 px, too small "
@@ -334,10 +351,11 @@ def test_a_patch_scale_that_shrinks_images_to_a_few_pixels_is_a_one_line_error(m
 @pytest.mark.parametrize("settings, note", [
     ({"image_size": 448}, "note: every training image covers less than half a 448x448 patch (the largest: 200x160 "
                           "px), so most of each patch is padding, computed and left out of the loss: set "
-                          "image_size=192, or use data_mode=fit"),
+                          "image_size=224, or use data_mode=fit"),
     ({"image_size": 256, "patch_scale": 0.5}, "note: at patch_scale=0.5 every training image covers less than half "
                                               "a 256x256 patch (the largest: 100x80 px)"),
     ({"image_size": 224}, None),  # 160x200 of 224x224: 64 % of the patch is image
+    ({"image_size": 448, "resume": True}, None),  # a resume keeps image_size: no advice to change it
     ({"image_size": 448, "data_mode": "fit"}, None),
 ])
 def test_patches_that_would_be_mostly_padding_get_a_note(make_cfg, scenes, capsys, settings, note):
@@ -349,7 +367,7 @@ def test_patches_that_would_be_mostly_padding_get_a_note(make_cfg, scenes, capsy
 def test_an_epoch_of_more_patches_than_memory_holds_is_a_one_line_error(make_cfg, scenes, monkeypatch):
     """patches_per_image=10**9: torch.randperm asked for 80 GB, a traceback once the run had begun."""
     with pytest.raises(UserError, match=r"^patches_per_image=1000000000 makes 4,000,000,000 patches per epoch from 4 "
-                                        r"image\(s\), more than 100,000,000: set patches_per_image=25000000 or less$"):
+                                        r"image\(s\), more than 10,000,000: set patches_per_image=2500000 or less$"):
         train_unet.prepare_data(patch_config(make_cfg, scenes, patches_per_image=10**9))
     monkeypatch.setattr(train_unet, "MAX_EPOCH_SAMPLES", 10)  # tiling: 4 images of 160x200 in 64 px, 12 each
     with pytest.raises(UserError, match=r"^tiling each image once at image_size=64 makes 48 patches per epoch from 4 "
