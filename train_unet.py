@@ -428,7 +428,10 @@ def train(cfg, explicit=()):
     win over the preset (apply_preset).
     """
     with checkpoint_dir_held():  # no other run writes into this run's checkpoint folder meanwhile
-        cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
+        try:
+            cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
+        finally:  # a start-up stopped by an error leaves no facts a later call could take (start_up_facts)
+            CHECKED_HERE.clear()
         epoch = run.epoch + 1
         while epoch <= cfg["epochs"]:
             snapshot = rollback_point(run, cfg)  # the last known-good state, on the host (nan_guard)
@@ -3409,9 +3412,10 @@ def checked_facts(paths, cfg, write, share=False):
 
 
 def start_up_facts(pairs, cfg):
-    """{path: facts} for the pairs' files: this start-up's own (CHECKED_HERE) where its check holds them all,
-    so each later question (the intensity range, class counts, cache size...) neither stats every file nor
-    loads the caches again; else from checked_facts (a caller outside a start-up: a tool, a notebook)."""
+    """{path: facts} for the pairs' files: this start-up's own (CHECKED_HERE, held from check_pairs until the
+    loaders are built or the start-up fails) where its check holds them all, so each later question (the
+    intensity range, class counts, cache size...) neither stats every file nor loads the caches again; else
+    from checked_facts (a caller outside a start-up: a tool, a notebook)."""
     paths = [os.path.abspath(p) for pair in pairs for p in pair]
     images = paths[::2]
     if all(p in CHECKED_HERE for p in paths) and \
@@ -6927,8 +6931,7 @@ class InputNotes:
     """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
     a range (sixteen_bit_input), an 8-bit or float image that a given intensity_range= does not touch
     (divided by 255, or mapped by its own min and max, whatever the range, as in training: scale_image),
-    and an image whose pixels
-    lie outside the range, given or the checkpoint's (outside_range)."""
+    and an image whose pixels lie outside the range, given or the checkpoint's (outside_range)."""
 
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, None, None, None
@@ -8125,11 +8128,11 @@ def check_not_run_record(path):
     the checkpoint beside it: predict called it an exported model, and with backend=onnxruntime added, as
     told, 'not a sidecar... export again'."""
     path = Path(path)
-    if path.suffix.lower() != ".json" or not path.is_file():
+    if path.suffix.lower() != ".json" or not path.is_file() or path.stat().st_size > 2**20:  # a record is a few kB
         return
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return  # not a run's record: the sidecar check says what it is
     if isinstance(record, dict) and "format" not in record and isinstance(record.get("config"), dict) \
             and "world_size" in record:

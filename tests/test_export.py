@@ -403,6 +403,14 @@ def test_a_training_runs_config_json_given_as_the_checkpoint_names_the_checkpoin
     assert not (tmp_path / "out").exists() and not (tmp_path / "e").exists()
 
 
+def test_a_deeply_nested_json_given_as_the_checkpoint_is_still_one_line(binary, tmp_path):
+    """Review: check_not_run_record parsed it and raised RecursionError, a traceback."""
+    odd = tmp_path / "odd.json"
+    odd.write_text("[" * 200000)
+    with pytest.raises(train_unet.UserError, match="is an exported model: add backend=onnxruntime"):
+        train_unet.predict(predict_opts(odd, binary["data"] / "images", tmp_path / "out"))
+
+
 def test_a_corrupt_onnx_file_is_one_line(binary, tmp_path, hw):
     bad = tmp_path / "model.onnx"
     bad.write_bytes(b"\x08\x07garbage" * 50)

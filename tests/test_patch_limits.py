@@ -361,6 +361,17 @@ def test_a_start_up_stats_each_file_once(make_cfg, monkeypatch, mode):
     assert len(stamped) == 24 and set(stamped.values()) == {1}, stamped
 
 
+def test_a_failed_start_up_leaves_no_facts_behind(make_cfg, monkeypatch):
+    """start_up_facts trusts CHECKED_HERE without statting: a start-up stopped after the data check must not
+    leave its facts for a later call in the same process (a notebook) to take once files have changed."""
+    def stop(*args):
+        raise UserError("stopped after the data check")
+    monkeypatch.setattr(train_unet, "build_loaders", stop)
+    with pytest.raises(UserError, match="stopped after the data check"):
+        train_unet.train(make_cfg())
+    assert train_unet.CHECKED_HERE == {}
+
+
 def test_the_start_ups_facts_are_let_go_once_the_loaders_are_built(make_cfg):
     cfg = make_cfg()
     train, val = train_unet.prepare_data(cfg)
