@@ -2802,7 +2802,8 @@ def read_image(path, channels, intensity_range=None):
 
 def decode_image(path, channels=3):
     """Pixels at their stored depth, RGB order. TIFF goes through tifffile, the field's reader,
-    which also tells multi-page stacks apart; OpenCV reads the rest (and LZW TIFFs tifffile cannot)."""
+    which also tells multi-page stacks apart; OpenCV reads the rest, and the TIFFs read_tiff leaves to it
+    (palette colours, CMYK), which OpenCV's TIFF decoder turns by their Orientation tag whatever the flags."""
     image = read_tiff(path) if is_tiff(path) else None
     if image is None:
         # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
@@ -2964,7 +2965,11 @@ def read_tiff(path, mask=False):
                 return None
             try:
                 image = series.asarray()  # level 0
-            except (ValueError, NotImplementedError, KeyError):
+            except (ValueError, NotImplementedError, KeyError) as exc:
+                if "imagecodecs" in str(exc):  # OpenCV would read it turned by its Orientation tag, a palette as colours
+                    raise UserError(f"cannot read {'mask' if mask else 'image'} {path}: its compression "
+                                    f"({series.keyframe.compression.name}) needs the imagecodecs package: pip install "
+                                    f"imagecodecs (requirements.txt has it)") from None
                 return None
             except Exception as exc:  # noqa: BLE001 - damaged data: zlib.error, imagecodecs' errors, EOFError
                 raise UserError(f"cannot read {'mask' if mask else 'image'} {path} (corrupt TIFF data: "

@@ -532,6 +532,40 @@ def test_a_truncated_compressed_tiff_is_one_line_not_a_traceback(tmp_path):
                                                          r"or remove it")
 
 
+@pytest.mark.parametrize("orientation", [3, 6])
+def test_lzw_tiffs_are_read_as_stored_whatever_their_orientation_tag(tmp_path, orientation):
+    """Without imagecodecs tifffile cannot decode LZW and OpenCV read them: turned by the Orientation tag
+    (3: a half turn, silently against its mask drawn as stored), or refused as corrupt (6). tifffile, with
+    imagecodecs (requirements.txt), reads them as stored."""
+    image = rgb_image(32, 64)
+    path = tmp_path / "o.tif"
+    Image.fromarray(image).save(path, compression="tiff_lzw", tiffinfo={0x0112: orientation})
+    assert np.array_equal(train_unet.read_image(path, 3), image)
+
+
+def test_an_lzw_palette_tiff_mask_is_read_by_its_indices(tmp_path):
+    """VOC colours in an LZW TIFF: without imagecodecs OpenCV expanded the palette ('is a colour image')."""
+    indices = np.zeros((16, 16), np.uint8)
+    indices[:, 5:] = 1
+    indices[:, 10:] = 2
+    indices[0] = 255
+    mask = Image.fromarray(indices, "P")
+    mask.putpalette([0, 0, 0, 128, 0, 0, 0, 128, 0] + [0] * 756 + [224, 224, 192])
+    mask.save(tmp_path / "m.tif", compression="tiff_lzw")
+    assert np.array_equal(train_unet.read_mask(tmp_path / "m.tif", 3), indices)
+
+
+def test_a_tiff_whose_codec_is_missing_names_imagecodecs(tmp_path, monkeypatch):
+    path = tmp_path / "o.tif"
+    Image.fromarray(rgb_image()).save(path, compression="tiff_lzw")
+
+    def no_codec(self, *args, **kwargs):
+        raise ValueError("<COMPRESSION.LZW: 5> requires the 'imagecodecs' package")  # tifffile's words
+    monkeypatch.setattr(tifffile.TiffPageSeries, "asarray", no_codec)
+    one_line_error(train_unet.read_image, path, 3, match=r"^cannot read image .*o.tif: its compression \(LZW\) needs "
+                                                         r"the imagecodecs package: pip install imagecodecs")
+
+
 def test_a_truncated_jpeg_is_refused_and_a_whole_one_with_a_trailer_is_read(tmp_path):
     """libjpeg decodes a cut JPEG with grey for the missing rows and only a warning; a JPEG with bytes after
     its end (a camera's trailer, a motion photo's video) is whole, and an EXIF-turned one still upright."""
