@@ -3213,6 +3213,9 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
+    if Path(path).suffix.lower() in JPEG_EXTS:  # its noise could pass as classes: "set num_classes=3" led there
+        raise UserError(f"mask {path} is a JPEG: its lossy compression changes class indices along every edge "
+                        f"(values {format_values(sorted(values))}), so it cannot hold classes exactly: save masks as PNG")
     odd = not_class_indices(values)
     if odd:
         fix = (f"mark ignored pixels with {IGNORE_INDEX}, not negative values" if odd[0] < 0 else
@@ -3257,7 +3260,7 @@ def format_values(values, limit=8):
 def mask_hint(path, dtype, values):
     if np.dtype(dtype) != np.uint8:
         return f"this {dtype} mask needs saving as 8-bit 0/255 or 0/1"
-    if Path(path).suffix.lower() in (".jpg", ".jpeg"):
+    if Path(path).suffix.lower() in JPEG_EXTS:
         return "JPEG blurs the edges: save masks as PNG"
     classes = values - {IGNORE_INDEX}
     if len(classes) <= 16 and max(classes) < 16:

@@ -474,13 +474,13 @@ def test_atomic_writes_get_the_usual_permissions_and_leave_nothing_behind(tmp_pa
 
 @pytest.mark.parametrize("dtype", [np.int16, np.int32, np.float64])
 def test_colour_tiffs_opencv_reads_in_any_depth_come_out_rgb(tmp_path, monkeypatch, dtype):
-    """OpenCV reads some TIFFs tifffile cannot (LZW without imagecodecs); cvtColor has no signed
+    """OpenCV reads the TIFFs read_tiff leaves to it (CMYK, palette colours); cvtColor has no signed
     16/32-bit or float64 kernels, so their BGR -> RGB swap must not depend on it."""
     rgb = np.zeros((6, 5, 3), dtype)
     rgb[..., 0], rgb[..., 1], rgb[..., 2] = 300, 20, 1
     path = tmp_path / "scene.tif"
     assert cv2.imwrite(str(path), rgb[..., ::-1].copy())
-    monkeypatch.setattr(train_unet, "read_tiff", lambda *a, **k: None)  # as for an LZW file tifffile cannot decode
+    monkeypatch.setattr(train_unet, "read_tiff", lambda *a, **k: None)  # as for a TIFF left to OpenCV
     image = train_unet.decode_image(path, 3)
     assert image.dtype == dtype and np.array_equal(image, rgb)
 

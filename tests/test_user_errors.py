@@ -125,6 +125,20 @@ def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, mak
     assert "hold only 0 and 255" not in capsys.readouterr().out
 
 
+def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, make_cfg):
+    """JPEG's edge noise in 0/1 class masks read 'holds class 2 ...: set num_classes=3', which then trained on
+    that noise as a class; noise within num_classes trained silently."""
+    root = make_data("jpeg", count=12, size=32, num_classes=3)
+    for mask in sorted((root / "masks").iterdir()):
+        cv2.imwrite(str(mask.with_suffix(".jpg")), cv2.imread(str(mask), cv2.IMREAD_UNCHANGED), [cv2.IMWRITE_JPEG_QUALITY, 90])
+        mask.unlink()
+    for classes in (3, 254):  # 254: nearly every value JPEG can make is a class index
+        message = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), num_classes=classes, batch_size=2),
+                                 match=r"mask .*\.jpg is a JPEG: its lossy compression changes class indices along "
+                                       r"every edge \(values \[0, 1, 2")
+        assert message.endswith("so it cannot hold classes exactly: save masks as PNG") and "num_classes=" not in message
+
+
 def test_one_odd_mask_in_a_binary_set_is_named_as_the_fix_not_num_classes(make_data, make_cfg, capsys):
     """Eleven 0/255 masks and one 0/2: the error advised num_classes=3, which made 255 void in the eleven
     (their foreground ignored) without a word, and the absent-class note then advised num_classes=3 again."""
