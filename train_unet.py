@@ -6253,7 +6253,7 @@ def predict(opts):
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
-    moved = archive_earlier_predictions(paths, out_dir)
+    moved = archive_earlier_predictions(paths, out_dir, opts["overlay"])
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tile(s) per forward" if cfg["data_mode"] == "patch" else "")
     weights = f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg["ema_decay"] is not None else ""
@@ -7012,14 +7012,31 @@ def float_file(path):
     return is_tiff(path) and getattr(stored_dtype(path), "kind", "u") == "f"
 
 
-def archive_earlier_predictions(paths, out_dir):
+def check_no_unpaired_masks(paths, out_dir, overlay):
+    """output= a data set's masks folder (beside its images/): a mask there of an image not in images/, or an
+    overlay, is a mask without a partner, which stopped the next training run ('1 file(s) have no partner').
+    Masks of the data set's own images (pseudo-labels) may go there: archive_earlier_predictions refuses
+    those that would replace ground truth."""
+    images = out_dir.parent / "images"
+    if out_dir.name != "masks" or not images.is_dir():
+        return
+    stems = {p.stem for p in images.iterdir() if p.suffix.lower() in IMAGE_EXTS}
+    stray = next((p for p in paths if p.stem not in stems), None)
+    if stray is not None or overlay:
+        what = f"{stray.name} is not one of its images" if stray else "overlay=True writes <name>_overlay.png there"
+        raise UserError(f"output={out_dir} is a data set's masks folder (beside {images}), and {what}: a mask without "
+                        f"an image there stops the next training run; choose another output=... folder")
+
+
+def archive_earlier_predictions(paths, out_dir, overlay=False):
     """An earlier predict's mask and overlay of any of these images move to <out_dir>/previous/<time>/
     (archive_previous_run), so no result is lost, and a mask never stands beside an older run's overlay
     of the same image. Masks of other images stay. A file of such a name that predict did not write is
     refused before anything moves: output=data/masks would otherwise move the ground truth aside and put
     predictions in its place, which the next training run learns from. Returns the folder, or None. The
-    folder is checked writable first."""
+    folder is checked writable first, and checked not to be a data set's masks folder it would spoil."""
     check_writable(out_dir)
+    check_no_unpaired_masks(paths, out_dir, overlay)
     names = [name for p in paths for name in prediction_names(p)]
     there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]
     foreign = [name for name in there if not ((out_dir / name).is_file() and written_by_predict(out_dir / name))]

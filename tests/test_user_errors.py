@@ -439,6 +439,29 @@ def test_predict_into_a_folder_of_ground_truth_masks_is_refused_and_moves_nothin
     assert (folders / f"{first.stem}.png" / "notes.txt").read_text() == "mine" and not (folders / "previous").exists()
 
 
+def test_predict_writes_no_unpaired_mask_into_a_data_sets_masks_folder(trained, tmp_path):
+    """A photo from elsewhere predicted into data/masks: its mask had no image there, and the next training
+    run stopped ('1 file(s) have no partner'). The data set's own images (pseudo-labels) may go there."""
+    cfg, data = trained
+    gt = tmp_path / "gt"
+    shutil.copytree(data, gt)
+    photo = tmp_path / "photo.png"
+    shutil.copy(sorted((gt / "images").iterdir())[0], photo)
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(photo),
+            "output": str(gt / "masks"), "progress": False}
+    before = sorted(p.name for p in (gt / "masks").iterdir())
+    one_line_error(train_unet.predict, opts, match=f"^output={re.escape(str(gt / 'masks'))} is a data set's masks folder "
+                   f"\\(beside {re.escape(str(gt / 'images'))}\\), and photo.png is not one of its images: a mask without "
+                   f"an image there stops the next training run; choose another output=... folder$")
+    assert sorted(p.name for p in (gt / "masks").iterdir()) == before
+    own = tmp_path / "own"  # pseudo-labels: the images' own masks folder, still empty
+    (own / "images").mkdir(parents=True)
+    shutil.copy(photo, own / "images" / "photo.png")
+    assert train_unet.predict({**opts, "input": str(own / "images"), "output": str(own / "masks")})["predicted"] == 1
+    one_line_error(train_unet.predict, {**opts, "input": str(own / "images"), "output": str(own / "masks"),
+                                        "overlay": True}, match="overlay=True writes <name>_overlay.png there")
+
+
 def test_a_file_named_previous_where_earlier_results_are_kept_is_a_one_line_error(trained, tmp_path):
     """predict (and training, export, the benchmark: archive_previous_run) moves earlier results into
     previous/<time>/; a file named previous stopped it with NotADirectoryError's traceback."""
