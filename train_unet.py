@@ -2494,7 +2494,7 @@ def prepare_data(cfg):
         if note and DIST.is_main:
             print(note)
     check_pairs(train + val, cfg)
-    for note in (nothing_to_score(val, cfg), patches_of_padding(train, cfg)):
+    for note in (nothing_to_score(val, cfg), classes_only_in_val(train, val, cfg), patches_of_padding(train, cfg)):
         if note and DIST.is_main:
             print(note)
     check_enough_samples(train, cfg)
@@ -2571,6 +2571,21 @@ def largest_val_fraction(count, cfg):
     most = math.floor(100 * (count - keep) / count) / 100  # two decimals that leave `keep`
     smaller = f", with batch_size={keep} or less" if keep < need else ""
     return f"use val_fraction={most:g} or less (e.g. 0.2){smaller}"
+
+
+def classes_only_in_val(train, val, cfg):
+    """A note where validation masks hold a class no training mask holds: the model cannot learn it, and
+    val_iou averages its IoU, 0 unless the model predicts it by chance. From the data check's facts."""
+    if cfg["num_classes"] < 2 or not val:
+        return None
+    held = lambda pairs: set().union(*(CHECKED_HERE[os.path.abspath(m)]["values"] for _, m in pairs))  # noqa: E731
+    only = sorted(held(val) - held(train) - {IGNORE_INDEX})
+    if not only:
+        return None
+    fix = ("move images holding them into train/" if (Path(cfg["data_dir"]) / "val").is_dir() else
+           "change seed or val_fraction, or add images holding them")
+    return (f"note: class(es) {', '.join(map(str, only))} appear in validation masks but in no training mask: the "
+            f"model cannot learn them, and val_iou averages their IoU, 0 unless predicted by chance; {fix}")
 
 
 def nothing_to_score(val, cfg):

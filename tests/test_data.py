@@ -668,6 +668,27 @@ def test_a_validation_set_with_nothing_to_find_gets_a_note(make_cfg, make_data, 
     assert "validation mask" not in capsys.readouterr().out  # one mask with a class to find is enough
 
 
+def test_a_class_only_the_validation_masks_hold_gets_a_note(make_cfg, make_data, capsys):
+    """Class 2 in val masks only: the model cannot learn it and val_iou averages its 0, with no word."""
+    root = make_data("val_only", num_classes=3)
+    cfg = make_cfg(data_dir=str(root), num_classes=3)
+    train, val = train_unet.split_pairs(cfg)
+    for _, mask in train:
+        pixels = cv2.imread(str(mask), cv2.IMREAD_UNCHANGED)
+        cv2.imwrite(str(mask), np.where(pixels == 2, 1, pixels).astype(np.uint8))
+    pixels = cv2.imread(str(val[0][1]), cv2.IMREAD_UNCHANGED)
+    pixels[:4, :4] = 2
+    cv2.imwrite(str(val[0][1]), pixels)
+    train_unet.prepare_data(cfg)
+    assert ("note: class(es) 2 appear in validation masks but in no training mask: the model cannot learn them, and "
+            "val_iou averages their IoU, 0 unless predicted by chance; change seed or val_fraction, or add images "
+            "holding them") in capsys.readouterr().out
+    for _, mask in val:
+        cv2.imwrite(str(mask), np.minimum(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED), 1).astype(np.uint8))
+    train_unet.prepare_data(cfg)
+    assert "in no training mask" not in capsys.readouterr().out
+
+
 def test_a_folder_named_like_an_image_is_skipped_as_the_note_says(make_cfg, data_dir, capsys):
     """The note said images/sub.png/ was not read, and the next line stopped the run on it as 'a folder,
     not an image'."""
