@@ -1278,6 +1278,8 @@ def printable_file_names():
     surrogates) stopped print with UnicodeEncodeError where stdout's encoding is strict (a UTF-8 locale
     such as en_US.UTF-8); such characters are now printed as escapes, on both streams: in the C locale
     stdout wrote the raw bytes (surrogateescape) where stderr, the errors' stream, wrote escapes."""
+    # The trade-off: escapes are one way to read on every terminal and log, but a script piping the output
+    # no longer gets the name's bytes (os.listdir does).
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure") and stream.errors in ("strict", "surrogateescape"):
             stream.reconfigure(errors="backslashreplace")
