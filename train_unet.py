@@ -3193,11 +3193,13 @@ def palette_indices(path):
             indices, palette = np.asarray(image), palette_entries(image)
     except (OSError, SyntaxError, ValueError):
         return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
-    if indices.size and indices.max() < len(palette) and all_grey(palette):
+    if indices.size and indices.max() < len(palette) < 256 and all_grey(palette):
         # An all-gray palette covering every index is a gray mask stored compactly (PNG optimisers do
-        # this): its gray values are the mask, as an image viewer shows it, whatever order the entries
-        # have. Indices past the palette's end (Pillow writes a one-entry palette for mode "P" unless
-        # given one) are class indices saved without a palette: kept as they are.
+        # this, with the levels used and no more): its gray values are the mask, as an image viewer shows
+        # it, whatever order the entries have. A full 256-entry one is a display table (ImageJ's inverting
+        # LUT shows 255 black): its indices are the data, as for a colour palette. Indices past the
+        # palette's end (Pillow writes a one-entry palette for mode "P" unless given one) are class
+        # indices saved without a palette: kept as they are.
         return palette[indices, 0]
     return indices
 

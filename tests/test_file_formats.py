@@ -499,6 +499,16 @@ def test_a_gray_palette_png_is_read_as_its_gray_values(tmp_path):
     assert np.array_equal(train_unet.decode_mask(tmp_path / "colour.png"), (values == 0).astype(np.uint8))
 
 
+def test_a_mask_with_a_full_inverted_grey_lut_is_read_by_its_indices(tmp_path):
+    """ImageJ's inverting LUT (256 greys, entry i = 255 - i) shows foreground 255 black: read by its grey
+    values, foreground and background swapped silently."""
+    values = np.array([[0, 255, 255], [0, 0, 255]], np.uint8)
+    mask = Image.fromarray(values, mode="P")
+    mask.putpalette([255 - i for i in range(256) for _ in range(3)])
+    mask.save(tmp_path / "inverted.png")
+    assert np.array_equal(train_unet.decode_mask(tmp_path / "inverted.png"), values)
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc (Linux)")
 def test_the_umask_is_read_without_setting_it(monkeypatch):
     """Setting the umask to read it would race with other threads creating files (TensorBoard's writer)."""
