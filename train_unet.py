@@ -3290,10 +3290,11 @@ def mask_hint(path, dtype, values):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 7  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 8  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
-                         # (colour_read_as_grey)
+                         # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
+                         # LZW TIFFs by tifffile, as stored (imagecodecs)
 
 
 def check_pairs(pairs, cfg):
