@@ -3294,7 +3294,8 @@ CHECK_CACHE_VERSION = 8  # 2: stamps with ctime (file_stamp); 3: images' dtype a
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
-                         # LZW TIFFs by tifffile, as stored (imagecodecs)
+                         # LZW TIFFs by tifffile, as stored (imagecodecs); a TIFF's extra channel that is
+                         # not alpha (extra_channels_dropped)
 
 
 def check_pairs(pairs, cfg):
@@ -3329,7 +3330,7 @@ def check_pairs(pairs, cfg):
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1")
     notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg),
-             colour_read_as_grey(pairs, facts)]
+             colour_read_as_grey(pairs, facts), extra_channels_dropped(pairs, facts)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
 
@@ -3360,6 +3361,17 @@ def colour_read_as_grey(pairs, facts):
     return (f"note: {len(colour)} of {len(pairs)} image(s) hold colour (e.g. {Path(colour[0]).name}) but "
             f"in_channels=1 reads them as grey, their luminance; if colour tells the classes apart, set "
             f"in_channels=3")
+
+
+def extra_channels_dropped(pairs, facts):
+    """A note where images hold a channel the model never sees that is not alpha (extra_channel_not_alpha):
+    RGB + near-infrared trained on the RGB alone, unsaid, where the near-infrared told the classes apart."""
+    extra = [image for image, _ in pairs if facts[os.path.abspath(image)].get("extra")]
+    if not extra:
+        return None
+    return (f"note: {len(extra)} of {len(pairs)} image(s) hold a channel that is not alpha beside their grey or RGB "
+            f"(e.g. {Path(extra[0]).name}: a TIFF extra sample such as near-infrared), and it is dropped: the model "
+            f"takes in_channels=1 or 3; if it tells the classes apart, save it in place of one of those")
 
 
 def exif_turned_images(pairs, facts):
@@ -3478,7 +3490,24 @@ def image_facts(path, channels):
         facts["orientation"] = orientation
     if channels == 1 and holds_colour(path, values):
         facts["colour"] = True  # read as grey all the same (to_channels, the decoder): colour_read_as_grey
+    if extra_channel_not_alpha(path, image):
+        facts["extra"] = True  # dropped all the same (without_alpha): extra_channels_dropped
     return facts
+
+
+def extra_channel_not_alpha(path, image):
+    """Whether the channel without_alpha drops, a grey image's 2nd or an RGB image's 4th, is a TIFF's extra
+    sample declared no alpha ('unspecified', or undeclared): near-infrared, a second band."""
+    if image.ndim != 3 or image.shape[2] not in (2, 4) or not is_tiff(path):
+        return False
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            extra = tuple(tif.series[0].keyframe.extrasamples)
+    except Exception:  # noqa: BLE001 - as tiff_header: the read itself has succeeded
+        return False
+    return not extra or int(extra[0]) == 0
 
 
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")  # Pillow's modes of grey files
@@ -3619,7 +3648,8 @@ def entry_valid(entry, mask):
         return False
     if not mask:  # an image: a value range (image_facts) is a pair of whole numbers, low <= high
         span = entry.get("range")
-        if entry.get("orientation") not in (None, *EXIF_TURNS) or entry.get("colour") not in (None, True):
+        if entry.get("orientation") not in (None, *EXIF_TURNS) or entry.get("colour") not in (None, True) \
+                or entry.get("extra") not in (None, True):
             return False
         return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
                                 and span[0] <= span[1])
