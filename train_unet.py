@@ -3295,7 +3295,7 @@ CHECK_CACHE_VERSION = 8  # 2: stamps with ctime (file_stamp); 3: images' dtype a
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
                          # LZW TIFFs by tifffile, as stored (imagecodecs); a TIFF's extra channel that is
-                         # not alpha (extra_channels_dropped)
+                         # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour)
 
 
 def check_pairs(pairs, cfg):
@@ -3515,7 +3515,7 @@ GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")  # Pillow's mo
 
 def holds_colour(path, decoded):
     """Whether an image read for in_channels=1 holds colour that grey drops: channels that differ by more
-    than 3 levels of 255 anywhere (a grey image saved as RGB, JPEG's rounding included, does not). A TIFF
+    than 3 levels of 255 of its span anywhere (a grey image saved as RGB, JPEG's rounding included, does not). A TIFF
     comes decoded in colour; a file whose header says grey is not decoded again; others are, in colour."""
     if decoded.ndim == 3 or is_tiff(path):
         colour = decoded
@@ -3525,7 +3525,10 @@ def holds_colour(path, decoded):
         colour = without_alpha(opencv_read(path, cv2.IMREAD_ANYDEPTH | cv2.IMREAD_COLOR, "image"))
     if colour.ndim != 3:
         return False
-    tolerance = 3 * (1 / 255 if colour.dtype.kind == "f" else np.iinfo(colour.dtype).max / 255)
+    # 3 levels of 255 of what scale_image maps to 0-1: an 8-bit image's 0-255; wider ones and floats by their
+    # values' span (12-bit data in 16-bit files spans about 4095, not the type's 65535: 771 levels hid colour)
+    span = 255 if colour.dtype == np.uint8 else float(colour.max()) - float(colour.min())
+    tolerance = 3 * span / 255
     for top in range(0, colour.shape[0], 256):  # in bands: a large scene's float copy stays a band's size
         band = colour[top:top + 256].astype(np.float32)
         if any((np.abs(band[..., c] - band[..., c + 1]) > tolerance).any() for c in (0, 1)):

@@ -537,9 +537,17 @@ def colour_files(root):
         image.save(root / name)
     tifffile.imwrite(root / "colour.tif", colour, photometric="rgb")
     tifffile.imwrite(root / "grey.tif", grey)
+    twelve = (grey.astype(np.uint16) + 300)[..., None].repeat(3, axis=2)  # 12-bit data, 300-555, in 16-bit files
+    cv2.imwrite(str(root / "grey12_as_rgb.png"), twelve)
+    twelve[10:20, 10:20, 1] += 700  # colour only in one channel: 700 levels, under 3/255 of 65535 (771)
+    cv2.imwrite(str(root / "colour12.png"), twelve)
+    floats = grey.astype(np.float32) / 100000  # a float image's span, 0-0.00255, its own min and max map to 0-1
+    tifffile.imwrite(root / "grey_float_as_rgb.tif", np.dstack([floats] * 3), photometric="rgb")
+    tifffile.imwrite(root / "colour_float.tif", np.dstack([floats, floats, floats * 0.5]), photometric="rgb")
     return {"colour.png": True, "grey.png": False, "grey_as_rgb.png": False, "grey_as_rgb.jpg": False,
             "colour.jpg": True, "colour_alpha.png": True, "colour16.png": True, "grey_palette.png": False,
-            "colour_palette.png": True, "colour.tif": True, "grey.tif": False}
+            "colour_palette.png": True, "colour.tif": True, "grey.tif": False, "grey12_as_rgb.png": False,
+            "colour12.png": True, "grey_float_as_rgb.tif": False, "colour_float.tif": True}
 
 
 def test_images_read_as_grey_are_told_apart_from_grey_saved_as_colour(tmp_path, monkeypatch):
