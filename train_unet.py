@@ -3251,7 +3251,25 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
-                        f"allowed): {hint}")
+                        f"allowed): {grey_palette_hint(path) or hint}")
+
+
+def grey_palette_hint(path):
+    """The fix for a mask palette_indices read by a short grey palette's greys (a PNG optimiser's way) whose
+    indices may be the classes ([black, white, grey] for 0, 1, 2 read as 0, 255, 128), else None."""
+    reader = pillow_reader(path, (".png", ".bmp"))
+    if reader is None:
+        return None
+    try:
+        with reader(path) as image:
+            raw = np.asarray(image) if image.mode == "P" else None
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if raw is None or np.array_equal(palette_indices(path), raw):  # read by its indices
+        return None
+    return (f"it is a palette image of greys, read by its greys as a viewer shows it; if its palette indices "
+            f"({format_values(np.unique(raw).tolist())}) are the classes, save it as plain grey values (class i "
+            f"as level i)")
 
 
 def binary_others(values):

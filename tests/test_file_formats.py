@@ -499,6 +499,21 @@ def test_a_gray_palette_png_is_read_as_its_gray_values(tmp_path):
     assert np.array_equal(train_unet.decode_mask(tmp_path / "colour.png"), (values == 0).astype(np.uint8))
 
 
+def test_a_short_grey_palette_whose_indices_are_classes_is_named_in_the_error(tmp_path):
+    """[black, white, grey] for classes 0, 1, 2 reads as 0, 255, 128: the error advised num_classes=129."""
+    indices = np.zeros((8, 8), np.uint8)
+    indices[:, 3:], indices[:, 6:] = 1, 2
+    mask = Image.fromarray(indices, mode="P")
+    mask.putpalette([0, 0, 0, 255, 255, 255, 128, 128, 128])
+    mask.save(tmp_path / "m.png")
+    values = set(np.unique(train_unet.decode_mask(tmp_path / "m.png")).tolist())
+    err = one_line_error(train_unet.check_mask_values, tmp_path / "m.png", values, 3, "uint8",
+                         match=r"holds class 128 but num_classes=3 \(255 = void is allowed\): it is a palette image of "
+                               r"greys, read by its greys as a viewer shows it; if its palette indices \(\[0, 1, 2\]\) "
+                               r"are the classes, save it as plain grey values \(class i as level i\)$")
+    assert "num_classes=129" not in err
+
+
 def test_a_mask_with_a_full_inverted_grey_lut_is_read_by_its_indices(tmp_path):
     """ImageJ's inverting LUT (256 greys, entry i = 255 - i) shows foreground 255 black: read by its grey
     values, foreground and background swapped silently."""
