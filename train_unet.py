@@ -3370,10 +3370,15 @@ def absent_classes(values, cfg):
             f"predicts but no mask holds counts as IoU 0 in val_iou")
 
 
+def flagged_images(pairs, facts, key):
+    """The images whose data-check facts carry `key` (image_facts' flags: colour, extra)."""
+    return [image for image, _ in pairs if facts[os.path.abspath(image)].get(key)]
+
+
 def colour_read_as_grey(pairs, facts):
     """A note where in_channels=1 reads colour images as grey (their luminance): right for colour scans of
     grey data, a loss where colour tells the classes apart (stains, vegetation, lesions)."""
-    colour = [image for image, _ in pairs if facts[os.path.abspath(image)].get("colour")]
+    colour = flagged_images(pairs, facts, "colour")
     if not colour:
         return None
     return (f"note: {len(colour)} of {len(pairs)} image(s) hold colour (e.g. {Path(colour[0]).name}) but "
@@ -3384,7 +3389,7 @@ def colour_read_as_grey(pairs, facts):
 def extra_channels_dropped(pairs, facts):
     """A note where images hold a channel the model never sees that is not alpha (extra_channel_not_alpha):
     RGB + near-infrared trained on the RGB alone, unsaid, where the near-infrared told the classes apart."""
-    extra = [image for image, _ in pairs if facts[os.path.abspath(image)].get("extra")]
+    extra = flagged_images(pairs, facts, "extra")
     if not extra:
         return None
     return (f"note: {len(extra)} of {len(pairs)} image(s) hold a channel that is not alpha beside their grey or RGB "
