@@ -3370,31 +3370,28 @@ def absent_classes(values, cfg):
             f"predicts but no mask holds counts as IoU 0 in val_iou")
 
 
-def flagged_images(pairs, facts, key):
-    """The images whose data-check facts carry `key` (image_facts' flags: colour, extra)."""
-    return [image for image, _ in pairs if facts[os.path.abspath(image)].get(key)]
+def flag_note(pairs, facts, key, say):
+    """say(how many, an example's name) where images' data-check facts carry the flag `key` (image_facts'),
+    else None."""
+    flagged = [image for image, _ in pairs if facts[os.path.abspath(image)].get(key)]
+    return say(len(flagged), Path(flagged[0]).name) if flagged else None
 
 
 def colour_read_as_grey(pairs, facts):
     """A note where in_channels=1 reads colour images as grey (their luminance): right for colour scans of
     grey data, a loss where colour tells the classes apart (stains, vegetation, lesions)."""
-    colour = flagged_images(pairs, facts, "colour")
-    if not colour:
-        return None
-    return (f"note: {len(colour)} of {len(pairs)} image(s) hold colour (e.g. {Path(colour[0]).name}) but "
-            f"in_channels=1 reads them as grey, their luminance; if colour tells the classes apart, set "
-            f"in_channels=3")
+    return flag_note(pairs, facts, "colour", lambda n, name: (
+        f"note: {n} of {len(pairs)} image(s) hold colour (e.g. {name}) but in_channels=1 reads them as grey, their "
+        f"luminance; if colour tells the classes apart, set in_channels=3"))
 
 
 def extra_channels_dropped(pairs, facts):
     """A note where images hold a channel the model never sees that is not alpha (extra_channel_not_alpha):
     RGB + near-infrared trained on the RGB alone, unsaid, where the near-infrared told the classes apart."""
-    extra = flagged_images(pairs, facts, "extra")
-    if not extra:
-        return None
-    return (f"note: {len(extra)} of {len(pairs)} image(s) hold a channel that is not alpha beside their grey or RGB "
-            f"(e.g. {Path(extra[0]).name}: a TIFF extra sample such as near-infrared), and it is dropped: the model "
-            f"takes in_channels=1 or 3; if it tells the classes apart, save it in place of one of those")
+    return flag_note(pairs, facts, "extra", lambda n, name: (
+        f"note: {n} of {len(pairs)} image(s) hold a channel that is not alpha beside their grey or RGB (e.g. {name}: "
+        f"a TIFF extra sample such as near-infrared), and it is dropped: the model takes in_channels=1 or 3; if it "
+        f"tells the classes apart, save it in place of one of those"))
 
 
 def exif_turned_images(pairs, facts):
