@@ -2200,7 +2200,7 @@ def load_cpu_probe_cache(path):
     """{key: usable entry}; an unreadable, corrupt or other-version file reads as empty (the probe reruns)."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: deeply nested JSON
         return {}
     ok = isinstance(data, dict) and data.get("version") == CPU_PROBE_VERSION and isinstance(data.get("entries"), dict)
     entries = {key: usable_probe_entry(entry) for key, entry in data["entries"].items()} if ok else {}
@@ -2965,8 +2965,8 @@ def is_tiff(path):
 
 
 def read_tiff(path, mask=False):
-    """Level 0 of a TIFF's first image as an array, or None where tifffile cannot decode it (LZW
-    without imagecodecs; an image's palette colours): OpenCV tries next. A mask's palette is read as
+    """Level 0 of a TIFF's first image as an array, or None where tifffile leaves it to OpenCV (an image's
+    palette colours, CMYK); a codec imagecodecs lacks is a UserError naming it. A mask's palette is read as
     its indices (the VOC/labelme convention), as tifffile returns them. Overview levels (GeoTIFF, COG,
     pyramidal slides) are not extra images; a stack of full-size images is refused."""
     import tifffile
@@ -2984,9 +2984,8 @@ def read_tiff(path, mask=False):
                 image = series.asarray()  # level 0
             except (ValueError, NotImplementedError, KeyError) as exc:
                 if "imagecodecs" in str(exc):  # OpenCV would read it turned by its Orientation tag, a palette as colours
-                    raise UserError(f"cannot read {'mask' if mask else 'image'} {path}: its compression "
-                                    f"({series.keyframe.compression.name}) needs the imagecodecs package: pip install "
-                                    f"imagecodecs (requirements.txt has it)") from None
+                    raise UserError(f"cannot read {'mask' if mask else 'image'} {path}: tifffile says "
+                                    f"'{first_line(exc)}': pip install -U imagecodecs (requirements.txt has it)") from None
                 return None
             except Exception as exc:  # noqa: BLE001 - damaged data: zlib.error, imagecodecs' errors, EOFError
                 raise UserError(f"cannot read {'mask' if mask else 'image'} {path} (corrupt TIFF data: "
@@ -3699,7 +3698,7 @@ def load_check_cache(path):
         data = json.loads(path.read_text())
         if data.get("version") == CHECK_CACHE_VERSION and isinstance(data.get("files"), dict):
             return data["files"]
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         pass
     return {}
 
@@ -8288,7 +8287,7 @@ def read_sidecar(path):
                         f"and predict needs the preprocessing it holds; export again")
     try:
         meta = json.loads(sidecar_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UserError(f"{sidecar_path} is not readable JSON ({type(exc).__name__}): export again") from None
     meta = meta if isinstance(meta, dict) else {}
     version = meta.get("version")

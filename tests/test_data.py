@@ -732,3 +732,10 @@ def test_a_folder_named_like_an_image_is_skipped_as_the_note_says(make_cfg, data
     train, val = prepare_data(make_cfg())
     assert len(train) + len(val) == 12 and all("sub" not in str(p) for pair in train + val for p in pair)
     assert "(e.g. images/sub.png/, masks/sub.png/)" in capsys.readouterr().out
+
+
+def test_caches_of_deeply_nested_json_read_as_empty(tmp_path):
+    """A damaged cache is checked again, not a RecursionError traceback (review)."""
+    (tmp_path / "deep.json").write_text("[" * 200000)
+    assert train_unet.load_check_cache(tmp_path / "deep.json") == {}
+    assert train_unet.load_cpu_probe_cache(tmp_path / "deep.json") == {}

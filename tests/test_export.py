@@ -409,6 +409,8 @@ def test_a_deeply_nested_json_given_as_the_checkpoint_is_still_one_line(binary, 
     odd.write_text("[" * 200000)
     with pytest.raises(train_unet.UserError, match="is an exported model: add backend=onnxruntime"):
         train_unet.predict(predict_opts(odd, binary["data"] / "images", tmp_path / "out"))
+    with pytest.raises(train_unet.UserError, match=r"odd.json is not readable JSON \(RecursionError\): export again"):
+        train_unet.predict(predict_opts(odd, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
 
 
 def test_a_corrupt_onnx_file_is_one_line(binary, tmp_path, hw):

@@ -587,8 +587,9 @@ def test_a_tiff_whose_codec_is_missing_names_imagecodecs(tmp_path, monkeypatch):
     def no_codec(self, *args, **kwargs):
         raise ValueError("<COMPRESSION.LZW: 5> requires the 'imagecodecs' package")  # tifffile's words
     monkeypatch.setattr(tifffile.TiffPageSeries, "asarray", no_codec)
-    one_line_error(train_unet.read_image, path, 3, match=r"^cannot read image .*o.tif: its compression \(LZW\) needs "
-                                                         r"the imagecodecs package: pip install imagecodecs")
+    one_line_error(train_unet.read_image, path, 3, match=r"^cannot read image .*o.tif: tifffile says '<COMPRESSION.LZW: "
+                                                         r"5> requires the 'imagecodecs' package': pip install -U "
+                                                         r"imagecodecs \(requirements.txt has it\)$")
 
 
 def test_a_truncated_jpeg_is_refused_and_a_whole_one_with_a_trailer_is_read(tmp_path):
