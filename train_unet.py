@@ -3231,11 +3231,11 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
-    if Path(path).suffix.lower() in JPEG_EXTS:  # its noise could pass as classes: "set num_classes=3" led there
-        raise UserError(f"mask {path} is a JPEG: its lossy compression changes class indices along every edge "
-                        f"(values {format_values(sorted(values))}), so it cannot hold classes exactly: save masks as PNG")
+    if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes where the values are wrong (below)
+        check_not_jpeg(path, values)
     odd = not_class_indices(values)
     if odd:
+        check_not_jpeg(path, values)
         fix = (f"mark ignored pixels with {IGNORE_INDEX}, not negative values" if odd[0] < 0 else
                "save masks as 8-bit class indices (no scaling or interpolation)")
         raise UserError(f"mask {path} ({np.dtype(dtype)}) holds values {format_values(odd)} that are not "
@@ -3243,6 +3243,7 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                         f"0..{num_classes - 1} and {IGNORE_INDEX} = void; {fix}")
     classes = {int(v) for v in values} - {IGNORE_INDEX}
     if classes and max(classes) >= num_classes:
+        check_not_jpeg(path, values)
         top = max(classes)
         others = sorted(classes - {top})
         hint = (f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)" if top >= IGNORE_INDEX else
@@ -3269,6 +3270,15 @@ def grey_palette_hint(path):
     return (f"it is a palette image of greys, read by its greys as a viewer shows it; if its palette indices "
             f"({format_values(np.unique(raw).tolist())}) are the classes, save it as plain grey values (class i "
             f"as level i)")
+
+
+def check_not_jpeg(path, values):
+    """A class mask whose bytes are a JPEG, whatever its name: its edge noise could pass as classes ('holds
+    class 2: set num_classes=3' led to training on it). Only the name is looked at on every start-up; the
+    bytes (format_suffix) where the name says JPEG or the values are wrong."""
+    if format_suffix(path) == ".jpg":
+        raise UserError(f"mask {path} is a JPEG: its lossy compression changes class indices along every edge "
+                        f"(values {format_values(sorted(values))}), so it cannot hold classes exactly: save masks as PNG")
 
 
 def binary_others(values):

@@ -137,6 +137,16 @@ def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, 
                                  match=r"mask .*\.jpg is a JPEG: its lossy compression changes class indices along "
                                        r"every edge \(values \[0, 1, 2")
         assert message.endswith("so it cannot hold classes exactly: save masks as PNG") and "num_classes=" not in message
+    # by its bytes: a JPEG named .png is one (its values wrong: the old advice was num_classes=N), a PNG named
+    # .jpg is not (review)
+    first = sorted((root / "masks").iterdir())[0]
+    first.rename(first.with_suffix(".png"))
+    one_line_error(train_unet.check_mask_values, first.with_suffix(".png"), {0, 1, 2, 3}, 3, "uint8",
+                   match=r"\.png is a JPEG: its lossy compression")
+    lossless = root / "lossless.jpg"
+    cv2.imwrite(str(root / "lossless.png"), np.zeros((4, 4), np.uint8))
+    (root / "lossless.png").rename(lossless)
+    train_unet.check_mask_values(lossless, {0, 1, 2}, 3, "uint8")
 
 
 def test_one_odd_mask_in_a_binary_set_is_named_as_the_fix_not_num_classes(make_data, make_cfg, capsys):
