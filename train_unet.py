@@ -3526,7 +3526,8 @@ def image_facts(path, channels):
 
 def extra_channel_not_alpha(path, image):
     """Whether the channel without_alpha drops, a grey image's 2nd or an RGB image's 4th, is a TIFF's extra
-    sample declared no alpha ('unspecified', or undeclared): near-infrared, a second band."""
+    sample declared no alpha ('unspecified': near-infrared, a second band), or undeclared and not constant
+    (OpenCV writes RGBA TIFFs without the tag, their alpha often all opaque)."""
     if image.ndim != 3 or image.shape[2] not in (2, 4) or not is_tiff(path):
         return False
     import tifffile
@@ -3536,7 +3537,9 @@ def extra_channel_not_alpha(path, image):
             extra = tuple(tif.series[0].keyframe.extrasamples)
     except Exception:  # noqa: BLE001 - as tiff_header: the read itself has succeeded
         return False
-    return not extra or int(extra[0]) == 0
+    if extra:
+        return int(extra[0]) == 0
+    return bool(image[..., -1].min() != image[..., -1].max())
 
 
 GREY_MODES = ("1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "F")  # Pillow's modes of grey files

@@ -566,7 +566,7 @@ def test_images_read_as_grey_are_told_apart_from_grey_saved_as_colour(tmp_path, 
 
 def test_a_tiff_channel_that_is_not_alpha_gets_a_note_when_dropped(tmp_path, capsys):
     """RGB + near-infrared (an extra sample declared 'unspecified'): the near-infrared was dropped as if it
-    were alpha, unsaid; a declared alpha is dropped without a word."""
+    were alpha, unsaid; a declared alpha, or an undeclared opaque one (OpenCV's RGBA TIFF), without a word."""
     import tifffile
 
     root = tmp_path / "set"
@@ -574,8 +574,10 @@ def test_a_tiff_channel_that_is_not_alpha_gets_a_note_when_dropped(tmp_path, cap
     (root / "masks").mkdir()
     rgb, band = np.zeros((16, 16, 3), np.uint8), np.full((16, 16), 200, np.uint8)
     pairs = []
-    for name, extra in (("nir.tif", 0), ("rgba.tif", 2)):
-        tifffile.imwrite(root / "images" / name, np.dstack([rgb, band]), photometric="rgb", extrasamples=[extra])
+    cv2.imwrite(str(root / "images" / "opencv.tif"), np.dstack([rgb, np.full((16, 16), 255, np.uint8)]))  # no tag
+    for name, extra in (("nir.tif", 0), ("rgba.tif", 2), ("opencv.tif", None)):
+        if extra is not None:
+            tifffile.imwrite(root / "images" / name, np.dstack([rgb, band]), photometric="rgb", extrasamples=[extra])
         mask = np.zeros((16, 16), np.uint8)
         mask[4:9, 4:9] = 255
         cv2.imwrite(str(root / "masks" / name.replace(".tif", ".png")), mask)
@@ -584,7 +586,7 @@ def test_a_tiff_channel_that_is_not_alpha_gets_a_note_when_dropped(tmp_path, cap
     for run in range(2):  # the second from the data check's cache
         train_unet.check_pairs(pairs, cfg)
         note = [line for line in capsys.readouterr().out.splitlines() if "not alpha" in line]
-        assert note == ["note: 1 of 2 image(s) hold a channel that is not alpha beside their grey or RGB (e.g. nir.tif: "
+        assert note == ["note: 1 of 3 image(s) hold a channel that is not alpha beside their grey or RGB (e.g. nir.tif: "
                         "a TIFF extra sample such as near-infrared), and it is dropped: the model takes in_channels=1 "
                         "or 3; if it tells the classes apart, save it in place of one of those"]
     train_unet.check_pairs(pairs[1:], cfg)
