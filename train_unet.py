@@ -7098,19 +7098,25 @@ def float_file(path):
 
 
 def check_no_unpaired_masks(paths, out_dir, overlay):
-    """output= a data set's masks folder (beside its images/): a mask there of an image not in images/, or an
-    overlay, is a mask without a partner, which stopped the next training run ('1 file(s) have no partner').
-    Masks of the data set's own images (pseudo-labels) may go there: archive_earlier_predictions refuses
-    those that would replace ground truth."""
+    """output= what looks like a data set's masks folder (masks/ beside images/, through links too): a mask
+    there of an image not in images/, or an overlay, is a mask without a partner, and one beside a ground
+    truth of another format (a.bmp) shares its stem; either stopped the next training run. Masks of the
+    images' own, where none is there yet (pseudo-labels), may go there; archive_earlier_predictions refuses
+    those that would replace a ground-truth PNG."""
+    out_dir = out_dir.resolve()
     images = out_dir.parent / "images"
     if out_dir.name != "masks" or not images.is_dir():
         return
     stems = {p.stem for p in images.iterdir() if p.suffix.lower() in IMAGE_EXTS}
-    stray = next((p for p in paths if p.stem not in stems), None)
+    truth = {p.stem: p.name for p in out_dir.iterdir() if p.suffix.lower() in IMAGE_EXTS and p.suffix.lower() != ".png"}
+    stray = next((p for p in paths if p.stem not in stems or p.stem in truth), None)
     if stray is not None or overlay:
-        what = f"{stray.name} is not one of its images" if stray else "overlay=True writes <name>_overlay.png there"
-        raise UserError(f"output={out_dir} is a data set's masks folder (beside {images}), and {what}: a mask without "
-                        f"an image there stops the next training run; choose another output=... folder")
+        what = ("overlay=True writes <name>_overlay.png there" if stray is None else
+                f"{truth[stray.stem]} is the mask of {stray.name} there" if stray.stem in truth else
+                f"{stray.name} is not one of its images")
+        raise UserError(f"output={out_dir} looks like a data set's masks folder (beside {images}), and {what}: a "
+                        f"second mask, or one without an image, there stops the next training run; choose another "
+                        f"output=... folder")
 
 
 def archive_earlier_predictions(paths, out_dir, overlay=False):

@@ -460,9 +460,12 @@ def test_predict_writes_no_unpaired_mask_into_a_data_sets_masks_folder(trained, 
     opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(photo),
             "output": str(gt / "masks"), "progress": False}
     before = sorted(p.name for p in (gt / "masks").iterdir())
-    one_line_error(train_unet.predict, opts, match=f"^output={re.escape(str(gt / 'masks'))} is a data set's masks folder "
-                   f"\\(beside {re.escape(str(gt / 'images'))}\\), and photo.png is not one of its images: a mask without "
-                   f"an image there stops the next training run; choose another output=... folder$")
+    one_line_error(train_unet.predict, opts, match=f"^output={re.escape(str(gt / 'masks'))} looks like a data set's masks "
+                   f"folder \\(beside {re.escape(str(gt / 'images'))}\\), and photo.png is not one of its images: a "
+                   f"second mask, or one without an image, there stops the next training run; choose another output=... "
+                   f"folder$")
+    (tmp_path / "link").symlink_to(gt / "masks")  # through a link: the same folder
+    one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "link")}, match="photo.png is not one of its")
     assert sorted(p.name for p in (gt / "masks").iterdir()) == before
     own = tmp_path / "own"  # pseudo-labels: the images' own masks folder, still empty
     (own / "images").mkdir(parents=True)
@@ -470,6 +473,9 @@ def test_predict_writes_no_unpaired_mask_into_a_data_sets_masks_folder(trained, 
     assert train_unet.predict({**opts, "input": str(own / "images"), "output": str(own / "masks")})["predicted"] == 1
     one_line_error(train_unet.predict, {**opts, "input": str(own / "images"), "output": str(own / "masks"),
                                         "overlay": True}, match="overlay=True writes <name>_overlay.png there")
+    (own / "masks" / "photo.png").rename(own / "masks" / "photo.bmp")  # a ground truth of another format
+    one_line_error(train_unet.predict, {**opts, "input": str(own / "images"), "output": str(own / "masks")},
+                   match="and photo.bmp is the mask of photo.png there")
 
 
 def test_a_file_named_previous_where_earlier_results_are_kept_is_a_one_line_error(trained, tmp_path):
