@@ -2586,6 +2586,8 @@ def classes_only_in_val(train, val, cfg):
         return None
     fix = ("move images holding them into train/" if (Path(cfg["data_dir"]) / "val").is_dir() else
            "change seed or val_fraction, or add images holding them")
+    if cfg["max_train_images"] is not None:  # it may have cut them away (preset=debug keeps 8)
+        fix = f"raise max_train_images={cfg['max_train_images']}, or {fix}"
     return (f"note: class(es) {', '.join(map(str, only))} appear in validation masks but in no training mask: the "
             f"model cannot learn them, and val_iou averages their IoU, 0 unless predicted by chance; {fix}")
 
@@ -3192,13 +3194,13 @@ def palette_indices(path):
             indices, palette = np.asarray(image), palette_entries(image)
     except (OSError, SyntaxError, ValueError):
         return None  # not what its name says, or damaged: OpenCV tries, then says it cannot read it
-    if indices.size and indices.max() < len(palette) < 256 and all_grey(palette):
+    if indices.size and indices.max() < len(palette) and all_grey(palette) and not display_ramp(palette):
         # An all-gray palette covering every index is a gray mask stored compactly (PNG optimisers do
-        # this, with the levels used and no more): its gray values are the mask, as an image viewer shows
-        # it, whatever order the entries have. A full 256-entry one is a display table (ImageJ's inverting
-        # LUT shows 255 black): its indices are the data, as for a colour palette. Indices past the
-        # palette's end (Pillow writes a one-entry palette for mode "P" unless given one) are class
-        # indices saved without a palette: kept as they are.
+        # this): its gray values are the mask, as an image viewer shows it, whatever order the entries
+        # have. The inverted 256-level ramp is a display table (ImageJ's inverting LUT shows 255 black):
+        # its indices are the data, as for a colour palette (the identity ramp reads alike either way).
+        # Indices past the palette's end (Pillow writes a one-entry palette for mode "P" unless given
+        # one) are class indices saved without a palette: kept as they are.
         return palette[indices, 0]
     return indices
 
@@ -3251,7 +3253,7 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
-                        f"allowed): {grey_palette_hint(path) or hint}")
+                        f"allowed): " + (f"{grey_palette_hint(path)}; else {hint}" if grey_palette_hint(path) else hint))
 
 
 def grey_palette_hint(path):
@@ -3584,6 +3586,11 @@ def header_says_grey(path):
 def palette_entries(image):
     """A Pillow palette image's palette as N x 3 uint8 entries (one black entry where it has none)."""
     return np.asarray(image.getpalette() or [0, 0, 0], np.uint8).reshape(-1, 3)
+
+
+def display_ramp(entries):
+    """Whether a palette is the 256-level inverted grey ramp (entry i = 255 - i): ImageJ's inverting LUT."""
+    return len(entries) == 256 and bool((entries[:, 0] == 255 - np.arange(256)).all())
 
 
 def all_grey(entries):

@@ -720,6 +720,8 @@ def test_a_class_only_the_validation_masks_hold_gets_a_note(make_cfg, make_data,
     assert ("note: class(es) 2 appear in validation masks but in no training mask: the model cannot learn them, and "
             "val_iou averages their IoU, 0 unless predicted by chance; change seed or val_fraction, or add images "
             "holding them") in capsys.readouterr().out
+    train_unet.prepare_data({**cfg, "max_train_images": 8, "batch_size": 2})
+    assert "by chance; raise max_train_images=8, or change seed" in capsys.readouterr().out
     for _, mask in val:
         cv2.imwrite(str(mask), np.minimum(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED), 1).astype(np.uint8))
     train_unet.prepare_data(cfg)
