@@ -3252,8 +3252,9 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 f"set num_classes={top + 1} or fix the mask" if top < 2 * max(num_classes, len(classes)) or not others else
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
+        palette = grey_palette_hint(path)  # its indices may be the classes: the likelier fix first
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
-                        f"allowed): " + (f"{grey_palette_hint(path)}; else {hint}" if grey_palette_hint(path) else hint))
+                        f"allowed): " + (f"{palette}; else {hint}" if palette else hint))
 
 
 def grey_palette_hint(path):
