@@ -2575,13 +2575,17 @@ def largest_val_fraction(count, cfg):
     return f"use val_fraction={most:g} or less (e.g. 0.2){smaller}"
 
 
+def held_values(pairs):
+    """The values the pairs' masks hold, together, from this start-up's data check (CHECKED_HERE)."""
+    return set().union(*(CHECKED_HERE[os.path.abspath(mask)]["values"] for _, mask in pairs))
+
+
 def classes_only_in_val(train, val, cfg):
     """A note where validation masks hold a class no training mask holds: the model cannot learn it, and
     val_iou averages its IoU, 0 unless the model predicts it by chance. From the data check's facts."""
     if cfg["num_classes"] < 2 or not val:
         return None
-    held = lambda pairs: set().union(*(CHECKED_HERE[os.path.abspath(m)]["values"] for _, m in pairs))  # noqa: E731
-    only = sorted(held(val) - held(train) - {IGNORE_INDEX})
+    only = sorted(held_values(val) - held_values(train) - {IGNORE_INDEX})
     if not only:
         return None
     fix = ("move images holding them into train/" if (Path(cfg["data_dir"]) / "val").is_dir() else
@@ -2599,7 +2603,7 @@ def nothing_to_score(val, cfg):
     for each other class predicted), or all void (1.0 whatever is predicted). From the data check's facts."""
     if not val:
         return None
-    values = set().union(*(CHECKED_HERE[os.path.abspath(mask)]["values"] for _, mask in val))
+    values = held_values(val)
     binary = cfg["num_classes"] == 1
     if values - {0, IGNORE_INDEX} or (binary and IGNORE_INDEX in values):
         return None
@@ -2976,7 +2980,7 @@ def read_tiff(path, mask=False):
     try:
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
-            if len(plane_size(series)) != 2 or not all(series.shape):  # a damaged file's series without an image
+            if plane_of(series) is None or not all(series.shape):  # a damaged file's series without an image
                 return None
             planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
             check_single_image(path, tif, series, planar, "mask" if mask else "image")
@@ -3017,6 +3021,12 @@ def check_single_image(path, tif, series, planar, kind):
 def plane_size(series):
     """(height, width) of a tifffile series' level 0."""
     return tuple(series.shape[-3:-1] if series.axes.endswith("S") else series.shape[-2:])
+
+
+def plane_of(series):
+    """plane_size where the series has an image plane, else None (a damaged file's series of shape ())."""
+    hw = plane_size(series)
+    return hw if len(hw) == 2 and min(hw) > 0 else None
 
 
 def scale_image(image, path="image", intensity_range=None):
@@ -3502,7 +3512,7 @@ DATA_CHECK_SAY_FILES = 500  # a data check that reads this many files or more sa
 # Facts checked_facts found since this process's last check_pairs, by path, stamped like the caches'
 # entries: the start-up's later questions (learnt_intensity_range, cache_bytes, image_sizes) take them
 # (start_up_facts) with no decoding, stat or cache load, and under torchrun they take the facts the ranks
-# exchanged. Cleared once build_loaders has asked them.
+# exchanged. Cleared once build_loaders has asked them, or where the start-up stopped on an error (train).
 CHECKED_HERE = {}
 
 
@@ -6584,9 +6594,8 @@ def tiff_header(path):
     try:
         with tifffile.TiffFile(path) as tif:
             series = tif.series[0]
-            hw = plane_size(series)
-            # a damaged file's series can have no plane (shape ()): its 1-tuple header took predict down
-            return (*hw, series.dtype.itemsize) if len(hw) == 2 and min(hw) > 0 else None
+            hw = plane_of(series)  # a damaged file's 1-tuple header (shape ()) took predict down
+            return None if hw is None else (*hw, series.dtype.itemsize)
     except Exception:  # noqa: BLE001 - truncated and mutated files raise struct.error, TypeError, ...
         return None
 
@@ -6755,10 +6764,8 @@ def load_predictor(opts, hw):
     onnxruntime (load_exported, IV.4), called alike by the same predict code."""
     if opts["backend"] == "onnxruntime":
         return load_exported(opts["checkpoint"], hw)
-    check_not_run_record(opts["checkpoint"])
-    if Path(opts["checkpoint"]).suffix.lower() in (".onnx", ".json"):
-        raise UserError(f"checkpoint={opts['checkpoint']} is an exported model: add backend=onnxruntime, or "
-                        f"give the PyTorch checkpoint (.pt) it was exported from")
+    check_not_exported(opts["checkpoint"], "add backend=onnxruntime, or give the PyTorch checkpoint (.pt) it was "
+                                           "exported from")
     return load_model(opts["checkpoint"], hw)
 
 
@@ -8054,10 +8061,7 @@ def export(opts):
     check_paths_given(opts, EXPORT_CONFIG)
     onnx_modules("onnxruntime", "onnx")
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides
-    check_not_run_record(opts["checkpoint"])
-    if Path(opts["checkpoint"]).suffix.lower() in (".onnx", ".json"):  # it was said to be cut short in a copy
-        raise UserError(f"checkpoint={opts['checkpoint']} is already an exported model: give the PyTorch "
-                        f"checkpoint (.pt) to export")
+    check_not_exported(opts["checkpoint"], "give the PyTorch checkpoint (.pt) to export", "already ")
     model, cfg = load_model(opts["checkpoint"], hw)
     path = Path(opts["output"]) if opts["output"].lower().endswith(".onnx") else Path(opts["output"]) / "model.onnx"
     check_writable(path.parent)
@@ -8245,6 +8249,14 @@ def file_sha256(path):
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def check_not_exported(checkpoint, fix, already=""):
+    """checkpoint= a PyTorch checkpoint, not a training run's config.json (check_not_run_record) nor an
+    exported .onnx or its .json sidecar, which load_checkpoint called cut short in a copy."""
+    check_not_run_record(checkpoint)
+    if Path(checkpoint).suffix.lower() in (".onnx", ".json"):
+        raise UserError(f"checkpoint={checkpoint} is {already}an exported model: {fix}")
 
 
 def check_not_run_record(path):
