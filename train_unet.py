@@ -3243,8 +3243,8 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
-    if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes where the values are wrong (below)
-        check_not_jpeg(path, values)
+    if Path(path).suffix.lower() in (*JPEG_EXTS, ".tif", ".tiff"):  # by name here; by its bytes where the
+        check_not_jpeg(path, values)                                   # values are wrong (below)
     odd = not_class_indices(values)
     if odd:
         check_not_jpeg(path, values)
@@ -3286,12 +3286,35 @@ def grey_palette_hint(path):
 
 
 def check_not_jpeg(path, values):
-    """A class mask whose bytes are a JPEG, whatever its name: its edge noise could pass as classes ('holds
-    class 2: set num_classes=3' led to training on it). Only the name is looked at on every start-up; the
-    bytes (format_suffix) where the name says JPEG or the values are wrong."""
-    if format_suffix(path) == ".jpg":
-        raise UserError(f"mask {path} is a JPEG: its lossy compression changes class indices along every edge "
+    """A class mask stored as JPEG (lossy_format), whatever its name: its edge noise could pass as classes
+    ('holds class 2: set num_classes=3' led to training on it). Only the name is looked at on every start-up;
+    the bytes where the name says JPEG or TIFF or the values are wrong."""
+    lossy = lossy_format(path)
+    if lossy:
+        raise UserError(f"mask {path} is {lossy}: its lossy compression changes class indices along every edge "
                         f"(values {format_values(sorted(values))}), so it cannot hold classes exactly: save masks as PNG")
+
+
+# TIFF compressions that are JPEG (tifffile's COMPRESSION: 6 old-style JPEG, 7 JPEG, 34892 lossy JPEG)
+JPEG_TIFF_COMPRESSIONS = (6, 7, 34892)
+
+
+def lossy_format(path):
+    """'a JPEG' where a file's bytes are one (format_suffix), 'a JPEG-compressed TIFF' where a TIFF's first
+    image is stored so, else None."""
+    if format_suffix(path) == ".jpg":
+        return "a JPEG"
+    if is_tiff(path):
+        import tifffile
+
+        try:
+            with tifffile.TiffFile(path) as tif:
+                compression = tif.pages.first.compression
+        except Exception:  # noqa: BLE001 - as tiff_header: the read itself says what is wrong
+            return None
+        if compression in JPEG_TIFF_COMPRESSIONS:
+            return "a JPEG-compressed TIFF"
+    return None
 
 
 def binary_others(values):
@@ -3319,8 +3342,9 @@ def format_values(values, limit=8):
 def mask_hint(path, dtype, values):
     if np.dtype(dtype) != np.uint8:
         return f"this {dtype} mask needs saving as 8-bit 0/255 or 0/1"
-    if Path(path).suffix.lower() in JPEG_EXTS:
-        return "JPEG blurs the edges: save masks as PNG"
+    lossy = lossy_format(path)
+    if lossy:
+        return f"it is {lossy}, whose compression blurs the edges: save masks as PNG"
     classes = values - {IGNORE_INDEX}
     if len(classes) <= 16 and max(classes) < 16:
         void = f" ({IGNORE_INDEX} = void there)" if IGNORE_INDEX in values else ""

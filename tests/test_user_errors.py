@@ -109,6 +109,29 @@ def test_data_dir_given_as_the_images_folder_names_the_folder_above(make_data, m
                          f"{' [(]in train/ and val/[)]' if inside else ''}, data_dir={root}$")
 
 
+def test_class_masks_in_jpeg_compressed_tiffs_are_refused_whatever_their_values(make_data, make_cfg, tmp_path):
+    """A TIFF mask saved with JPEG compression has JPEG's edge noise: it read 'holds class 3 but num_classes=3: set
+    num_classes=4'; a losslessly compressed TIFF (zlib) is read as ever. Binary masks: the hint names it too."""
+    import tifffile
+
+    root = make_data("jpeg_tiff", count=8, size=64, num_classes=3)
+    for mask in sorted((root / "masks").iterdir()):
+        tifffile.imwrite(mask.with_suffix(".tif"), cv2.imread(str(mask), cv2.IMREAD_UNCHANGED), compression="jpeg")
+        mask.unlink()
+    for classes in (3, 254):
+        message = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), num_classes=classes, batch_size=2),
+                                 match=r"mask .*\.tif is a JPEG-compressed TIFF: its lossy compression changes class "
+                                       r"indices along every edge")
+        assert message.endswith("save masks as PNG") and "num_classes=" not in message
+    lossless = tmp_path / "lossless.tif"
+    tifffile.imwrite(lossless, np.array([[0, 1], [2, 0]], np.uint8), compression="zlib")
+    assert train_unet.lossy_format(lossless) is None
+    train_unet.check_mask_values(lossless, {0, 1, 2}, 3, "uint8")
+    one_line_error(train_unet.check_mask_values, sorted((root / "masks").iterdir())[0], {0, 1, 2, 255}, 1, "uint8",
+                   match=r"with num_classes=1 masks must be 0/1 or 0/255; it is a JPEG-compressed TIFF, whose "
+                         r"compression blurs the edges: save masks as PNG")
+
+
 def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, make_cfg, capsys):
     """num_classes=2 with half the masks 0/1 and half 0/255: the 0/255 ones have no foreground (255 is
     void); the run goes on (void-only masks can be meant), and the note says how to fix it if not."""
