@@ -419,6 +419,49 @@ def test_gpu_check_times_fit_predicts_steps(tmp_path):
     assert ", 3 images of the shapes set, batch 8, ms per image: read " in line and "write, over a file" in line
 
 
+def test_the_predict_profile_tool_splits_the_main_threads_time(tmp_path, monkeypatch, capsys):
+    """tools/predict_profile.py: a whole fit predict against the forwards alone; the main thread's wall time
+    split into ran / waited for a core / slept, with predict's own waits for reads and writes taken out of
+    the sleep: a 0.1 s sleep a batch in the main thread (a stand-in for a GIL wait) shows as slept, not
+    as run; the profiler's busiest calls include the model's convolutions. An unknown mode is one line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import predict_profile
+
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=4, size=32)
+    on_host = train_unet.on_host
+
+    def slow_on_host(masks, hw):
+        time.sleep(0.1)
+        return on_host(masks, hw)
+    monkeypatch.setattr(train_unet, "on_host", slow_on_host)
+    found = predict_profile.measure({**predict_profile.TOOL_CONFIG, "input": str(data / "images"), "mode": "fp32",
+                                     "batch_size": 2, "top": 40}, tmp_path / "work")
+    assert found["images"] == 4 and found["mode"] == "fp32" and found["forward_s"] > 0
+    assert found["slept_s"] - found["waited_s"] >= 0.2 - 0.02  # two batches, 0.1 s each
+    assert found["ran_s"] + found["queued_s"] + found["slept_s"] == pytest.approx(found["wall_s"], abs=1e-6)
+    assert found["ran_s"] < found["wall_s"] - 0.15
+    names = [name for name, _, _ in found["calls"]]
+    assert any("convolution" in name for name in names) and all(count > 0 for _, count, _ in found["calls"])
+    lines = predict_profile.report(found).splitlines()
+    assert lines[0].startswith("fp32, 4 images: predict ") and "the forwards alone" in lines[0]
+    assert lines[1].startswith("main thread: ran ") and "for the GIL or a blocking call" in lines[1]
+    assert lines[2].startswith("busiest calls under torch.profiler (self CPU ms, calls): ")
+    assert predict_profile.main([f"input={data / 'images'}", "mode=fp16"]) == 2
+    assert "mode='fp16' is not allowed" in capsys.readouterr().err
+
+
+def test_gpu_check_profiles_fit_predict(tmp_path):
+    """gpu-check's profile lines (run here on the CPU, on a tiny copy of the shapes set it would make)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_check
+
+    train_unet.generate_shapes_dataset(tmp_path / "shapes", count=3, size=32)
+    lines = gpu_check.check_profile(train_unet.detect_hardware("cpu"), tmp_path).splitlines()
+    assert len(lines) == 3 and ", 3 images: predict " in lines[0] and lines[1].startswith("      main thread: ran ")
+    assert [name for name, _ in gpu_check.CHECKS].index("predict profile (fit)") < \
+        [name for name, _ in gpu_check.CHECKS].index("inference table")  # before the long table: a cut run has it
+
+
 def test_the_host_blend_waits_for_each_copy_on_the_copys_own_gpu(monkeypatch):
     """CUDA, blended sum too large for the device: each batch's weighted logits are copied to pinned host
     memory without blocking, and added one batch later once that copy's event has passed. On cuda:1 the

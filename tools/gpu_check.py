@@ -4,7 +4,8 @@
 
 Checks: the capability check on the real device, bf16 autocast, fp16 + GradScaler, channels_last,
 max_memory_allocated, predict, the sliding window's device memory (1,000² vs 8,000²), fit predict's
-steps timed one by one (tools/predict_phases.py), the benchmark's inference table (predict against the
+steps timed one by one (tools/predict_phases.py) and its main thread's time in a whole run
+(tools/predict_profile.py), the benchmark's inference table (predict against the
 forwards alone per precision and layout, as BENCHMARKS.md gives it for CPUs), a bare-loop timing
 (strict fp32, TF32, bf16, NCHW/NHWC), torch.compile and, with 2+ GPUs visible, DDP over nccl under
 torchrun. Tiny synthetic data, but for the inference table (the shapes set and one 4000² image).
@@ -159,6 +160,16 @@ def check_phases(hw, tmp):
             "ms per image: " + ", ".join(f"{step} {value:.3f}" for step, value in ms.items()))
 
 
+def check_profile(hw, tmp):
+    """Fit predict as it runs, reader and writer threads beside it (tools/predict_profile.py): its time against
+    the forwards alone, where the main thread's time went (ran, waited for a core, slept), its busiest calls."""
+    import predict_profile
+
+    found = predict_profile.measure({**predict_profile.TOOL_CONFIG, "input": str(shapes_set(tmp) / "images"),
+                                     "device": hw.device}, tmp / "profile")
+    return predict_profile.report(found).replace("\n", "\n      ")
+
+
 def check_inference(hw, tmp, args=INFERENCE_ARGS):
     """Predict (reading and writing included) per precision and layout against the forward passes alone
     over the same batches: fit mode over 200 images of 128², patch mode on one 4000² image, with peak
@@ -198,7 +209,8 @@ CHECKS = [("capability check", check_capability),
           ("torch.compile (bf16/auto)", lambda h, t: check_train(h, t, "auto", T.decide_precision(h).name,
                                                                   compile_model=True)),
           ("predict", check_predict), ("sliding window (patch mode)", check_sliding_window),
-          ("predict phases (fit)", check_phases), ("inference table", check_inference),
+          ("predict phases (fit)", check_phases), ("predict profile (fit)", check_profile),
+          ("inference table", check_inference),
           ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
 
 
