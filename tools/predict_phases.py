@@ -50,9 +50,7 @@ def main(argv=None):
 def measure(opts, tmp):
     """({step: median ms per image}, images, mode) of opts' folder and checkpoint."""
     hw = T.detect_hardware(opts["device"])
-    mode = opts["mode"] if opts["mode"] != "auto" else "bf16_cl" if hw.bf16 else "fp32"
-    if mode not in T.CPU_PROBE_MODES:
-        raise T.UserError(f"mode={mode!r} is not allowed: use auto or one of {', '.join(T.CPU_PROBE_MODES)}")
+    mode = tool_mode(opts["mode"], hw)
     dtype, nhwc = T.CPU_PROBE_MODES[mode]
     model, cfg = T.load_model(opts["checkpoint"] or fresh_checkpoint(tmp), hw)
     cfg = {**cfg, "data_mode": "fit", "channels_last": nhwc, "tta": "none"}
@@ -68,6 +66,14 @@ def measure(opts, tmp):
         for step in STEPS if r else ():  # the first pass is untimed
             times[step].append(passed[step] * 1e3 / len(paths))
     return {step: float(np.median(v)) for step, v in times.items()}, len(paths), mode
+
+
+def tool_mode(mode, hw):
+    """The benchmark label a tool's mode= names: auto is bf16_cl where bf16 is native, else fp32."""
+    mode = mode if mode != "auto" else "bf16_cl" if hw.bf16 else "fp32"
+    if mode not in T.CPU_PROBE_MODES:
+        raise T.UserError(f"mode={mode!r} is not allowed: use auto or one of {', '.join(T.CPU_PROBE_MODES)}")
+    return mode
 
 
 def one_batch(model, paths, cfg, prec, hw, out, r, passed):

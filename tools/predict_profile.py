@@ -48,9 +48,7 @@ def main(argv=None):
 def measure(opts, tmp):
     """{'mode', 'images', 'forward_s', 'wall_s', 'ran_s', 'queued_s', 'slept_s', 'waited_s', 'calls'}."""
     hw = T.detect_hardware(opts["device"])
-    mode = opts["mode"] if opts["mode"] != "auto" else "bf16_cl" if hw.bf16 else "fp32"
-    if mode not in T.CPU_PROBE_MODES:
-        raise T.UserError(f"mode={mode!r} is not allowed: use auto or one of {', '.join(T.CPU_PROBE_MODES)}")
+    mode = predict_phases.tool_mode(opts["mode"], hw)
     tmp.mkdir(parents=True, exist_ok=True)
     images = Path(opts["input"]) if opts["input"] else shapes_images(tmp)
     run = predict_options(opts, mode, opts["checkpoint"] or predict_phases.fresh_checkpoint(tmp), images)
