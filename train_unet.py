@@ -8087,26 +8087,46 @@ def export(opts):
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides
     check_not_exported(opts["checkpoint"], "give the PyTorch checkpoint (.pt) to export", "already ")
     model, cfg = load_model(opts["checkpoint"], hw)
-    path = Path(opts["output"]) if opts["output"].lower().endswith(".onnx") else Path(opts["output"]) / "model.onnx"
+    path = export_path(opts["output"])
     check_writable(path.parent)
     print(f"export: {opts['checkpoint']} ({cfg['arch']}/{cfg['encoder_name']}, {cfg['in_channels']} channel(s), "
           f"{cfg['num_classes']} class(es), data_mode={cfg['data_mode']}) -> {path}: fp32, opset {ONNX_OPSET}, "
           f"dynamic batch, height and width (multiples of {MODEL_STRIDE})")
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp, side_tmp = (path.with_name(f".{name}.tmp{os.getpid()}") for name in (path.name, f"{path.stem}.json"))
     try:
         export_onnx(model, cfg, tmp)
         check = check_export(model, onnx_session(tmp, hw), cfg)
+        try:
+            write_json(side_tmp, sidecar(cfg, tmp, path.name, opts["checkpoint"], check))
+        except OSError as exc:
+            raise UserError(f"cannot write {path.with_suffix('.json')} ({exc.strerror or exc}): "
+                            f"{write_fix(exc, 'output')}; nothing written or moved") from None
         there = [p.name for p in (path, path.with_suffix(".json")) if p.exists()]
-        moved = archive_previous_run(path.parent, there)  # after the check
-        write_json(path.with_suffix(".json"), sidecar(cfg, tmp, path.name, opts["checkpoint"], check))
+        moved = archive_previous_run(path.parent, there)  # after the check and writes: a failed export moves none
+        os.replace(side_tmp, path.with_suffix(".json"))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+        side_tmp.unlink(missing_ok=True)
     if moved:
         print(f"the earlier {' and '.join(there)} moved to {moved}/")
     print(f"wrote {path} ({size_text(path.stat().st_size)}) and {path.with_suffix('.json')}; predict with it: "
           f"python train_unet.py predict backend=onnxruntime checkpoint={path} input=...")
     return {"onnx": path, "sidecar": path.with_suffix(".json"), "check": check}
+
+
+def export_path(output):
+    """The .onnx file export's output= names (a folder: <folder>/model.onnx). Refused: a file name that is all
+    suffix ('.onnx': predict would not take it as an .onnx), and one whose sidecar would be config.json, the
+    record a training run keeps in its folder (a resume there would write over the sidecar)."""
+    path = Path(output) if output.lower().endswith(".onnx") else Path(output) / "model.onnx"
+    if path.suffix.lower() != ".onnx":
+        raise UserError(f"output={output} names no file before .onnx: give {path.parent / 'model.onnx'}, or the "
+                        f"folder {path.parent}")
+    if path.with_suffix(".json").name in RUN_FILES:
+        raise UserError(f"output={output} would write its sidecar as {path.with_suffix('.json')}, the name of a "
+                        f"training run's record: choose another name ({path.parent / 'model.onnx'})")
+    return path
 
 
 def onnx_modules(*names):
@@ -8236,7 +8256,8 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
                     {"rule": "argmax", "axis": 1, "values": "class indices"},
             "class_names": load_class_names(cfg), "preprocessing": preprocessing(cfg),
             "config": {key: cfg[key] for key in EXPORT_KEYS}, "check": check,
-            "exported_from": str(checkpoint), "exported": datetime.datetime.now().isoformat(timespec="seconds"),
+            "exported_from": str(checkpoint), "exported_from_file": file_identity(checkpoint),
+            "exported": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
 
 
@@ -8317,8 +8338,30 @@ def load_exported(path, hw):
     where = ", ".join(model.session.get_providers())
     if hw.kind == "cuda" and "CUDAExecutionProvider" not in where:
         where += " (this onnxruntime has no CUDA provider: pip install onnxruntime-gpu for the GPU)"
-    print(f"onnxruntime {ort.__version__} on {where}: {onnx_path}, exported from {meta.get('exported_from')}")
+    print(f"onnxruntime {ort.__version__} on {where}: {onnx_path}, exported from {meta.get('exported_from')}"
+          + source_since(meta.get("exported_from_file")))
     return model, cfg
+
+
+def file_identity(path):
+    """{'path': absolute, 'size', 'mtime_ns'} of an export's checkpoint: the sidecar's way to tell, later,
+    whether that file is still the one exported (a new run in its folder writes another best.pt there)."""
+    stat = os.stat(path)
+    return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def source_since(identity):
+    """'' where the exported checkpoint is as it was (or the sidecar, from before file_identity, cannot
+    tell), else what became of it: the export keeps the model it had, whatever the file holds now."""
+    if not isinstance(identity, dict) or not isinstance(identity.get("path"), str):
+        return ""
+    try:
+        stat = os.stat(identity["path"])
+    except OSError:
+        return f" (no longer at {identity['path']}; this export keeps its model)"
+    if [stat.st_size, stat.st_mtime_ns] != [identity.get("size"), identity.get("mtime_ns")]:
+        return " (changed since the export, as by a later run in its folder: this export keeps the model it held then)"
+    return ""
 
 
 def check_sidecar_matches(session, cfg, onnx_path):

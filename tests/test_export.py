@@ -29,6 +29,13 @@ SIZE = 32
 ODD_SIZES = ((96, 160), (224, 64))  # multiples of MODEL_STRIDE, neither square nor the training size
 
 
+def one_line_error(fn, *args, match):
+    with pytest.raises(train_unet.UserError, match=match) as info:
+        fn(*args)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
 def train_tiny(root, image_size=SIZE, **overrides):
     data = train_unet.generate_shapes_dataset(root / "data", count=10, size=overrides.pop("data_size", SIZE),
                                               num_classes=overrides.get("num_classes", 1))
@@ -526,6 +533,56 @@ def test_an_earlier_export_is_moved_aside_only_once_the_new_one_passed(binary, p
     [moved] = list((out / "previous").iterdir())
     assert {name: (moved / name).read_bytes() for name in first} == first
     assert json.loads((out / "model.json").read_text())["config"]["num_classes"] == 3
+
+
+def test_an_export_whose_sidecar_cannot_be_written_leaves_the_earlier_export_in_place(binary, tmp_path,
+                                                                                     monkeypatch):
+    """A full disk at the sidecar's write moved the earlier model.onnx and model.json to previous/ unsaid, and
+    the error named no file: predict with the earlier export then read 'not found' (user report)."""
+    out = tmp_path / "deploy"
+    export(binary["ckpt"], out)
+    first = {name: (out / name).read_bytes() for name in ("model.onnx", "model.json")}
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(train_unet, "write_json", full)
+    message = one_line_error(export, binary["ckpt"], out, match=r"cannot write .*deploy/model\.json \(No space left "
+                                                                  r"on device\): free disk space there")
+    assert message.endswith("nothing written or moved")
+    assert sorted(p.name for p in out.iterdir()) == ["model.json", "model.onnx"]
+    assert {name: (out / name).read_bytes() for name in first} == first
+
+
+@pytest.mark.parametrize("output, match", [
+    ("dot/.onnx", r"output=.*dot/\.onnx names no file before \.onnx: give .*dot/model\.onnx, or the folder"),
+    ("run/config.onnx", r"output=.*run/config\.onnx would write its sidecar as .*run/config\.json, the name of a "
+                        r"training run's record: choose another name \(.*run/model\.onnx\)")])
+def test_an_export_name_predict_would_refuse_or_a_resume_overwrite_is_refused(binary, tmp_path, output, match):
+    """output=dot/.onnx wrote a pair predict refused ('give checkpoint=model.onnx'); output=<run>/config.onnx
+    moved the run's config.json aside, and the run's resume then wrote over the sidecar (user report)."""
+    one_line_error(export, binary["ckpt"], tmp_path / output, match=match)
+    assert not (tmp_path / output).parent.exists()
+
+
+def test_predict_says_when_the_exported_checkpoint_has_changed_since(binary, tmp_path, capsys):
+    """An export kept in a run's folder named that folder's best.pt as its source after a new run had replaced it
+    (the masks differ): the sidecar keeps the file's identity and predict says it has changed, or is gone."""
+    ckpt = tmp_path / "run" / "best.pt"
+    ckpt.parent.mkdir()
+    shutil.copy(binary["ckpt"], ckpt)
+    export(ckpt, tmp_path / "run")
+    run = predict_opts(tmp_path / "run" / "model.onnx", binary["data"] / "images", tmp_path / "out", backend="onnxruntime")
+    capsys.readouterr()
+    train_unet.predict(run)
+    line = next(l for l in capsys.readouterr().out.splitlines() if "exported from" in l)
+    assert line.endswith(f"exported from {ckpt}")
+    ckpt.write_bytes(ckpt.read_bytes() + b"\0")  # another model now (size and time differ)
+    train_unet.predict(run)
+    assert f"exported from {ckpt} (changed since the export, as by a later run in its folder: this export keeps " \
+           f"the model it held then)" in capsys.readouterr().out
+    ckpt.unlink()
+    train_unet.predict(run)
+    assert f"exported from {ckpt} (no longer at {ckpt.resolve()}; this export keeps its model)" in capsys.readouterr().out
 
 
 def test_onnxruntime_runs_on_the_gpu_the_device_names(monkeypatch):
