@@ -6459,8 +6459,8 @@ def note_checkpoint_settings(cfg, opts, tiling):
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
-    validated = cfg["tta"]  # an exported model's sidecar keeps no tta (EXPORT_KEYS): nothing to say of it
-    if opts["backend"] == "torch" and validated != "none" and opts["tta"] != validated:
+    validated = cfg["tta"]  # None: an export from before its sidecar kept the validated tta; nothing to say
+    if validated not in (None, "none") and opts["tta"] != validated:
         print(f"note: {opts['checkpoint']} was validated with tta={validated} (the average of "
               f"{len(TTA(validated))} views); predict runs tta={opts['tta']}: add tta={validated} for the masks "
               f"its validation IoU describes, at {len(TTA(validated))}x the forwards")
@@ -8063,7 +8063,8 @@ ONNX_OPSET = 17  # opset of the graph: run by onnxruntime >= 1.14, TensorRT >= 8
 
 EXPORT_FORMAT = ("unet-amp export", 1)  # the sidecar's "format" and "version": predict reads these (or older)
 
-# The run's config keys the sidecar carries: all that predict reads to prepare, tile and decide.
+# The run's config keys the sidecar carries: all that predict reads to prepare, tile and decide (and,
+# not required of older sidecars, the tta its validation averaged: predict's note_checkpoint_settings).
 EXPORT_KEYS = ("arch", "encoder_name", "in_channels", "num_classes", "image_size", "intensity_range",
                "data_mode", "patch_scale", "tile_overlap", "tile_batch_size")
 
@@ -8255,7 +8256,7 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
             "mask": {"rule": "threshold", "logit": 0.0, "values": [0, 255]} if binary else
                     {"rule": "argmax", "axis": 1, "values": "class indices"},
             "class_names": load_class_names(cfg), "preprocessing": preprocessing(cfg),
-            "config": {key: cfg[key] for key in EXPORT_KEYS}, "check": check,
+            "config": {**{key: cfg[key] for key in EXPORT_KEYS}, "tta": cfg["tta"]}, "check": check,
             "exported_from": str(checkpoint), "exported_from_file": file_identity(checkpoint),
             "exported": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
@@ -8333,6 +8334,7 @@ def load_exported(path, hw):
         raise UserError(f"{onnx_path.with_suffix('.json').name} lacks {', '.join(missing)}, which predict needs: "
                         f"export again")
     cfg = validate_config({**CONFIG, **saved}, model_names=False)
+    cfg["tta"] = saved.get("tta")  # the views its validation averaged (note_checkpoint_settings); None: not kept
     model = OnnxModel(onnx_session(onnx_path, hw))
     check_sidecar_matches(model.session, cfg, onnx_path)
     where = ", ".join(model.session.get_providers())

@@ -585,6 +585,29 @@ def test_predict_says_when_the_exported_checkpoint_has_changed_since(binary, tmp
     assert f"exported from {ckpt} (no longer at {ckpt.resolve()}; this export keeps its model)" in capsys.readouterr().out
 
 
+def test_onnxruntime_predict_notes_a_tta_its_validation_averaged(binary, tmp_path, capsys):
+    """The sidecar kept no tta: predict with the .pt said 'validated with tta=flip ...: add tta=flip', with its
+    export nothing. A sidecar from before it holds none, and predict says nothing of it."""
+    state = torch.load(binary["ckpt"], map_location="cpu", weights_only=True)
+    state["config"]["tta"] = "flip"
+    torch.save(state, tmp_path / "flip.pt")
+    export(tmp_path / "flip.pt", tmp_path / "deploy")
+    run = predict_opts(tmp_path / "deploy" / "model.onnx", binary["data"] / "images", tmp_path / "out",
+                       backend="onnxruntime")
+    capsys.readouterr()
+    train_unet.predict(run)
+    assert f"note: {tmp_path / 'deploy' / 'model.onnx'} was validated with tta=flip (the average of 4 views); " \
+           f"predict runs tta=none: add tta=flip" in capsys.readouterr().out
+    train_unet.predict({**run, "tta": "flip"})
+    assert "validated with" not in capsys.readouterr().out
+    sidecar = tmp_path / "deploy" / "model.json"
+    meta = json.loads(sidecar.read_text())
+    del meta["config"]["tta"]
+    sidecar.write_text(json.dumps(meta))
+    train_unet.predict(run)
+    assert "validated with" not in capsys.readouterr().out
+
+
 def test_onnxruntime_runs_on_the_gpu_the_device_names(monkeypatch):
     """device=cuda:1 put torch on GPU 1 and onnxruntime's CUDA provider, given no device_id, on GPU 0."""
     import types
