@@ -8134,11 +8134,22 @@ def onnx_modules(*names):
     """onnxruntime (and onnx): imported here only, so training never needs them."""
     import importlib
 
+    missing = [name for name in names if not module_found(name)]
+    if missing:
+        raise UserError(f"{' and '.join(missing)} not installed (export and backend=onnxruntime need "
+                        f"{'it' if len(missing) == 1 else 'them'}, training does not): pip install {' '.join(missing)}")
+    return [importlib.import_module(name) for name in names]
+
+
+def module_found(name):
+    """Whether `name` imports (an import that fails, as a stand-in set to None in sys.modules does: not)."""
+    import importlib
+
     try:
-        return [importlib.import_module(name) for name in names]
+        importlib.import_module(name)
     except ImportError:
-        raise UserError(f"{' and '.join(names)} not installed (export and backend=onnxruntime need them, "
-                        f"training does not): pip install onnxruntime onnx") from None
+        return False
+    return True
 
 
 def export_onnx(model, cfg, path):
@@ -8305,10 +8316,11 @@ def check_not_exported(checkpoint, fix, already=""):
         raise UserError(f"checkpoint={checkpoint} is {already}an exported model: {fix}")
 
 
-def check_not_run_record(path):
+def check_not_run_record(path, exported=False):
     """checkpoint= naming the config.json a training run writes (a .json, as an export's sidecar is) gets
     the checkpoint beside it: predict called it an exported model, and with backend=onnxruntime added, as
-    told, 'not a sidecar... export again'."""
+    told, 'not a sidecar... export again'. `exported`: backend=onnxruntime, which needs that checkpoint's
+    export."""
     path = Path(path)
     if path.suffix.lower() != ".json" or not path.is_file() or path.stat().st_size > 2**20:  # a record is a few kB
         return
@@ -8319,8 +8331,10 @@ def check_not_run_record(path):
     if isinstance(record, dict) and "format" not in record and isinstance(record.get("config"), dict) \
             and "world_size" in record:
         model = next((path.parent / n for n in ("best.pt", "last.pt") if (path.parent / n).is_file()), None)
+        given = f"checkpoint={model}" if model else "the run's best.pt or last.pt"
         raise UserError(f"checkpoint={path} is the config.json a training run writes, not a model: give "
-                        + (f"checkpoint={model}" if model else "the run's best.pt or last.pt"))
+                        + (f"the model.onnx that python train_unet.py export {given if model else 'checkpoint=...'} "
+                           f"writes" if exported else given))
 
 
 def load_exported(path, hw):
@@ -8384,9 +8398,11 @@ def read_sidecar(path):
     sidecar of another model."""
     path = path / "model.onnx" if path.is_dir() else path  # export output=folder/ writes folder/model.onnx
     if path.suffix.lower() not in (".onnx", ".json"):
+        if not path.exists():  # the export's advice would name a file that is not there
+            raise UserError(f"checkpoint={path} not found: give the .onnx file (or the folder) export wrote")
         raise UserError(f"backend=onnxruntime runs an exported model: give checkpoint=model.onnx (python "
                         f"train_unet.py export checkpoint={path} writes it)")
-    check_not_run_record(path)
+    check_not_run_record(path, exported=True)
     sidecar_path = path.with_suffix(".json")
     if not path.exists() and not sidecar_path.exists():  # a typo in the path, not a lost sidecar
         raise UserError(f"checkpoint={path} not found: give the .onnx file (or the folder) export wrote")
@@ -8404,7 +8420,9 @@ def read_sidecar(path):
         raise UserError(f"{sidecar_path} is not a sidecar this version of train_unet.py reads: export again")
     onnx_path = path if path.suffix.lower() == ".onnx" else sidecar_path.parent / str(meta.get("onnx"))
     if not onnx_path.is_file():
-        raise UserError(f"exported model {onnx_path} not found")
+        twin = path.with_suffix(".onnx")  # a pair renamed: its sidecar still names the .onnx export wrote
+        raise UserError(f"exported model {onnx_path} not found (its name in {sidecar_path.name})"
+                        + (f": give checkpoint={twin}" if path != twin and twin.is_file() else ""))
     if file_sha256(onnx_path) != meta.get("onnx_sha256"):
         raise UserError(f"{sidecar_path} belongs to another {onnx_path.name} (its SHA-256 differs): keep the "
                         f"two files of one export together, or export again")

@@ -399,8 +399,10 @@ def test_a_training_runs_config_json_given_as_the_checkpoint_names_the_checkpoin
     again', which could not help."""
     record = Path(binary["ckpt"]).parent / "config.json"
     assert record.is_file()
+    best = re.escape(str(record.parent / 'best.pt'))
     message = (rf"^checkpoint={re.escape(str(record))} is the config.json a training run writes, not a model: "
-               rf"give checkpoint={re.escape(str(record.parent / 'best.pt'))}$")
+               + (rf"give the model.onnx that python train_unet.py export checkpoint={best} writes$"
+                  if command == "predict_onnxruntime" else rf"give checkpoint={best}$"))  # onnxruntime refused the .pt
     with pytest.raises(train_unet.UserError, match=message):
         if command == "export":
             export(record, tmp_path / "e")
@@ -408,6 +410,25 @@ def test_a_training_runs_config_json_given_as_the_checkpoint_names_the_checkpoin
             backend = {"backend": "onnxruntime"} if command.endswith("onnxruntime") else {}
             train_unet.predict(predict_opts(record, binary["data"] / "images", tmp_path / "out", **backend))
     assert not (tmp_path / "out").exists() and not (tmp_path / "e").exists()
+
+
+def test_onnxruntime_predict_of_a_missing_or_renamed_export_says_what_is_missing(binary, tmp_path):
+    """checkpoint= a path that is not there, without .onnx (the default's checkpoints/best.pt too), read 'give
+    checkpoint=model.onnx (python train_unet.py export checkpoint=<that path> writes it)'; a renamed pair's
+    .json said its model.onnx was not found, without saying why or what to give."""
+    def onnx_predict(checkpoint):
+        train_unet.predict(predict_opts(checkpoint, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
+    gone = tmp_path / "deploy" / "model"
+    one_line_error(onnx_predict, gone, match=rf"^checkpoint={re.escape(str(gone))} not found: give the \.onnx file")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(binary["onnx"], renamed / "seg.onnx")
+    shutil.copy(binary["sidecar"], renamed / "seg.json")
+    one_line_error(onnx_predict, renamed / "seg.json",
+                   match=rf"^exported model {re.escape(str(renamed / 'model.onnx'))} not found \(its name in seg\.json\): "
+                         rf"give checkpoint={re.escape(str(renamed / 'seg.onnx'))}$")
+    onnx_predict(renamed / "seg.onnx")  # as told
+    assert len(list((tmp_path / "out").glob("*.png"))) == len(list((binary["data"] / "images").iterdir()))
 
 
 def test_a_deeply_nested_json_given_as_the_checkpoint_is_still_one_line(binary, tmp_path):
@@ -442,7 +463,9 @@ def test_without_onnxruntime_export_and_its_predict_say_what_to_install(missing,
     monkeypatch.setitem(sys.modules, missing, None)
     code = train_unet.main(["export", f"checkpoint={binary['ckpt']}", f"output={tmp_path / 'out'}"])
     err = capsys.readouterr().err
-    assert code == 2 and "pip install onnxruntime onnx" in err and err.count("\n") == 1
+    other = {"onnx": "onnxruntime", "onnxruntime": "onnx"}[missing]  # installed: not named (it was, as missing)
+    assert code == 2 and err == (f"error: {missing} not installed (export and backend=onnxruntime need it, training "
+                                 f"does not): pip install {missing}\n") and other not in err.replace("onnxruntime", "")
     if missing == "onnxruntime":
         with pytest.raises(train_unet.UserError, match="pip install onnxruntime"):
             train_unet.predict(predict_opts(binary["onnx"], binary["data"] / "images", tmp_path / "o",
