@@ -425,8 +425,8 @@ def test_onnxruntime_predict_of_a_missing_or_renamed_export_says_what_is_missing
     shutil.copy(binary["onnx"], renamed / "seg.onnx")
     shutil.copy(binary["sidecar"], renamed / "seg.json")
     one_line_error(onnx_predict, renamed / "seg.json",
-                   match=rf"^exported model {re.escape(str(renamed / 'model.onnx'))} not found \(its name in seg\.json\): "
-                         rf"give checkpoint={re.escape(str(renamed / 'seg.onnx'))}$")
+                   match=rf"^exported model {re.escape(str(renamed / 'model.onnx'))} not found \(its name in "
+                         rf"seg\.json\): give checkpoint={re.escape(str(renamed / 'seg.onnx'))}$")
     onnx_predict(renamed / "seg.onnx")  # as told
     assert len(list((tmp_path / "out").glob("*.png"))) == len(list((binary["data"] / "images").iterdir()))
 
