@@ -8092,7 +8092,7 @@ def export(opts):
     check_writable(path.parent)
     print(f"export: {opts['checkpoint']} ({cfg['arch']}/{cfg['encoder_name']}, {cfg['in_channels']} channel(s), "
           f"{cfg['num_classes']} class(es), data_mode={cfg['data_mode']}) -> {path}: fp32, opset {ONNX_OPSET}, "
-          f"dynamic batch, height and width (multiples of {MODEL_STRIDE})")
+          f"dynamic batch, height and width ({input_sides(cfg).removeprefix('any ')})")
     tmp, side_tmp = (path.with_name(f".{name}.tmp{os.getpid()}") for name in (path.name, f"{path.stem}.json"))
     try:
         export_onnx(model, cfg, tmp)
@@ -8262,7 +8262,7 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
     return {"format": EXPORT_FORMAT[0], "version": EXPORT_FORMAT[1], "onnx": name,
             "onnx_sha256": file_sha256(onnx_file),
             "input": {"name": "image", "dtype": "float32", "shape": ["batch", cfg["in_channels"], "height", "width"],
-                      "height_width": f"any multiples of {MODEL_STRIDE}"},
+                      "height_width": input_sides(cfg)},
             "output": {"name": "logits", "dtype": "float32", "shape": ["batch", cfg["num_classes"], "height", "width"]},
             "mask": {"rule": "threshold", "logit": 0.0, "values": [0, 255]} if binary else
                     {"rule": "argmax", "axis": 1, "values": "class indices"},
@@ -8271,6 +8271,13 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
             "exported_from": str(checkpoint), "exported_from_file": file_identity(checkpoint),
             "exported": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
+
+
+def input_sides(cfg):
+    """The heights and widths the exported graph takes, in words: multiples of MODEL_STRIDE, from the
+    smallest the model takes (smallest_model_side: PAN's 32 px failed in onnxruntime, unsaid)."""
+    least = smallest_model_side(cfg) or MODEL_STRIDE
+    return f"any multiples of {MODEL_STRIDE}" + (f", each at least {least}" if least > MODEL_STRIDE else "")
 
 
 # What pads an image (fit_transforms, pad_to, on scale_image's output): 0 in the [0, 1] range to_unit_range

@@ -431,6 +431,14 @@ def test_onnxruntime_predict_of_a_missing_or_renamed_export_says_what_is_missing
     assert len(list((tmp_path / "out").glob("*.png"))) == len(list((binary["data"] / "images").iterdir()))
 
 
+def test_the_sidecar_gives_the_smallest_side_the_graph_takes(binary, make_cfg):
+    """The sidecar said 'any multiples of 32' for PAN, whose graph failed in onnxruntime at 32x32 (user report)."""
+    assert json.loads(Path(binary["sidecar"]).read_text())["input"]["height_width"] == "any multiples of 32"
+    pan = train_unet.validate_config({**make_cfg(), "arch": "PAN", "image_size": 128})
+    least = train_unet.smallest_model_side(pan)
+    assert least > 32 and train_unet.input_sides(pan) == f"any multiples of 32, each at least {least}"
+
+
 def test_a_deeply_nested_json_given_as_the_checkpoint_is_still_one_line(binary, tmp_path):
     """Review: check_not_run_record parsed it and raised RecursionError, a traceback."""
     odd = tmp_path / "odd.json"
