@@ -8354,7 +8354,11 @@ def load_exported(path, hw):
     if missing:
         raise UserError(f"{onnx_path.with_suffix('.json').name} lacks {', '.join(missing)}, which predict needs: "
                         f"export again")
-    cfg = validate_config({**CONFIG, **saved}, model_names=False)
+    try:
+        cfg = validate_config({**CONFIG, **saved}, model_names=False)
+    except UserError as exc:  # an edited sidecar: its key is not one of predict's options to change
+        raise UserError(f"{onnx_path.with_suffix('.json')} holds settings predict refuses ({exc}): export again "
+                        f"rather than edit it") from None
     cfg["tta"] = saved.get("tta")  # the views its validation averaged (note_checkpoint_settings); None: not kept
     model = OnnxModel(onnx_session(onnx_path, hw))
     check_sidecar_matches(model.session, cfg, onnx_path)

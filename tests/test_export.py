@@ -359,6 +359,8 @@ def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
     ({"num_classes": 3}, r"model.json says num_classes=3 but model.onnx has 1 output channel\(s\): the two files"),
     ({"in_channels": 1}, r"model.json says in_channels=1 but model.onnx has 3 input channel\(s\)"),
     ({"image_size": None}, r"model.json lacks image_size, which predict needs: export again"),
+    ({"image_size": 48}, r"export/model.json holds settings predict refuses \(image_size=48 must be a multiple of 32"
+                         r".*\): export again rather than edit it$"),  # it named neither file nor fix (review)
 ])
 def test_a_sidecar_that_does_not_match_its_onnx_is_refused(binary, tmp_path, edit, match):
     """A model.json edited to num_classes=3 for a binary model predicted all-0 masks with exit 0; without
