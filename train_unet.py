@@ -526,6 +526,7 @@ def resume_state(cfg, ckpt_dir):
                         f"start without resume, or set checkpoint_dir to the run you want to continue")
     state = load_checkpoint(path, fix=f"restore it from a copy to resume, or train without resume=True (a new run "
                                       f"moves it to {ckpt_dir / 'previous'}/)")
+    check_resumable(state, path)
     changed = changed_resume_keys(state, cfg)
     if changed:
         was = state["config"].get("preset")
@@ -534,14 +535,31 @@ def resume_state(cfg, ckpt_dir):
                         + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
                         + ": resume with the same values, or start a new run in another checkpoint_dir")
-    if "optimizer" not in state:
-        raise UserError(f"{path} holds a model's weights without the optimizer state a resume continues from (a "
-                        f"best.pt copied there?): put back the last.pt training wrote, or start a new run")
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
                         f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
     refuse_early_stopped(state, cfg, path)
     return state
+
+
+# What a resume reads of last.pt (Run.load, setup_run, keep_chosen_precision); the rest has defaults for
+# checkpoints from before it
+RESUME_STATE_KEYS = ("optimizer", "scheduler", "epoch", "best_iou", "epochs_since_best", "rng", "history",
+                     "precision")
+
+
+def check_resumable(state, path):
+    """last.pt as training writes it: a best.pt copied there (no optimizer state), or a file saved another way
+    (a notebook's torch.save of some of its keys: a KeyError deep in the resume, and a refusal quoting
+    CONFIG's defaults as what the file 'was trained with'), is a one-line error."""
+    if "optimizer" not in state and all(key in state for key in ("history", "epoch")):
+        raise UserError(f"{path} holds a model's weights without the optimizer state a resume continues from (a "
+                        f"best.pt copied there?): put back the last.pt training wrote, or start a new run")
+    missing = [key for key in RESUME_STATE_KEYS if key not in state]
+    if missing:
+        raise UserError(f"{path} lacks {', '.join(missing)}, which a resume continues from: it is not a last.pt as "
+                        f"training writes it (saved another way?): put back the last.pt training wrote, or start "
+                        f"a new run")
 
 
 def refuse_early_stopped(state, cfg, path):
@@ -732,6 +750,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
                      + other_world_size(state, cfg) + other_clipping(state, cfg) + other_modes(state, cfg, prec))
+        notes.append(set_aside_other_runs_files(cfg["checkpoint_dir"], state) if DIST.is_main else None)
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         what = "an earlier run" if not moved or (Path(moved) / "history.csv").exists() else \
@@ -744,6 +763,25 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         ids = [hw.device] if hw.kind == "cuda" else None
         run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
     return run
+
+
+def set_aside_other_runs_files(ckpt_dir, state):
+    """Where the folder's best.pt is not of the run last.pt continues (its history is not the start of
+    last.pt's: a last.pt copied in from another run), that run's files but last.pt move to previous/<time>/,
+    as a new run's would, and the note says so: the resume kept the other run's best.pt as its own (the
+    summary named a best IoU that file did not hold) and wrote over its history.csv. None otherwise."""
+    best = Path(ckpt_dir) / "best.pt"
+    if not best.is_file():
+        return None
+    try:
+        kept = torch.load(best, map_location="cpu", weights_only=True, mmap=True)["history"]
+    except Exception:  # noqa: BLE001 - unreadable: predict and export say what it is, as before
+        return None
+    if [repr(row) for row in kept] == [repr(row) for row in state["history"][:len(kept)]]:
+        return None
+    moved = archive_previous_run(ckpt_dir, [name for name in RUN_FILES if name != "last.pt"])
+    return (f"{best} is not of the run its last.pt continues (their histories differ: a last.pt copied from "
+            f"another run?): that run's files but last.pt moved to {moved}")
 
 
 def other_clipping(state, cfg):

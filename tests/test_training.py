@@ -2,6 +2,7 @@
 import csv
 import json
 import math
+import re
 from pathlib import Path
 
 import cv2
@@ -419,6 +420,54 @@ def test_best_pt_keeps_no_optimizer_state_and_a_resume_from_it_is_a_one_line_err
     assert (ckpt / "best.pt").stat().st_size < 0.5 * (ckpt / "last.pt").stat().st_size
     shutil.copy(ckpt / "best.pt", ckpt / "last.pt")
     with pytest.raises(UserError, match="without the optimizer state a resume continues from") as info:
+        train(make_cfg(epochs=2, resume=True))
+    assert "\n" not in str(info.value)
+
+
+def test_a_last_pt_copied_in_from_another_run_sets_the_folders_own_files_aside(make_cfg, tmp_path, capsys):
+    """Resuming another run's last.pt copied into a run folder kept that folder's best.pt as the run's (the
+    summary named a best IoU it did not hold) and wrote over its history.csv unsaid (user report): its files
+    but last.pt move to previous/<time>/ with a note. A resume of the folder's own run moves nothing."""
+    import shutil
+
+    own, other = (make_cfg(epochs=2, checkpoint_dir=str(tmp_path / "own")),
+                  make_cfg(epochs=1, checkpoint_dir=str(tmp_path / "other")))
+    train(own)
+    train(other)
+    folder = Path(own["checkpoint_dir"])
+    capsys.readouterr()
+    train({**own, "epochs": 3, "resume": True})  # its own run: nothing moves
+    assert "is not of the run" not in capsys.readouterr().out and not (folder / "previous").exists()
+    before = {name: (folder / name).read_bytes() for name in ("best.pt", "history.csv", "config.json")}
+    shutil.copy(Path(other["checkpoint_dir"]) / "last.pt", folder / "last.pt")
+    capsys.readouterr()
+    train({**own, "epochs": 3, "resume": True})
+    said = capsys.readouterr().out
+    [moved] = list((folder / "previous").iterdir())
+    assert f"{folder / 'best.pt'} is not of the run its last.pt continues (their histories differ: a last.pt copied " \
+           f"from another run?): that run's files but last.pt moved to {moved}" in said
+    assert {name: (moved / name).read_bytes() for name in before} == before and (moved / "tensorboard").is_dir() is \
+        (folder / "tensorboard").is_dir()
+    assert not (moved / "last.pt").exists()
+    rows = (folder / "history.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["1", "2", "3"]  # the other run's epoch 1, then this resume's
+    capsys.readouterr()
+    train({**own, "epochs": 4, "resume": True})  # the run's own best.pt now (or none): nothing moves
+    assert "is not of the run" not in capsys.readouterr().out and len(list((folder / "previous").iterdir())) == 1
+
+
+@pytest.mark.parametrize("keep", [("model", "optimizer", "config", "epoch"), ("model", "config", "optimizer", "epoch",
+                                                                            "scheduler", "history", "best_iou", "rng")])
+def test_a_last_pt_saved_another_way_is_one_line(make_cfg, keep):
+    """A last.pt with some of training's keys (a notebook's torch.save) gave KeyError: 'precision' from deep in the
+    resume (user report)."""
+    cfg = make_cfg(epochs=1)
+    train(cfg)
+    last = Path(cfg["checkpoint_dir"]) / "last.pt"
+    state = torch.load(last, map_location="cpu", weights_only=False)
+    torch.save({key: state[key] for key in keep}, last)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(last))} lacks .*precision, which a resume continues "
+                                        rf"from: it is not a last.pt as training writes it") as info:
         train(make_cfg(epochs=2, resume=True))
     assert "\n" not in str(info.value)
 
