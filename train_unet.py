@@ -529,8 +529,9 @@ def resume_state(cfg, ckpt_dir):
     check_resumable(state, path)
     changed = changed_resume_keys(state, cfg)
     if changed:
-        was = state["config"].get("preset")
-        hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != cfg.get("preset") else ""
+        was, now = state["config"].get("preset"), cfg.get("preset")
+        hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != now else \
+            f" (set by preset={now}: leave it out)" if now and now != was and set(changed) & set(PRESETS[now]) else ""
         raise UserError(f"cannot resume exactly: {path} was trained with "
                         + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint

@@ -242,6 +242,15 @@ def test_a_resume_without_the_runs_preset_names_the_preset(make_data, make_cfg):
     one_line_error(train_unet.train, {**cfg, "resume": True}, match="already trained 1 epoch.*raise epochs")
 
 
+def test_a_resume_with_a_preset_the_run_had_not_names_the_preset(make_data, make_cfg):
+    """The other way round: the refusal named max_train_images=8, which the user never typed (user report)."""
+    cfg = make_cfg(data_dir=str(make_data(count=8, size=32)), image_size=32, epochs=1)
+    train_unet.train(cfg)
+    err = one_line_error(train_unet.train, {**cfg, "preset": "debug", "resume": True, "epochs": 2},
+                         match="cannot resume exactly: .* was trained with .*max_train_images=None")
+    assert "(set by preset=debug: leave it out)" in err
+
+
 def test_predict_never_overwrites_inputs_and_validates_its_options(trained, tmp_path):
     cfg, data = trained
     ckpt = Path(cfg["checkpoint_dir"]) / "best.pt"
