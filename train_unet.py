@@ -275,6 +275,18 @@ INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True cont
                "predict": "the masks written so far are complete; no partial file is left"}
 
 
+@contextlib.contextmanager
+def alike_on_every_rank():
+    """Marks a UserError raised inside as one every torchrun process meets alike (the config, the
+    checkpoint folder, last.pt: read the same by all), so rank 0 alone says it, untagged, as it says an
+    error in the command line's keys (same_error_on_every_rank); it was printed once per process."""
+    try:
+        yield
+    except UserError as exc:
+        exc.alike = True
+        raise
+
+
 def same_error_on_every_rank(exc):
     """Under torchrun (WORLD_SIZE > 1), whether this is a rank other than 0 and the error came before the
     processes joined (a key every rank read alike): rank 0 alone says it. Errors from a rank's own run carry
@@ -314,8 +326,8 @@ def train_main(cfg, explicit=()):
                 return train({**cfg, "progress": False}, set(explicit) | {"progress"})
         return train(cfg, explicit)
     except UserError as exc:
-        if DIST.enabled:  # say which process failed; torchrun then stops the others
-            raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None
+        if DIST.enabled and not getattr(exc, "alike", False):  # say which process failed; torchrun then stops
+            raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None  # the others
         raise
     except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
         if isinstance(exc, RuntimeError) and DIST.enabled and peer_failed(exc):
@@ -450,19 +462,20 @@ def train(cfg, explicit=()):
 def set_up_training(cfg, explicit):
     """What the epoch loop needs, settled in dependency order: (effective config, hardware, Run, loaders)."""
     # 1. The config as given: preset applied, values checked, the checkpoint folder writable.
-    cfg, preset_line = apply_preset(validate_config(cfg), explicit)
-    check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
-    check_worker_count(cfg)
-    check_class_weights_weigh(cfg)
-    check_model_takes_image_size(cfg)
-    if DIST.is_main:
-        if not Path(cfg["checkpoint_dir"]).exists():
-            MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
-        check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
-        hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
-        remove_stale_temps(Path(cfg["checkpoint_dir"]))
-    # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
-    state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
+    with alike_on_every_rank():
+        cfg, preset_line = apply_preset(validate_config(cfg), explicit)
+        check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
+        check_worker_count(cfg)
+        check_class_weights_weigh(cfg)
+        check_model_takes_image_size(cfg)
+        if DIST.is_main:
+            if not Path(cfg["checkpoint_dir"]).exists():
+                MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
+            check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
+            hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
+            remove_stale_temps(Path(cfg["checkpoint_dir"]))
+        # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
+        state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
     cfg, hw, prec, notes = setup_precision(cfg, state, explicit)
     notes.insert(0, preset_line and ("preset", preset_line))
     seed_everything(cfg["seed"])

@@ -103,8 +103,20 @@ def test_an_error_only_rank_0_checks_leaves_no_traceback_on_the_others(tmp_path)
     out = torchrun(f"data_dir={tmp_path / 'data'}", "device=cpu", f"checkpoint_dir={tmp_path / 'a_file' / 'c'}",
                    "cpu_probe=False", timeout=120)
     assert out.returncode != 0
-    assert re.search(r"^error: \[rank 0\] checkpoint_dir .* is not writable", out.stderr, re.M), out.stderr
+    assert re.search(r"^error: checkpoint_dir .* is not writable", out.stderr, re.M), out.stderr
     assert "Connection closed by peer" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr
+
+
+def test_a_resume_refusal_every_process_meets_is_printed_once(tmp_path):
+    """The README's 'a config error is printed once' held for the command line's keys only: a resume refusal
+    (here: no last.pt), which every process meets alike, was printed by each, tagged [rank 0] and [rank 1]."""
+    out = torchrun(f"data_dir={tmp_path / 'data'}", "device=cpu", f"checkpoint_dir={tmp_path / 'c'}", "resume=True",
+                   "cpu_probe=False", timeout=120)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: resume=True but {tmp_path / 'c' / 'last.pt'} does "
+                                                     f"not exist"), out.stderr
+    assert "Traceback" not in out.stderr.split(errors[0])[0], out.stderr  # torchrun's own report comes after
 
 
 def test_sync_batchnorm_on_cpu_is_a_clear_error(make_cfg):
