@@ -340,7 +340,9 @@ def test_resume_without_checkpoint_is_a_user_error(make_cfg):
 def test_resume_with_another_model_shape_is_a_user_error(make_cfg, tmp_path):
     ckpt = Path(make_cfg()["checkpoint_dir"])
     cfg = make_cfg(image_size=32)
-    state = {"model": {}, "config": dict(cfg, num_classes=2), "history": []}
+    state = {"model": {}, "config": dict(cfg, num_classes=2), "history": [],  # what a resume reads: check_resumable
+             **dict.fromkeys(("optimizer", "scheduler", "rng"), {}), "epoch": 1, "best_iou": 0.0,
+             "epochs_since_best": 0, "precision": "fp32"}
     ckpt.mkdir(parents=True)
     torch.save(state, ckpt / "last.pt")
     with pytest.raises(UserError) as info:
