@@ -7495,12 +7495,12 @@ BENCHMARK_SETTINGS = {
     "fp32": {"use_amp": False, "channels_last": False, **STRICT_FP32},
     "tf32": {"use_amp": False, "channels_last": False, "tf32_matmul_precision": "high"},
     "fp32_cl": {"use_amp": False, "channels_last": True, **STRICT_FP32},
-    "bf16": {"amp_dtype": "bfloat16", "channels_last": False},
-    "bf16_cl": {"amp_dtype": "bfloat16", "channels_last": True},
-    "bf16_compile": {"amp_dtype": "bfloat16", "channels_last": False, "compile_model": True},
-    "bf16_2x": {"amp_dtype": "bfloat16", "channels_last": False, "batch_size": "2x"},
-    "fp16": {"amp_dtype": "float16", "channels_last": False},
-}
+    "bf16": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False},
+    "bf16_cl": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": True},
+    "bf16_compile": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": True},
+    "bf16_2x": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "batch_size": "2x"},
+    "fp16": {"use_amp": True, "amp_dtype": "float16", "channels_last": False},
+}  # use_amp=True set: a use_amp=False or a preset (stable, debug) given to the benchmark made its bf16 rows fp32
 
 
 # Training keys every benchmark run sets itself.
@@ -7923,15 +7923,14 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
     """One mode's predict in one data_mode, against the forward passes alone over the same batches."""
     dtype, nhwc = CPU_PROBE_MODES[mode]
     fit_dir, patch_dir, checkpoint = inputs
-    model, cfg = load_model(checkpoint, hw)
-    cfg = {**cfg, "data_mode": data_mode, "channels_last": nhwc, "tta": "none"}
+    model, trained = load_model(checkpoint, hw)
+    cfg = {**trained, "data_mode": data_mode, "channels_last": nhwc, "tta": "none"}
     prec = Precision.of(DTYPES[dtype], "benchmark")
     if prec.amp and not hw.bf16:
         return {"mode": mode, "data_mode": data_mode, "precision": None, "status": "skipped: bf16 not native here"}
-    if data_mode == "patch":  # the checkpoint is saved as patch mode, so predict runs its sliding window
-        patched = folder / "patch.pt"
-        save_checkpoint(patched, {"model": model.state_dict(), "config": cfg})
-        checkpoint = patched
+    if trained["data_mode"] != data_mode:  # saved in the row's data_mode, which predict runs (a patch-mode
+        checkpoint = folder / f"{data_mode}.pt"  # benchmark's fit rows ran its sliding window, unsaid)
+        save_checkpoint(checkpoint, {"model": model.state_dict(), "config": cfg})
     out = folder / f"{data_mode}_{mode}"
     args = {"checkpoint": str(checkpoint), "input": str(fit_dir if data_mode == "fit" else patch_dir),
             "output": str(out), "device": base["device"], "use_amp": prec.amp, "amp_dtype": "bfloat16",

@@ -184,6 +184,41 @@ def test_strict_fp32_and_tf32_rows_set_tf32_explicitly():
     assert "channels_last=False" in train_unet.benchmark_overrides("bf16", base)
 
 
+@pytest.mark.parametrize("given", [["use_amp=False"], ["preset=stable"], ["preset=debug"]])
+def test_bf16_rows_train_in_bf16_whatever_precision_the_benchmark_is_given(given):
+    """The bf16 rows set amp_dtype only: with use_amp=False or a preset that sets it (stable, debug) they
+    trained in fp32, with the fp32 row's IoU, and the table said bf16 (user report)."""
+    base = train_unet.validate_config(dict(train_unet.CONFIG))
+    for name, amp in (("bf16", True), ("bf16_cl", True), ("bf16_2x", True), ("fp16", True), ("fp32", False)):
+        args = train_unet.merge_args(given, train_unet.benchmark_overrides(name, base), ["progress=False"])
+        cfg, _ = train_unet.apply_preset(train_unet.parse_overrides(args), train_unet.explicit_keys(args))
+        assert cfg["use_amp"] is amp, (name, given)
+
+
+def test_a_patch_mode_benchmarks_fit_rows_predict_in_fit_mode(tmp_path):
+    """The fit rows predicted with the patch-mode checkpoint, so they ran its sliding window, labelled fit,
+    against fit-mode forwards (user report: 5.1x 'vs forward alone')."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=3, size=48)
+    base = train_unet.validate_config({**train_unet.CONFIG, "data_dir": str(data), "image_size": 32,
+                                       "encoder_name": "resnet18", "encoder_weights": None, "data_mode": "patch",
+                                       "device": "cpu", "batch_size": 2})
+    opts = {"inference_images": 3, "inference_size": 40, "inference_format": "png", "inference_rounds": 1}
+    folder = tmp_path / "bench" / "inference"
+    inputs = train_unet.inference_inputs(base, opts, folder)
+    assert train_unet.load_checkpoint(inputs[2])["config"]["data_mode"] == "patch"
+    hw = train_unet.detect_hardware("cpu")
+    row = train_unet.inference_row("fp32", "fit", base, hw, opts, folder, inputs)
+    assert row["status"] == "ok" and row["images"] == 3
+    assert train_unet.load_checkpoint(folder / "fit.pt")["config"]["data_mode"] == "fit"
+    fit = train_unet.predict({"checkpoint": str(folder / "fit.pt"), "input": str(inputs[0]), "output": str(tmp_path / "m"),
+                              "device": "cpu", "use_amp": False, "channels_last": False, "cpu_probe": False,
+                              "progress": False})
+    assert fit["predicted"] == 3
+    for mask in (tmp_path / "m").iterdir():
+        assert np.array_equal(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED),
+                              cv2.imread(str(folder / "fit_fp32" / mask.name), cv2.IMREAD_UNCHANGED))
+
+
 def test_summary_excludes_the_first_epoch_from_the_median():
     hist = [{"epoch_time_s": t, "images_per_s": 100 / t, "peak_mem_mb": m, "peak_mem_kind": "x",
              "precision": "fp16", "val_iou": 0.5, "val_dice": 0.6, "skipped_steps": k}
