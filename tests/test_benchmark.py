@@ -210,8 +210,8 @@ def test_a_patch_mode_benchmarks_fit_rows_predict_in_fit_mode(tmp_path):
     row = train_unet.inference_row("fp32", "fit", base, hw, opts, folder, inputs)
     assert row["status"] == "ok" and row["images"] == 3
     assert train_unet.load_checkpoint(folder / "fit.pt")["config"]["data_mode"] == "fit"
-    fit = train_unet.predict({"checkpoint": str(folder / "fit.pt"), "input": str(inputs[0]), "output": str(tmp_path / "m"),
-                              "device": "cpu", "use_amp": False, "channels_last": False, "cpu_probe": False,
+    fit = train_unet.predict({"checkpoint": str(folder / "fit.pt"), "input": str(inputs[0]),
+                              "output": str(tmp_path / "m"), "device": "cpu", "use_amp": False, "channels_last": False, "cpu_probe": False,
                               "progress": False})
     assert fit["predicted"] == 3
     for mask in (tmp_path / "m").iterdir():
