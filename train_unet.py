@@ -7601,6 +7601,7 @@ def parse_benchmark_args(args):
             raise UserError(f"unknown key {key!r}: {near_key(key, known)}the benchmark's keys: "
                             f"{', '.join(BENCHMARK_CONFIG)}; and any training key ({', '.join(TRAINING_KEYS)})")
     base = parse_overrides(train_args)
+    check_paths_given(opts, ("output",))  # empty: results, runs and logs in the current folder
     for key in BENCHMARK_FIXED:
         if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
             raise UserError(f"{key} is set by the benchmark itself ({BENCHMARK_FIXED[key]}): leave it out")

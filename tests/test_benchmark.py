@@ -436,6 +436,13 @@ def test_inference_keys_are_refused_before_any_training(arg, message):
         train_unet.parse_benchmark_args([arg, "inference="])  # no table: nothing to check
 
 
+def test_an_empty_output_is_refused():
+    """output= (an unset $OUT) wrote the results, the runs and their logs into the current folder (user report)."""
+    with pytest.raises(train_unet.UserError, match=re.escape("output= is empty: give a path (an unset shell "
+                                                             "variable?)")):
+        train_unet.parse_benchmark_args(["output=", "inference="])
+
+
 def test_an_unknown_inference_format_is_refused():
     with pytest.raises(train_unet.UserError, match="inference_format='jpg' is not allowed: use png or tif"):
         train_unet.parse_benchmark_args(["inference_format=jpg"])
