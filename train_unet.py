@@ -8044,6 +8044,8 @@ def inference_note(row):
         notes.append("predict timed faster than its forwards alone: noise; a quiet machine")
     if "mask_reference" in row and row["mask_reference"] is None:
         notes.append("no fp32 row to compare masks with")
+    elif row.get("mask_reference") == "fp32_cl":  # no fp32 row ran: the column's fp32 is fp32_cl's
+        notes.append("masks compared with fp32_cl's (no fp32 row)")
     if row.get("peak_mem_mb", 0) is None:
         notes.append(f"peak memory {row['peak_mem_kind']}")
     return "; ".join(notes)

@@ -374,6 +374,8 @@ def test_masks_are_compared_with_fp32s_whatever_the_order_of_the_modes():
     rows = inference_rows("bf16", "fp32_cl")
     train_unet.add_mask_agreement(rows, masks)
     assert [r["mask_agreement_vs_fp32"] for r in rows] == [0.75, 0.75, 1.0, 1.0]
+    row = {**rows[0], "vs_forward_only": 1.0, "rounds": 3, "round_spread": 1.0}  # the column's fp32 is fp32_cl's:
+    assert train_unet.inference_note(row) == "masks compared with fp32_cl's (no fp32 row)"  # said (user report)
     rows = inference_rows("bf16")
     train_unet.add_mask_agreement(rows, masks)
     assert [r["mask_agreement_vs_fp32"] for r in rows] == [None, None]
