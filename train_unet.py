@@ -7552,11 +7552,13 @@ def run_benchmark(args=()):
     result = {"device": describe(hw), "machine": benchmark_machine(hw, args),
               "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed", "eval_amp")},
-              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare, "bare_loop_step_spread": bare_spread}
+              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare, "bare_loop_step_spread": bare_spread,
+              "complete": False}  # the notebook refuses a benchmark stopped before its inference table
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print_benchmark_summary(rows, bare, hw, bare_spread, base["eval_amp"])
     result["inference"] = inference_table(base, hw, opts, out_dir)
+    result["complete"] = True
     write_json(out_dir / "benchmark.json", result)
     return result
 

@@ -127,6 +127,30 @@ def test_benchmark_notebook_plots_a_validation_set_of_one_image(tiny_run, tmp_pa
     assert f"model: {bench / 'fp32' / 'best.pt'}" in text
 
 
+def test_benchmark_notebook_refuses_a_benchmark_stopped_before_its_inference_table(tmp_path):
+    """Interrupted after its rows trained, a benchmark's benchmark.json had no inference table: the notebook
+    said 'benchmark inference=... adds one', an option the user had given (user report)."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {}, "rows": [], "histories": {},
+                                                      "bare_loop_s_per_step": {}, "complete": False}))
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="was interrupted before its inference table"):
+        execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+
+
+def test_benchmark_notebook_with_no_trained_row_says_so(tmp_path):
+    """Every row skipped or probed (bf16 not native here): the predictions cell raised a bare StopIteration."""
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    rows = [{"config": "bf16", "precision": "bf16 (not native)", "batch": 8, "speedup_vs_fp32": 0.03,
+             "slowdown_vs_fp32": 33.0, "status": "probe: 8 bare steps, none"},
+            {"config": "fp16", "status": "skipped: amp_dtype=float16 on a CPU"}]
+    (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {"eval_amp": False}, "rows": rows,
+                                                      "histories": {}, "bare_loop_s_per_step": {}, "complete": True}))
+    _, text = execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    assert f"no trained configuration in {bench} to show predictions from" in text
+
+
 def test_every_make_target_the_readme_names_exists():
     readme = (ROOT / "README.md").read_text()
     named = set(re.findall(r"\bmake ([a-z][a-z-]*[a-z])\b", readme))
