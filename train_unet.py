@@ -275,16 +275,16 @@ INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True cont
                "predict": "the masks written so far are complete; no partial file is left"}
 
 
-@contextlib.contextmanager
-def alike_on_every_rank():
-    """Marks a UserError raised inside as one every torchrun process meets alike (the config, the
-    checkpoint folder, last.pt: read the same by all), so rank 0 alone says it, untagged, as it says an
-    error in the command line's keys (same_error_on_every_rank); it was printed once per process."""
-    try:
-        yield
-    except UserError as exc:
-        exc.alike = True
-        raise
+def said_once_if_alike(exc):
+    """Raises a start-up error (or returns where this process met none). Under torchrun every process
+    tells the others its error first: where all met the same one (a config key, a resume refusal), it is
+    marked alike and rank 0 alone says it, untagged (same_error_on_every_rank); it was printed once per
+    process. An error not every process met (CPU binding, a node's own disk) keeps its [rank N]."""
+    seen = gather_setup(None if exc is None else user_message(exc))
+    if exc is None:
+        return  # a process that failed stops this one at the next collective ("another process ... ended")
+    exc.alike = all(message == seen[0] for message in seen)
+    raise exc
 
 
 def same_error_on_every_rank(exc):
@@ -461,21 +461,9 @@ def train(cfg, explicit=()):
 
 def set_up_training(cfg, explicit):
     """What the epoch loop needs, settled in dependency order: (effective config, hardware, Run, loaders)."""
-    # 1. The config as given: preset applied, values checked, the checkpoint folder writable.
-    with alike_on_every_rank():
-        cfg, preset_line = apply_preset(validate_config(cfg), explicit)
-        check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
-        check_worker_count(cfg)
-        check_class_weights_weigh(cfg)
-        check_model_takes_image_size(cfg)
-        if DIST.is_main:
-            if not Path(cfg["checkpoint_dir"]).exists():
-                MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
-            check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
-            hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
-            remove_stale_temps(Path(cfg["checkpoint_dir"]))
-        # 2. Resume state, hardware, precision (a resumed run that fell back keeps its safer precision).
-        state = resume_state(cfg, Path(cfg["checkpoint_dir"])) if cfg["resume"] else None
+    # 1. The config as given (preset applied, values checked, the checkpoint folder writable); last.pt to resume.
+    cfg, preset_line, state = checked_config_and_resume_state(cfg, explicit)
+    # 2. Hardware, precision (a resumed run that fell back keeps its safer precision).
     cfg, hw, prec, notes = setup_precision(cfg, state, explicit)
     notes.insert(0, preset_line and ("preset", preset_line))
     seed_everything(cfg["seed"])
@@ -500,6 +488,29 @@ def set_up_training(cfg, explicit):
     announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch),
                  {"preset": preset_line, "batch_size_auto": auto_batch})
     return cfg, hw, run, loaders
+
+
+def checked_config_and_resume_state(cfg, explicit):
+    """(cfg with its preset, the preset's banner line, last.pt's state or None): the config's values, the
+    checkpoint folder (rank 0) and, with resume=True, last.pt; a UserError said once where every torchrun
+    process met it (said_once_if_alike)."""
+    try:
+        cfg, preset_line = apply_preset(validate_config(cfg), explicit)
+        check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
+        check_worker_count(cfg)
+        check_class_weights_weigh(cfg)
+        check_model_takes_image_size(cfg)
+        if DIST.is_main:
+            if not Path(cfg["checkpoint_dir"]).exists():
+                MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
+            check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
+            hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
+            remove_stale_temps(Path(cfg["checkpoint_dir"]))
+        state = resume_state(cfg, Path(cfg["checkpoint_dir"]), explicit) if cfg["resume"] else None
+    except UserError as exc:
+        said_once_if_alike(exc)
+    said_once_if_alike(None)  # every process joins the exchange, errors or not
+    return cfg, preset_line, state
 
 
 def same_class_names(state, names, cfg):
@@ -532,7 +543,7 @@ def check_class_weights_weigh(cfg):
                         f"has neither: add one (e.g. loss={cfg['loss']}+ce), or set class_weights=None")
 
 
-def resume_state(cfg, ckpt_dir):
+def resume_state(cfg, ckpt_dir, explicit=()):
     path = ckpt_dir / "last.pt"
     if not path.is_file():
         raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
@@ -544,7 +555,8 @@ def resume_state(cfg, ckpt_dir):
     if changed:
         was, now = state["config"].get("preset"), cfg.get("preset")
         hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != now else \
-            f" (set by preset={now}: leave it out)" if now and now != was and set(changed) & set(PRESETS[now]) else ""
+            f" (set by preset={now}: leave it out)" if now and now != was and set(changed) & (set(PRESETS[now]) -
+                                                                                          set(explicit)) else ""
         raise UserError(f"cannot resume exactly: {path} was trained with "
                         + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
@@ -791,7 +803,8 @@ def set_aside_other_runs_files(ckpt_dir, state):
         kept = torch.load(best, map_location="cpu", weights_only=True, mmap=True)["history"]
     except Exception:  # noqa: BLE001 - unreadable: predict and export say what it is, as before
         return None
-    if [repr(row) for row in kept] == [repr(row) for row in state["history"][:len(kept)]]:
+    n = min(len(kept), len(state["history"]))  # best.pt is written before last.pt: it may be one epoch ahead
+    if [repr(row) for row in kept[:n]] == [repr(row) for row in state["history"][:n]]:
         return None
     moved = archive_previous_run(ckpt_dir, [name for name in RUN_FILES if name != "last.pt"])
     return (f"{best} is not of the run its last.pt continues (their histories differ: a last.pt copied from "
@@ -3295,8 +3308,8 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
-    if Path(path).suffix.lower() in (*JPEG_EXTS, ".tif", ".tiff"):  # by name here; by its bytes where the
-        check_not_jpeg(path, values)                                   # values are wrong (below)
+    if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes (and a TIFF's compression, not
+        check_not_jpeg(path, values)             # parsed at every start-up) where the values are wrong (below)
     odd = not_class_indices(values)
     if odd:
         check_not_jpeg(path, values)
@@ -3340,7 +3353,7 @@ def grey_palette_hint(path):
 def check_not_jpeg(path, values):
     """A class mask stored as JPEG (lossy_format), whatever its name: its edge noise could pass as classes
     ('holds class 2: set num_classes=3' led to training on it). Only the name is looked at on every start-up;
-    the bytes where the name says JPEG or TIFF or the values are wrong."""
+    the bytes where the name says JPEG or the values are wrong."""
     lossy = lossy_format(path)
     if lossy:
         raise UserError(f"mask {path} is {lossy}: its lossy compression changes class indices along every edge "
@@ -8159,9 +8172,10 @@ def export(opts):
             raise UserError(f"cannot write {path.with_suffix('.json')} ({exc.strerror or exc}): "
                             f"{write_fix(exc, 'output')}; nothing written or moved") from None
         there = [p.name for p in (path, path.with_suffix(".json")) if p.exists()]
-        moved = archive_previous_run(path.parent, there)  # after the check and writes: a failed export moves none
-        os.replace(side_tmp, path.with_suffix(".json"))
-        os.replace(tmp, path)
+        with interrupts_held():  # a Ctrl-C between the move and the renames would leave neither export there
+            moved = archive_previous_run(path.parent, there)  # after the check and writes: a failed export moves none
+            os.replace(side_tmp, path.with_suffix(".json"))
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
         side_tmp.unlink(missing_ok=True)
@@ -8434,14 +8448,14 @@ def file_identity(path):
 
 
 def source_since(identity):
-    """'' where the exported checkpoint is as it was (or the sidecar, from before file_identity, cannot
-    tell), else what became of it: the export keeps the model it had, whatever the file holds now."""
+    """'' where the exported checkpoint is as it was, or not here (or the sidecar, from before file_identity,
+    cannot tell), else that it has changed: the export keeps the model it had, whatever the file holds now."""
     if not isinstance(identity, dict) or not isinstance(identity.get("path"), str):
         return ""
     try:
         stat = os.stat(identity["path"])
-    except OSError:
-        return f" (no longer at {identity['path']}; this export keeps its model)"
+    except OSError:  # not here: an export copied to the machine it serves on, as export is for
+        return ""
     if [stat.st_size, stat.st_mtime_ns] != [identity.get("size"), identity.get("mtime_ns")]:
         return " (changed since the export, as by a later run in its folder: this export keeps the model it held then)"
     return ""

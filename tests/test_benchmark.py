@@ -211,8 +211,8 @@ def test_a_patch_mode_benchmarks_fit_rows_predict_in_fit_mode(tmp_path):
     assert row["status"] == "ok" and row["images"] == 3
     assert train_unet.load_checkpoint(folder / "fit.pt")["config"]["data_mode"] == "fit"
     fit = train_unet.predict({"checkpoint": str(folder / "fit.pt"), "input": str(inputs[0]),
-                              "output": str(tmp_path / "m"), "device": "cpu", "use_amp": False, "channels_last": False, "cpu_probe": False,
-                              "progress": False})
+                              "output": str(tmp_path / "m"), "device": "cpu", "use_amp": False,
+                              "channels_last": False, "cpu_probe": False, "progress": False})
     assert fit["predicted"] == 3
     for mask in (tmp_path / "m").iterdir():
         assert np.array_equal(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED),

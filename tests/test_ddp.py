@@ -103,7 +103,7 @@ def test_an_error_only_rank_0_checks_leaves_no_traceback_on_the_others(tmp_path)
     out = torchrun(f"data_dir={tmp_path / 'data'}", "device=cpu", f"checkpoint_dir={tmp_path / 'a_file' / 'c'}",
                    "cpu_probe=False", timeout=120)
     assert out.returncode != 0
-    assert re.search(r"^error: checkpoint_dir .* is not writable", out.stderr, re.M), out.stderr
+    assert re.search(r"^error: \[rank 0\] checkpoint_dir .* is not writable", out.stderr, re.M), out.stderr
     assert "Connection closed by peer" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr
 
 

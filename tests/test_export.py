@@ -599,12 +599,13 @@ def test_an_export_name_predict_would_refuse_or_a_resume_overwrite_is_refused(bi
 
 def test_predict_says_when_the_exported_checkpoint_has_changed_since(binary, tmp_path, capsys):
     """An export kept in a run's folder named that folder's best.pt as its source after a new run had replaced it
-    (the masks differ): the sidecar keeps the file's identity and predict says it has changed, or is gone."""
+    (the masks differ): the sidecar keeps the file's identity and predict says it has changed."""
     ckpt = tmp_path / "run" / "best.pt"
     ckpt.parent.mkdir()
     shutil.copy(binary["ckpt"], ckpt)
     export(ckpt, tmp_path / "run")
-    run = predict_opts(tmp_path / "run" / "model.onnx", binary["data"] / "images", tmp_path / "out", backend="onnxruntime")
+    run = predict_opts(tmp_path / "run" / "model.onnx", binary["data"] / "images", tmp_path / "out",
+                       backend="onnxruntime")
     capsys.readouterr()
     train_unet.predict(run)
     line = next(l for l in capsys.readouterr().out.splitlines() if "exported from" in l)
@@ -613,9 +614,9 @@ def test_predict_says_when_the_exported_checkpoint_has_changed_since(binary, tmp
     train_unet.predict(run)
     assert f"exported from {ckpt} (changed since the export, as by a later run in its folder: this export keeps " \
            f"the model it held then)" in capsys.readouterr().out
-    ckpt.unlink()
+    ckpt.unlink()  # gone, as on the machine an export is copied to: nothing to say
     train_unet.predict(run)
-    assert f"exported from {ckpt} (no longer at {ckpt.resolve()}; this export keeps its model)" in capsys.readouterr().out
+    assert next(l for l in capsys.readouterr().out.splitlines() if "exported from" in l).endswith(f"from {ckpt}")
 
 
 def test_onnxruntime_predict_notes_a_tta_its_validation_averaged(binary, tmp_path, capsys):

@@ -132,9 +132,13 @@ def test_benchmark_notebook_refuses_a_benchmark_stopped_before_its_inference_tab
     said 'benchmark inference=... adds one', an option the user had given (user report)."""
     bench = tmp_path / "bench"
     bench.mkdir()
+    command = "python train_unet.py benchmark configs=fp32 inference=fp32,bf16"
     (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {}, "rows": [], "histories": {},
-                                                      "bare_loop_s_per_step": {}, "complete": False}))
-    with pytest.raises(nbclient.exceptions.CellExecutionError, match="was interrupted before its inference table"):
+                                                      "bare_loop_s_per_step": {}, "complete": False,
+                                                      "machine": {"command": command}}))
+    with pytest.raises(nbclient.exceptions.CellExecutionError,
+                       match=re.escape(f"stopped before its inference table (interrupted, or it failed): run "
+                                       f"`{command}`")):
         execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
 
 

@@ -458,6 +458,20 @@ def test_a_last_pt_copied_in_from_another_run_sets_the_folders_own_files_aside(m
     assert "is not of the run" not in capsys.readouterr().out and len(list((folder / "previous").iterdir())) == 1
 
 
+def test_a_best_pt_one_epoch_ahead_of_last_pt_is_the_runs_own(make_cfg, capsys):
+    """finish_epoch writes best.pt before last.pt: stopped between the two (or last.pt restored from an older
+    copy), best.pt holds one more epoch than last.pt. It is the run's own: nothing moves (review)."""
+    cfg = make_cfg(epochs=2)
+    train(cfg)
+    folder = Path(cfg["checkpoint_dir"])
+    last, best = (torch.load(folder / name, map_location="cpu", weights_only=False) for name in ("last.pt", "best.pt"))
+    torch.save({**best, "history": last["history"], "epoch": 2}, folder / "best.pt")
+    torch.save({**last, "history": last["history"][:1], "epoch": 1}, folder / "last.pt")
+    capsys.readouterr()
+    train({**cfg, "resume": True})
+    assert "is not of the run" not in capsys.readouterr().out and not (folder / "previous").exists()
+
+
 @pytest.mark.parametrize("keep", [("model", "optimizer", "config", "epoch"), ("model", "config", "optimizer", "epoch",
                                                                             "scheduler", "history", "best_iou", "rng")])
 def test_a_last_pt_saved_another_way_is_one_line(make_cfg, keep):

@@ -152,7 +152,7 @@ def check_phases(hw, tmp):
     inference table's fit rows spend beside the forward (reading, encoding, writing) in ms per image."""
     import predict_phases
 
-    mode, out = "bf16_cl" if hw.bf16 else "fp32", tmp / "phases"
+    mode, out = predict_phases.tool_mode("auto", hw), tmp / "phases"
     out.mkdir()
     ms, count, _ = predict_phases.measure({**predict_phases.TOOL_CONFIG, "input": str(shapes_set(tmp) / "images"),
                                            "mode": mode, "device": hw.device}, out)

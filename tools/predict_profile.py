@@ -8,7 +8,9 @@ tools/predict_phases.py times each step alone, one after another; this tool look
 main thread's wall time in predict's loop over the images (not the checkpoint's loading before it) is split
 by the kernel's own accounting (Linux /proc/thread-self/schedstat) into the time it ran, the time it waited
 for a free core, and the time it slept: waiting for images to be read or masks written (predict's own
-"waited" figures), and the rest (the GIL held by a reader or the writer, a blocking CUDA call). A second run under
+"waited" figures), and the rest (the GIL held by a reader or the writer; the first batch's reading, which
+nothing overlaps; a CUDA wait in blocking-sync mode: by default CUDA spins, so a sync counts as run, and
+shows in the profiler's rows below). A second run under
 torch.profiler lists the main thread's busiest calls over the same span by their own CPU time (on CUDA the
 runtime's: cudaLaunchKernel, cudaMemcpyAsync, cudaStreamSynchronize, cudaHostAlloc...), with how often each
 ran: a copy or a sync per image shows there. Each predict writes into a fresh folder; one predict before them
@@ -63,8 +65,8 @@ def measure(opts, tmp):
 
 def watched_predict(run, profiler=None):
     """(predict's result, seconds, seconds the main thread ran, seconds it waited for a core) of predict's
-    loop over the images, from its writer's start to the last mask written (MaskWriter's with: not the
-    checkpoint's loading before it); a torch profiler, if given, runs over the same span."""
+    loop over the images, from its writer's start to the last batch handed to it (MaskWriter's with: not the
+    checkpoint's loading before it, nor the last masks' writing after); a torch profiler runs over it too."""
     marks = []
 
     class Watched(T.MaskWriter):
@@ -75,12 +77,12 @@ def watched_predict(run, profiler=None):
             return super().__enter__()
 
         def __exit__(self, *exc):
-            try:
+            marks.append((time.perf_counter(), *schedstat()))  # before the last writes, which predict's own
+            try:                                                # waits leave out (nothing to overlap)
                 return super().__exit__(*exc)
             finally:
                 if profiler is not None:
                     profiler.stop()
-                marks.append((time.perf_counter(), *schedstat()))
 
     writer, T.MaskWriter = T.MaskWriter, Watched
     try:
@@ -163,8 +165,8 @@ def report(found):
              f"ms an image), the forwards alone {found['forward_s']:.3f} s "
              f"({found['wall_s'] / found['forward_s']:.2f}x)",
              f"main thread: ran {found['ran_s']:.3f} s, waited for a core {found['queued_s']:.3f} s, slept "
-             f"{found['slept_s']:.3f} s ({found['waited_s']:.3f} s for reads and writes, {other:.3f} s for the GIL "
-             f"or a blocking call)",
+             f"{found['slept_s']:.3f} s ({found['waited_s']:.3f} s for reads and writes, {other:.3f} s for the GIL, "
+             f"the first batch's reading or a blocking call)",
              "busiest calls under torch.profiler (self CPU ms, calls): " + "; ".join(
                  f"{name} {seconds * 1e3:.1f} ({count})" for name, count, seconds in found["calls"])]
     return "\n".join(lines)
