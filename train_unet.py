@@ -495,7 +495,9 @@ def checked_config_and_resume_state(cfg, explicit):
     checkpoint folder (rank 0) and, with resume=True, last.pt; a UserError said once where every torchrun
     process met it (said_once_if_alike)."""
     try:
-        cfg, preset_line = apply_preset(validate_config(cfg), explicit)
+        given = validate_config(cfg)
+        typed = set(explicit) | {k for k in given if k in CONFIG and given[k] != CONFIG[k]}  # apply_preset's rule
+        cfg, preset_line = apply_preset(given, explicit)
         check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
         check_worker_count(cfg)
         check_class_weights_weigh(cfg)
@@ -506,7 +508,7 @@ def checked_config_and_resume_state(cfg, explicit):
             check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
             hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
             remove_stale_temps(Path(cfg["checkpoint_dir"]))
-        state = resume_state(cfg, Path(cfg["checkpoint_dir"]), explicit) if cfg["resume"] else None
+        state = resume_state(cfg, Path(cfg["checkpoint_dir"]), typed) if cfg["resume"] else None
     except UserError as exc:
         said_once_if_alike(exc)
     said_once_if_alike(None)  # every process joins the exchange, errors or not
@@ -543,7 +545,9 @@ def check_class_weights_weigh(cfg):
                         f"has neither: add one (e.g. loss={cfg['loss']}+ce), or set class_weights=None")
 
 
-def resume_state(cfg, ckpt_dir, explicit=()):
+def resume_state(cfg, ckpt_dir, typed=()):
+    """last.pt's state for resume=True, or a UserError saying why it cannot continue exactly. `typed`: the keys
+    given (not set by a preset), for the refusal's hint."""
     path = ckpt_dir / "last.pt"
     if not path.is_file():
         raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
@@ -556,7 +560,7 @@ def resume_state(cfg, ckpt_dir, explicit=()):
         was, now = state["config"].get("preset"), cfg.get("preset")
         hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != now else \
             f" (set by preset={now}: leave it out)" if now and now != was and set(changed) & (set(PRESETS[now]) -
-                                                                                          set(explicit)) else ""
+                                                                                          set(typed)) else ""
         raise UserError(f"cannot resume exactly: {path} was trained with "
                         + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
