@@ -496,7 +496,7 @@ def checked_config_and_resume_state(cfg, explicit):
     process met it (said_once_if_alike)."""
     try:
         given = validate_config(cfg)
-        typed = set(explicit) | {k for k in given if k in CONFIG and given[k] != CONFIG[k]}  # apply_preset's rule
+        typed = given_keys(given, explicit)  # before the preset's values are in: the refusal's hint
         cfg, preset_line = apply_preset(given, explicit)
         check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
         check_worker_count(cfg)
@@ -1760,7 +1760,7 @@ def apply_preset(cfg, explicit=()):
     name = cfg.get("preset")
     if not name:
         return cfg, None
-    explicit = set(explicit) | {k for k in cfg if k in CONFIG and cfg[k] != CONFIG[k] and k != "preset"}
+    explicit = given_keys(cfg, explicit)
     values = PRESETS[name]
     applied = {k: v for k, v in values.items() if k not in explicit}
     kept = [k for k in values if k in explicit]
@@ -1769,6 +1769,12 @@ def apply_preset(cfg, explicit=()):
     if kept:
         line += "; kept yours: " + ", ".join(f"{k}={out[k]}" for k in kept)
     return out, line
+
+
+def given_keys(cfg, explicit=()):
+    """The keys the user set (on the command line, or away from CONFIG's default in a library call's config):
+    a preset leaves them as given."""
+    return set(explicit) | {k for k in cfg if k in CONFIG and cfg[k] != CONFIG[k] and k != "preset"}
 
 
 def preset_table():
