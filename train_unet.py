@@ -3465,9 +3465,10 @@ def check_pairs(pairs, cfg):
                         f"apart, and IoU would be 1 whatever the model does; check that the masks were saved with "
                         f"their labels, 0 for background")
     if cfg["num_classes"] > 1 and all(v <= {0, IGNORE_INDEX} for v in values):
+        palette = next(filter(None, map(grey_palette_hint, (m for _, m in pairs[:20]))), None)
         raise UserError(f"every mask holds only 0 and {IGNORE_INDEX}: with num_classes={cfg['num_classes']} "
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
-                        f"0/255 masks use num_classes=1")
+                        f"0/255 masks use num_classes=1" + (f"; or: {palette}" if palette else ""))
     notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg),
              colour_read_as_grey(pairs, facts), extra_channels_dropped(pairs, facts)]
     for note in filter(None, notes if DIST.is_main else ()):

@@ -514,6 +514,21 @@ def test_a_short_grey_palette_whose_indices_are_classes_is_named_in_the_error(tm
     assert err.index("palette indices") < err.index("num_classes=129")  # the likelier fix first, the old one after
 
 
+def test_white_black_palette_class_masks_refused_with_num_classes_2_name_the_palette(make_cfg, data_dir):
+    """Class indices 0/1 saved with a [white, black] palette read as 255/0 (by their greys, as a viewer shows
+    them): the refusal ('every mask holds only 0 and 255') advised only num_classes=1, which trains on them
+    inverted where the indices were the classes."""
+    for path in (data_dir / "masks").iterdir():
+        mask = Image.fromarray((cv2.imread(str(path), cv2.IMREAD_GRAYSCALE) > 0).astype(np.uint8), mode="P")
+        mask.putpalette([255, 255, 255, 0, 0, 0])
+        mask.save(path)
+    err = one_line_error(train_unet.train, make_cfg(num_classes=2),
+                         match=r"every mask holds only 0 and 255: .* use num_classes=1; or: it is a palette image "
+                               r"of greys, read by its greys as a viewer shows it; if its palette indices "
+                               r"\(\[0, 1\]\) are the classes, save it as plain grey values")
+    assert err.count("palette") == 2  # one mask named, not every one
+
+
 def test_a_mask_with_a_full_inverted_grey_lut_is_read_by_its_indices(tmp_path):
     """ImageJ's inverting LUT (256 greys, entry i = 255 - i) shows foreground 255 black: read by its grey
     values, foreground and background swapped silently."""
