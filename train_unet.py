@@ -2887,14 +2887,16 @@ def index_by_stem(folder):
     return found
 
 
-def read_image(path, channels, intensity_range=None):
+def read_image(path, channels, intensity_range=None, look=None):
     """An image file as the network's input: HxW (channels=1) or HxWx3 RGB, scaled by scale_image.
 
     Training, validation, predict and the notebook all read images here, each passing its config's
     intensity_range, so they all see the same values: 8-bit files stay uint8, everything else becomes
-    float32 ([0, 1] for the training images).
+    float32 ([0, 1] for the training images). look(path, pixels as decoded): predict's InputNotes.look.
     """
     image = decode_image(path, channels)
+    if look is not None:
+        look(path, image)
     return to_channels(scale_image(image, path, intensity_range), channels, path)
 
 
@@ -6474,7 +6476,7 @@ def predict(opts):
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
-        for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, settle=writer.wait),
+        for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
                                                    writer, waits):
             failed = failed + unreadable
             seen.see(batch)
@@ -6564,20 +6566,20 @@ def masks_within_memory(model, paths, images, inputs, run):
                         f"with a data_mode=patch checkpoint); the masks of the images before them are written") from None
 
 
-def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None):
+def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None, look=None):
     """([(path, image, model input)], [(path, why unreadable)]) per per_batch paths, read on threads: the
     next batch's images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works
     on this one. In fit mode the threads also resize and normalise each image (fit_input), so the main
     thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None).
     With a MemoryBudget, an image that cannot fit is unreadable, with the reason, undecoded; and the next
     batch is read after this one, not beside it, where the two would not fit together: once the caller
-    has let this batch go and `settle` has returned (predict: its masks are written)."""
+    has let this batch go and `settle` has returned (predict: its masks are written). look: read_image's."""
     budget = budget or MemoryBudget(None, cfg, None)
 
     def read(path):
         try:
             budget.check(path)
-            image = read_image(path, cfg["in_channels"], cfg["intensity_range"])
+            image = read_image(path, cfg["in_channels"], cfg["intensity_range"], look)
         except UserError as exc:
             return path, None, str(exc)
         return path, (image, fit_input(image, cfg) if cfg["data_mode"] == "fit" else None), None
@@ -7139,10 +7141,23 @@ class InputNotes:
     """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
     a range (sixteen_bit_input), an 8-bit or float image that a given intensity_range= does not touch
     (divided by 255, or mapped by its own min and max, whatever the range, as in training: scale_image),
-    and an image whose pixels lie outside the range, given or the checkpoint's (outside_range)."""
+    and an image whose pixels lie outside the range, given or the checkpoint's (outside_range); as the data
+    check notes in training, colour read as grey (of the first PREDICT_COLOUR_LOOKS images: one not grey by its
+    header is decoded again to look) and a TIFF channel dropped that is not alpha (extra_channel_not_alpha)."""
 
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, None, None, None
+        self.colour, self.extra, self.looked = None, None, 0
+
+    def look(self, path, decoded):
+        """On a reader thread, the pixels as decoded: the first image whose colour or extra channel the model's
+        in_channels drops is kept (a race between threads changes only which one is named)."""
+        self.looked += 1
+        if self.colour is None and self.cfg["in_channels"] == 1 and self.looked <= PREDICT_COLOUR_LOOKS \
+                and holds_colour(path, without_alpha(decoded)):
+            self.colour = path
+        if self.extra is None and extra_channel_not_alpha(path, decoded):
+            self.extra = path
 
     def see(self, batch):
         """Take note of a read batch's images (the first of each kind is named)."""
@@ -7155,6 +7170,7 @@ class InputNotes:
 
     def print(self):
         """The notes, after the last batch."""
+        self.print_channels()
         signed = self.sixteen_bit is not None and is_tiff(self.sixteen_bit) and \
             getattr(stored_dtype(self.sixteen_bit), "kind", "u") == "i"  # None: tifffile cannot tell; as ever
         if signed:
@@ -7182,8 +7198,23 @@ class InputNotes:
                                                                 else ""))
 
 
+    def print_channels(self):
+        checkpoint = self.opts["checkpoint"]
+        if self.colour is not None:
+            print(f"note: {Path(self.colour).name} holds colour, read as grey (its luminance): {checkpoint} takes "
+                  f"in_channels=1; if colour tells the classes apart, train with in_channels=3")
+        if self.extra is not None:
+            print(f"note: {Path(self.extra).name} holds a channel that is not alpha beside its grey or RGB (a TIFF "
+                  f"extra sample such as near-infrared), and it is dropped: {checkpoint} takes "
+                  f"in_channels={self.cfg['in_channels']}")
+
+
 # A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.
 OUTSIDE_RANGE_SHARE = 0.01
+
+# predict looks for colour that in_channels=1 drops in this many images (InputNotes.look): beyond, a file
+# whose header does not say grey would be decoded twice, and one such image in a folder is enough to say it.
+PREDICT_COLOUR_LOOKS = 8
 
 
 def outside_range(path, image):

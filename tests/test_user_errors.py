@@ -621,6 +621,41 @@ def test_float_tiffs_get_no_16_bit_note_and_a_range_given_for_them_is_named_as_u
             "images mapped by their own min and max") in capsys.readouterr().out
 
 
+def test_predict_notes_colour_read_as_grey_and_a_dropped_channel_that_is_not_alpha(trained, tmp_path, capsys):
+    """Training's data check notes colour that in_channels=1 reads as grey and a TIFF channel dropped that is
+    not alpha (near-infrared); predict read such images the same way without a word."""
+    import tifffile
+
+    cfg, data = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    first = cv2.imread(str(sorted((data / "images").iterdir())[0]))
+    colour = first.copy()
+    colour[..., 0] = 255 - colour[..., 2]  # blue unlike red: colour that grey drops
+    cv2.imwrite(str(inp / "grey.png"), cv2.cvtColor(first, cv2.COLOR_BGR2GRAY))
+    cv2.imwrite(str(inp / "colour.png"), colour)
+    tifffile.imwrite(inp / "nir.tif", np.dstack([first[..., ::-1], first[..., 0]]), photometric="rgb",
+                     extrasamples=[0])
+    grey_cfg = {**cfg, "in_channels": 1, "checkpoint_dir": str(tmp_path / "grey")}
+    train_unet.train(grey_cfg)
+    capsys.readouterr()
+    colour = "holds colour, read as grey (its luminance): {} takes in_channels=1; if colour tells the classes " \
+             "apart, train with in_channels=3"
+    nir = "note: nir.tif holds a channel that is not alpha beside its grey or RGB (a TIFF extra sample such as " \
+          "near-infrared), and it is dropped: {} takes in_channels={}"
+    for ckpt, channels in ((Path(grey_cfg["checkpoint_dir"]) / "best.pt", 1), (Path(cfg["checkpoint_dir"]) / "best.pt", 3)):
+        train_unet.predict({"checkpoint": str(ckpt), "input": str(inp), "progress": False, "use_amp": False,
+                            "output": str(tmp_path / ckpt.parent.name)})
+        notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+        assert nir.format(ckpt, channels) in notes, notes
+        assert sum(colour.format(ckpt) in line for line in notes) == (channels == 1) and len(notes) == 1 + (channels == 1)
+    (inp / "colour.png").unlink()
+    (inp / "nir.tif").unlink()
+    train_unet.predict({"checkpoint": str(Path(grey_cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp),
+                        "progress": False, "use_amp": False, "output": str(tmp_path / "plain")})
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_and_a_key(trained, tmp_path,
                                                                                          capsys):
     """12-bit data in 16-bit files, predicted with a model trained on 8-bit images: scaled from 0-65535,
