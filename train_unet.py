@@ -287,6 +287,18 @@ def said_once_if_alike(exc):
     raise exc
 
 
+def said_once_where_alike(fn, *args):
+    """fn(*args), whose UserError is said once where every torchrun process met the same (said_once_if_alike):
+    for start-up work with no collective inside (each process would wait in a different one), which every
+    process runs on the same files or facts (the data's folders; the exchanged data check)."""
+    try:
+        result = fn(*args)
+    except UserError as exc:
+        said_once_if_alike(exc)
+    said_once_if_alike(None)
+    return result
+
+
 def same_error_on_every_rank(exc):
     """Under torchrun (WORLD_SIZE > 1), whether this is a rank other than 0 and the error came before the
     processes joined (a key every rank read alike): rank 0 alone says it. Errors from a rank's own run carry
@@ -2561,7 +2573,7 @@ def prepare_data(cfg):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
         write_embedded_dataset(root)
     barrier()  # the other ranks wait until rank 0 has written it
-    train, val = split_pairs(cfg)
+    train, val = said_once_where_alike(split_pairs, cfg)  # data_dir not found: said once, not by each process
     unread = unread_entries(root)
     if unread and DIST.is_main:
         print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
@@ -2574,7 +2586,7 @@ def prepare_data(cfg):
     for note in (nothing_to_score(val, cfg), classes_only_in_val(train, val, cfg), patches_of_padding(train, cfg)):
         if note and DIST.is_main:
             print(note)
-    check_enough_samples(train, cfg)
+    said_once_where_alike(check_enough_samples, train, cfg)
     return train, val
 
 
@@ -3450,6 +3462,11 @@ def check_pairs(pairs, cfg):
     CHECKED_HERE.clear()  # a start-up's check trusts the caches and the files, not an earlier run's memory
     facts = checked_facts(paths, cfg, write=DIST.is_main, share=True)
     barrier()  # every rank has the exchanged facts; this keeps them in step until rank 0's cache is on disk
+    said_once_where_alike(check_pair_facts, pairs, facts, cfg)  # every process judges the same facts
+
+
+def check_pair_facts(pairs, facts, cfg):
+    """check_pairs' verdict on the data check's facts: a UserError for a bad mask or pair, else its notes."""
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
     others = binary_others(values)  # once: per pair it would compare every mask with every other
     for (image_path, mask_path), found in zip(pairs, values):

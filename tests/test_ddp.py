@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 
@@ -85,15 +87,24 @@ def test_ddp_patch_mode_validates_whole_images_exactly_once(tmp_path):
     assert single_process_val_iou(ckpt / "last.pt") == pytest.approx(float(history(ckpt)[0]["val_iou"]), abs=1e-12)
 
 
-def test_ddp_user_error_stops_the_group_with_its_message(tmp_path):
-    out = torchrun(f"data_dir={tmp_path / 'missing'}", "device=cpu", f"checkpoint_dir={tmp_path / 'c'}",
+@pytest.mark.parametrize("bad", ["missing", "mask"])
+def test_a_data_error_every_process_meets_stops_the_group_with_its_message_once(tmp_path, bad):
+    """A data_dir not found, or a mask every process judged from the exchanged data check, was printed by each
+    process, tagged [rank 0] and [rank 1]: now once, untagged, as a config error."""
+    data = tmp_path / "missing"
+    if bad == "mask":
+        data = train_unet.generate_shapes_dataset(tmp_path / "data", count=6, size=32)
+        first = sorted((data / "masks").iterdir())[0]
+        cv2.imwrite(str(first), np.where(cv2.imread(str(first), cv2.IMREAD_GRAYSCALE) > 0, 7, 0).astype(np.uint8))
+    out = torchrun(f"data_dir={data}", "device=cpu", f"checkpoint_dir={tmp_path / 'c'}", "cpu_probe=False",
                    timeout=120)
     assert out.returncode != 0
     # Our one-line message comes before anything else torchrun prints about the failed group.
     lines = out.stderr.splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("error:"))
-    assert re.match(r"error: \[rank \d\] data_dir .*missing not found: create", lines[first]), lines[first]
-    assert not any("Traceback" in line for line in lines[:first])
+    errors = [i for i, line in enumerate(lines) if line.startswith("error:")]
+    said = r"data_dir .*missing not found: create" if bad == "missing" else r"mask .* holds values \[0, 7\]"
+    assert len(errors) == 1 and re.match(rf"error: {said}", lines[errors[0]]), out.stderr
+    assert not any("Traceback" in line for line in lines[:errors[0]])
 
 
 def test_an_error_only_rank_0_checks_leaves_no_traceback_on_the_others(tmp_path):
