@@ -2904,12 +2904,13 @@ def read_image(path, channels, intensity_range=None, look=None):
 
     Training, validation, predict and the notebook all read images here, each passing its config's
     intensity_range, so they all see the same values: 8-bit files stay uint8, everything else becomes
-    float32 ([0, 1] for the training images). look(path, pixels as decoded): predict's InputNotes.look.
+    float32 ([0, 1] for the training images). look(path, as decoded, as scaled): predict's InputNotes.look.
     """
     image = decode_image(path, channels)
+    scaled = scale_image(image, path, intensity_range)
     if look is not None:
-        look(path, image)
-    return to_channels(scale_image(image, path, intensity_range), channels, path)
+        look(path, image, scaled)
+    return to_channels(scaled, channels, path)
 
 
 def decode_image(path, channels=3):
@@ -6496,7 +6497,6 @@ def predict(opts):
         for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
                                                    writer, waits):
             failed = failed + unreadable
-            seen.see(batch)
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
             writer.write_all(batch, *on_host(masks, hw), outputs, out_dir)
@@ -6716,17 +6716,6 @@ def tiff_header(path):
             hw = plane_of(series)  # a damaged file's 1-tuple header (shape ()) took predict down
             return None if hw is None else (*hw, series.dtype.itemsize)
     except Exception:  # noqa: BLE001 - truncated and mutated files raise struct.error, TypeError, ...
-        return None
-
-
-def stored_dtype(path):
-    """A TIFF's sample type as stored (level 0 of its first image), or None where tifffile cannot tell."""
-    import tifffile
-
-    try:
-        with tifffile.TiffFile(path) as tif:
-            return tif.series[0].dtype
-    except Exception:  # noqa: BLE001 - as tiff_header: the read itself says what is wrong
         return None
 
 
@@ -7156,47 +7145,46 @@ def predict_intensity_range(cfg, opts):
 
 class InputNotes:
     """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
-    a range (sixteen_bit_input), an 8-bit or float image that a given intensity_range= does not touch
-    (divided by 255, or mapped by its own min and max, whatever the range, as in training: scale_image),
-    and an image whose pixels lie outside the range, given or the checkpoint's (outside_range); as the data
-    check notes in training, colour read as grey (of the first PREDICT_COLOUR_LOOKS images: one not grey by its
-    header is decoded again to look) and a TIFF channel dropped that is not alpha (extra_channel_not_alpha)."""
+    a range, an 8-bit or float image that a given intensity_range= does not touch (divided by 255, or mapped
+    by its own min and max, whatever the range, as in training: scale_image), and an image whose pixels lie
+    outside the range, given or the checkpoint's (outside_range); as the data check notes in training, colour
+    read as grey (of the first PREDICT_COLOUR_LOOKS images: one not grey by its header is decoded again to look)
+    and a TIFF channel dropped that is not alpha (extra_channel_not_alpha). Each image is looked at on the
+    reader thread that decoded it (read_image's look), by its decoded type, which decides its scaling: no
+    header is read or pixel counted on predict's main thread, which on a GPU launches the model's kernels."""
 
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, None, None, None
         self.colour, self.extra, self.looked = None, None, 0
 
-    def look(self, path, decoded):
-        """On a reader thread, the pixels as decoded: the first image whose colour or extra channel the model's
-        in_channels drops is kept (a race between threads changes only which one is named)."""
+    def look(self, path, decoded, scaled):
+        """An image as decoded and as scale_image mapped it: the first of each kind is kept (a race between
+        reader threads changes only which one is named)."""
         self.looked += 1
+        kind, wide = decoded.dtype.kind, decoded.dtype.kind in "iu" and decoded.dtype != np.uint8
+        if self.sixteen_bit is None and self.cfg["intensity_range"] is None and wide and decoded.dtype.itemsize == 2:
+            self.sixteen_bit = (path, kind == "i")  # scaled from the type's range: -32768-32767 where signed
+        if self.eight_bit is None and self.opts["intensity_range"] is not None and not wide and kind in "uf":
+            self.eight_bit = path  # about a range the user gave
+        if self.outside is None and self.cfg["intensity_range"] is not None and wide:
+            self.outside = outside_range(path, scaled)
         if self.colour is None and self.cfg["in_channels"] == 1 and self.looked <= PREDICT_COLOUR_LOOKS \
                 and holds_colour(path, without_alpha(decoded)):
             self.colour = path
         if self.extra is None and extra_channel_not_alpha(path, decoded):
             self.extra = path
 
-    def see(self, batch):
-        """Take note of a read batch's images (the first of each kind is named)."""
-        self.sixteen_bit = self.sixteen_bit or sixteen_bit_input(batch, self.cfg)
-        if self.outside is None and self.cfg["intensity_range"] is not None:
-            self.outside = next(filter(None, (outside_range(path, image) for path, image, _ in batch)), None)
-        if self.eight_bit is None and self.opts["intensity_range"] is not None:  # about a range the user gave
-            self.eight_bit = next((path for path, image, _ in batch
-                                   if image.dtype == np.uint8 or float_file(path)), None)
-
     def print(self):
         """The notes, after the last batch."""
         self.print_channels()
-        signed = self.sixteen_bit is not None and is_tiff(self.sixteen_bit) and \
-            getattr(stored_dtype(self.sixteen_bit), "kind", "u") == "i"  # None: tifffile cannot tell; as ever
+        sixteen_bit, signed = self.sixteen_bit or (None, False)
         if signed:
-            print(f"note: {Path(self.sixteen_bit).name} has signed 16-bit pixels and {self.opts['checkpoint']} has no "
+            print(f"note: {Path(sixteen_bit).name} has signed 16-bit pixels and {self.opts['checkpoint']} has no "
                   f"intensity_range: they were scaled from -32768-32767, so 0 is mid-grey and the data's own span is "
                   f"a sliver of it: predict again with intensity_range=low,high, that span (CT in Hounsfield units: "
                   f"e.g. -1000,1000)")
-        elif self.sixteen_bit is not None:
-            print(f"note: {Path(self.sixteen_bit).name} has 16-bit pixels and {self.opts['checkpoint']} has no "
+        elif sixteen_bit is not None:
+            print(f"note: {Path(sixteen_bit).name} has 16-bit pixels and {self.opts['checkpoint']} has no "
                   f"intensity_range: they were scaled from 0-65535. If the model was trained on 8-bit images and "
                   f"these hold 12-bit data, that is 16 times too dark: predict again with intensity_range=0,4095")
         if self.eight_bit is not None:
@@ -7213,7 +7201,6 @@ class InputNotes:
                   f"{whose} (its values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training "
                   f"images were mapped to; check the range" + (", or predict with intensity_range=low,high" if whose
                                                                 else ""))
-
 
     def print_channels(self):
         checkpoint = self.opts["checkpoint"]
@@ -7241,23 +7228,6 @@ def outside_range(path, image):
         return None
     share = float(np.count_nonzero((image < 0) | (image > 1))) / image.size
     return (path, share, float(image.min()), float(image.max())) if share > OUTSIDE_RANGE_SHARE else None
-
-
-def sixteen_bit_input(batch, cfg):
-    """The first image of a read batch that was a 16-bit file scaled from 0-65535 for want of a range (the
-    checkpoint has none: its training images were 8-bit or float), else None. 12-bit data so scaled is
-    16 times too dark: predict names it in a note. Only images read_image made float are looked at (an
-    8-bit file stays uint8), from their header."""
-    if cfg["intensity_range"] is not None:
-        return None
-    return next((path for path, image, _ in batch if image.dtype == np.float32
-                 and (image_header(path) or (0, 0, 0))[2] == 2 and not float_file(path)), None)
-
-
-def float_file(path):
-    """Whether a file stores floats (a float16/32 TIFF; no other format read here does), which scale_image
-    maps by the image's own min and max, whatever intensity_range."""
-    return is_tiff(path) and getattr(stored_dtype(path), "kind", "u") == "f"
 
 
 def check_no_unpaired_masks(paths, out_dir, overlay):

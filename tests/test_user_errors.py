@@ -1257,9 +1257,29 @@ def test_the_data_check_weighs_the_sets_binary_convention_once(make_data, make_c
     assert len(calls) == 1
 
 
-def test_the_16_bit_note_of_a_tiff_whose_type_tifffile_cannot_tell_is_the_unsigned_one(monkeypatch, capsys):
-    monkeypatch.setattr(train_unet, "stored_dtype", lambda path: None)
-    notes = train_unet.InputNotes({}, {"checkpoint": "best.pt", "intensity_range": None})
-    notes.sixteen_bit = "scan.tif"
-    notes.print()
-    assert "note: scan.tif has 16-bit pixels" in capsys.readouterr().out
+def test_predicts_notes_on_its_images_read_no_header_on_the_main_thread(trained, tmp_path, monkeypatch, capsys):
+    """The 16-bit, unused-range and outside-range notes read each float image's header (and a 16-bit TIFF's
+    sample type) on predict's main thread, which on a GPU launches the model's kernels, every image where no
+    note was due. Now each image is looked at on the reader thread that decoded it, by its decoded type."""
+    import threading
+
+    import tifffile
+
+    cfg, _ = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    pixels = np.random.default_rng(0).random((32, 32, 3), np.float32)
+    for i in range(4):
+        tifffile.imwrite(inp / f"float{i}.tif", pixels * (i + 1), photometric="rgb")
+    tifffile.imwrite(inp / "z_ct.tif", (pixels * 2000 - 1000).astype(np.int16), photometric="rgb")
+    main = []
+    for name in ("image_header", "tiff_header"):
+        real = getattr(train_unet, name)
+        monkeypatch.setattr(train_unet, name, lambda path, real=real: (
+            main.append(Path(path).name) if threading.current_thread() is threading.main_thread() else None,
+            real(path))[1])
+    monkeypatch.setattr(train_unet, "available_memory", lambda: None)  # no budget: it reads headers itself
+    train_unet.predict({"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp),
+                        "progress": False, "output": str(tmp_path / "out"), "batch_size": 1})
+    assert main == []
+    assert "note: z_ct.tif has signed 16-bit pixels" in capsys.readouterr().out  # its type, as decoded
