@@ -8357,19 +8357,38 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
     the mask rule, class names), which .onnx it belongs to (SHA-256), and how the export was checked."""
     import onnxruntime
 
-    binary = cfg["num_classes"] == 1
     return {"format": EXPORT_FORMAT[0], "version": EXPORT_FORMAT[1], "onnx": name,
             "onnx_sha256": file_sha256(onnx_file),
             "input": {"name": "image", "dtype": "float32", "shape": ["batch", cfg["in_channels"], "height", "width"],
                       "height_width": input_sides(cfg)},
             "output": {"name": "logits", "dtype": "float32", "shape": ["batch", cfg["num_classes"], "height", "width"]},
-            "mask": {"rule": "threshold", "logit": 0.0, "values": [0, 255]} if binary else
-                    {"rule": "argmax", "axis": 1, "values": "class indices"},
-            "class_names": load_class_names(cfg), "preprocessing": preprocessing(cfg),
+            "mask": mask_rule_words(cfg), "class_names": load_class_names(cfg), "preprocessing": preprocessing(cfg),
             "config": {**{key: cfg[key] for key in EXPORT_KEYS}, "tta": cfg["tta"]}, "check": check,
             "exported_from": str(checkpoint), "exported_from_file": file_identity(checkpoint),
             "exported": datetime.datetime.now().isoformat(timespec="seconds"),
             "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "opset": ONNX_OPSET}}
+
+
+def mask_rule_words(cfg):
+    """The sidecar's word on how logits become a mask (mask_rule: logit > 0, else argmax)."""
+    if cfg["num_classes"] == 1:
+        return {"rule": "threshold", "logit": 0.0, "values": [0, 255]}
+    return {"rule": "argmax", "axis": 1, "values": "class indices"}
+
+
+def edited_sidecar_numbers(meta, cfg):
+    """The sidecar's entries, of those predict does not read (the preprocessing's numbers, the mask rule),
+    whose values differ from what its config gives: edited by hand, and ignored. Only the keys the sidecar
+    holds are compared, so an older export's fewer keys are not taken for an edit."""
+    made = json.loads(json.dumps({"mask": mask_rule_words(cfg), **preprocessing(cfg)}))  # as JSON keeps them
+    held = {"mask": meta.get("mask"), **{k: (meta.get("preprocessing") or {}).get(k)
+                                       for k in ("to_unit_range", "normalize")}}
+    edited = []
+    for key, section in held.items():
+        for inner, value in (section.items() if isinstance(section, dict) else ()):
+            if made[key].get(inner, value) != value:
+                edited.append(f"{'' if key == 'mask' else 'preprocessing.'}{key}.{inner}")
+    return edited
 
 
 def input_sides(cfg):
@@ -8459,6 +8478,11 @@ def load_exported(path, hw):
         raise UserError(f"{onnx_path.with_suffix('.json')} holds settings predict refuses ({exc}): export again "
                         f"rather than edit it") from None
     cfg["tta"] = saved.get("tta")  # the views its validation averaged (note_checkpoint_settings); None: not kept
+    edited = edited_sidecar_numbers(meta, cfg)
+    if edited:
+        print(f"note: {onnx_path.with_suffix('.json').name}'s {', '.join(edited)} differ from what its config gives "
+              f"(edited by hand?): predict goes by its config, as the model was trained, not by those, so the masks "
+              f"are as without the edit; export again to make them agree")
     model = OnnxModel(onnx_session(onnx_path, hw))
     check_sidecar_matches(model.session, cfg, onnx_path)
     where = ", ".join(model.session.get_providers())

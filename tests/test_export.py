@@ -376,6 +376,28 @@ def test_a_sidecar_that_does_not_match_its_onnx_is_refused(binary, tmp_path, edi
     assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
 
 
+def test_a_sidecars_edited_preprocessing_or_mask_rule_gets_a_note(binary, tmp_path, capsys):
+    """predict reads the sidecar's config, not its preprocessing numbers or mask rule (written for other
+    runtimes): a mean or a threshold edited there changed nothing, unsaid. An unedited sidecar, and an older
+    one with fewer keys, get no note."""
+    folder = tmp_path / "export"
+    folder.mkdir()
+    onnx, sidecar = (Path(shutil.copy(p, folder / p.name)) for p in (binary["onnx"], binary["sidecar"]))
+    meta = json.loads(sidecar.read_text())
+    opts = predict_opts(onnx, binary["data"] / "images", tmp_path / "out", backend="onnxruntime")
+    del meta["preprocessing"]["to_unit_range"]["float"]  # as an older export might lack
+    sidecar.write_text(json.dumps(meta))
+    train_unet.predict(opts)
+    assert "note: model.json" not in capsys.readouterr().out
+    meta["preprocessing"]["normalize"]["mean"] = [0.5, 0.5, 0.5]
+    meta["mask"]["logit"] = 1.5
+    sidecar.write_text(json.dumps(meta))
+    train_unet.predict({**opts, "output": str(tmp_path / "out2")})
+    assert ("note: model.json's mask.logit, preprocessing.normalize.mean differ from what its config gives (edited by "
+            "hand?): predict goes by its config, as the model was trained, not by those, so the masks are as without "
+            "the edit; export again to make them agree") in capsys.readouterr().out
+
+
 def test_a_full_disk_during_export_is_said_as_such(binary, tmp_path, monkeypatch, capsys):
     """No space left while the exporter wrote the .onnx read 'torch.onnx cannot export arch=Unet ...'."""
     def full(*args, **kwargs):
