@@ -6273,10 +6273,31 @@ def archive_previous_run(ckpt_dir, names=RUN_FILES):
     while dest.exists():  # two runs in one second must not share (and overwrite) a folder
         n += 1
         dest = ckpt_dir / "previous" / f"{stamp}-{n}"
+    made = not kept.exists()
     dest.mkdir(parents=True)
-    for path in old:
-        shutil.move(str(path), dest / path.name)
+    moved = []
+    try:
+        for path in old:
+            shutil.move(str(path), dest / path.name)
+            moved.append(path)
+    except OSError as exc:  # immutable, another user's in a sticky folder, a locked file on a share
+        put_back(moved, dest, path, kept if made else None)
+        raise UserError(f"cannot move {path} into {kept}/ ({exc.strerror or exc}), where earlier results go before "
+                        f"anything is written over them: fix its permissions (or its folder's), or choose another "
+                        f"folder; nothing was moved") from None
     return dest
+
+
+def put_back(moved, dest, failed, made):
+    """archive_previous_run's undo: the files it moved go back, the copy a move across file systems left of
+    the one it could not remove goes, and so do the folders it made where they are left empty."""
+    for path in reversed(moved):
+        shutil.move(str(dest / path.name), path)
+    if (failed.exists() or failed.is_symlink()) and (dest / failed.name).exists():
+        os.unlink(dest / failed.name)
+    for folder in (dest, made):
+        if folder is not None and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -8267,8 +8288,9 @@ def export_onnx(model, cfg, path):
                               dynamic_axes={"image": dims, "logits": dims})
         onnx.checker.check_model(str(path), full_check=True)  # valid ONNX for other runtimes too
     except Exception as exc:  # the exporter's and the checker's errors share no base class
-        if isinstance(exc, OSError) and exc.errno in FULL_DISK:  # main says it: a disk, not the architecture
-            raise
+        if isinstance(exc, OSError) and exc.errno in FULL_DISK:  # a disk, not the architecture
+            raise UserError(f"cannot write the ONNX model into {path.parent} ({exc.strerror}): "
+                            f"{write_fix(exc, 'output')}; nothing written or moved") from None
         raise UserError(f"torch.onnx cannot export arch={cfg['arch']} with encoder {cfg['encoder_name']} for "
                         f"any height and width ({type(exc).__name__}: {first_line(exc)}): Unet, UnetPlusPlus, "
                         f"FPN, Linknet, MAnet, DeepLabV3(Plus) and Segformer export") from None

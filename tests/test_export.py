@@ -406,6 +406,7 @@ def test_a_full_disk_during_export_is_said_as_such(binary, tmp_path, monkeypatch
     code = train_unet.main(["export", f"checkpoint={binary['ckpt']}", f"output={tmp_path / 'e' / 'model.onnx'}"])
     err = capsys.readouterr().err
     assert code == 2 and "No space left on device): free disk space there" in err and "cannot export arch" not in err
+    assert f"error: cannot write the ONNX model into {tmp_path / 'e'} (No space left on device)" in err  # where
 
 
 def test_exporting_an_exported_model_says_so(binary, tmp_path):

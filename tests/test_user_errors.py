@@ -532,6 +532,36 @@ def test_a_file_named_previous_where_earlier_results_are_kept_is_a_one_line_erro
     assert (tmp_path / "out" / "previous").read_text() == "a note of mine"
 
 
+@pytest.mark.parametrize("across", [False, True])
+def test_an_earlier_result_that_cannot_be_moved_leaves_every_file_in_place(tmp_path, monkeypatch, across):
+    """An earlier result that could not be moved (immutable, another user's in a sticky folder) stopped the
+    archive with PermissionError's traceback halfway: some files in previous/, some not, and an export's
+    .onnx moved away from its sidecar. Now what moved goes back, a cross-device move's copy goes, and one
+    line names the file."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    files = {name: f"{name} of the earlier run" for name in ("a.png", "b.png", "c.png")}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    real = shutil.move
+
+    def move(src, dst):
+        if Path(src).name == "b.png":
+            if across:  # shutil.move across file systems: copied, then the source cannot be removed
+                shutil.copy2(src, dst)
+            raise PermissionError(1, "Operation not permitted", src)
+        return real(src, dst)
+    monkeypatch.setattr(shutil, "move", move)
+    err = one_line_error(train_unet.archive_previous_run, folder, list(files),
+                         match=rf"cannot move {re.escape(str(folder / 'b.png'))} into {re.escape(str(folder))}/previous/ "
+                               r"\(Operation not permitted\), where earlier results go .*; nothing was moved$")
+    assert {p.name: p.read_text() for p in folder.iterdir()} == files, err  # previous/ made and removed
+    (folder / "previous" / "older").mkdir(parents=True)
+    with pytest.raises(UserError):
+        train_unet.archive_previous_run(folder, list(files))
+    assert [p.name for p in (folder / "previous").iterdir()] == ["older"]  # an earlier archive stays
+
+
 def test_predicts_masks_and_overlays_carry_its_mark_and_decode_unchanged(tmp_path):
     mask = np.zeros((30, 40), np.uint8)
     mask[5:9] = 255
