@@ -7256,8 +7256,13 @@ def check_no_unpaired_masks(paths, out_dir, overlay):
     there of an image not in images/, or an overlay, is a mask without a partner, and one beside a ground
     truth of another format (a.bmp) shares its stem; either stopped the next training run. Masks of the
     images' own, where none is there yet (pseudo-labels), may go there; archive_earlier_predictions refuses
-    those that would replace a ground-truth PNG."""
+    those that would replace a ground-truth PNG. A data set's images folder (masks/ beside it) takes no masks:
+    the next training run would find them without a partner, or, once masks of them went to masks/, train on
+    masks of masks."""
     out_dir = out_dir.resolve()
+    if out_dir.name == "images" and (out_dir.parent / "masks").is_dir():
+        raise UserError(f"output={out_dir} is a data set's images folder (masks/ beside it): masks written there "
+                        f"would be taken for images by the next training run; choose another output=... folder")
     images = out_dir.parent / "images"
     if out_dir.name != "masks" or not images.is_dir():
         return

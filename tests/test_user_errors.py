@@ -487,7 +487,7 @@ def test_predict_into_a_folder_of_ground_truth_masks_is_refused_and_moves_nothin
     assert (folders / f"{first.stem}.png" / "notes.txt").read_text() == "mine" and not (folders / "previous").exists()
 
 
-def test_predict_writes_no_unpaired_mask_into_a_data_sets_masks_folder(trained, tmp_path):
+def test_predict_writes_no_unpaired_mask_into_a_data_sets_masks_or_images_folder(trained, tmp_path):
     """A photo from elsewhere predicted into data/masks: its mask had no image there, and the next training
     run stopped ('1 file(s) have no partner'). The data set's own images (pseudo-labels) may go there."""
     cfg, data = trained
@@ -514,6 +514,12 @@ def test_predict_writes_no_unpaired_mask_into_a_data_sets_masks_folder(trained, 
     (own / "masks" / "photo.png").rename(own / "masks" / "photo.bmp")  # a ground truth of another format
     one_line_error(train_unet.predict, {**opts, "input": str(own / "images"), "output": str(own / "masks")},
                    match="and photo.bmp is the mask of photo.png there")
+    # its images folder: masks there were taken for images (then masks of them went to masks/, and trained)
+    one_line_error(train_unet.predict, {**opts, "output": str(gt / "images")},
+                   match=f"^output={re.escape(str(gt / 'images'))} is a data set's images folder \\(masks/ beside "
+                         f"it\\): masks written there would be taken for images by the next training run; choose "
+                         f"another output=... folder$")
+    assert sorted(p.name for p in (gt / "masks").iterdir()) == before
 
 
 def test_a_file_named_previous_where_earlier_results_are_kept_is_a_one_line_error(trained, tmp_path):
