@@ -7175,7 +7175,7 @@ class InputNotes:
     header is read or pixel counted on predict's main thread, which on a GPU launches the model's kernels."""
 
     def __init__(self, cfg, opts):
-        self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, None, None, None
+        self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, [], None, None
         self.colour, self.extra, self.looked = None, None, 0
 
     def look(self, path, decoded, scaled):
@@ -7183,8 +7183,8 @@ class InputNotes:
         reader threads changes only which one is named)."""
         self.looked += 1
         kind, wide = decoded.dtype.kind, decoded.dtype.kind in "iu" and decoded.dtype != np.uint8
-        if self.sixteen_bit is None and self.cfg["intensity_range"] is None and wide and decoded.dtype.itemsize == 2:
-            self.sixteen_bit = (path, kind == "i")  # scaled from the type's range: -32768-32767 where signed
+        if self.cfg["intensity_range"] is None and wide and decoded.dtype.itemsize == 2:  # scaled by the type's range
+            self.sixteen_bit.append((path, kind == "i", int(without_alpha(decoded).max())))  # its top: 12-bit data?
         if self.eight_bit is None and self.opts["intensity_range"] is not None and not wide and kind in "uf":
             self.eight_bit = path  # about a range the user gave
         if self.outside is None and self.cfg["intensity_range"] is not None and wide:
@@ -7198,16 +7198,7 @@ class InputNotes:
     def print(self):
         """The notes, after the last batch."""
         self.print_channels()
-        sixteen_bit, signed = self.sixteen_bit or (None, False)
-        if signed:
-            print(f"note: {Path(sixteen_bit).name} has signed 16-bit pixels and {self.opts['checkpoint']} has no "
-                  f"intensity_range: they were scaled from -32768-32767, so 0 is mid-grey and the data's own span is "
-                  f"a sliver of it: predict again with intensity_range=low,high, that span (CT in Hounsfield units: "
-                  f"e.g. -1000,1000)")
-        elif sixteen_bit is not None:
-            print(f"note: {Path(sixteen_bit).name} has 16-bit pixels and {self.opts['checkpoint']} has no "
-                  f"intensity_range: they were scaled from 0-65535. If the model was trained on 8-bit images and "
-                  f"these hold 12-bit data, that is 16 times too dark: predict again with intensity_range=0,4095")
+        self.print_sixteen_bit()
         if self.eight_bit is not None:
             low, high = self.opts["intensity_range"]
             print(f"note: intensity_range={low:g},{high:g} was not used for {Path(self.eight_bit).name} and any other "
@@ -7223,6 +7214,28 @@ class InputNotes:
                   f"images were mapped to; check the range" + (", or predict with intensity_range=low,high" if whose
                                                                 else ""))
 
+    def print_sixteen_bit(self):
+        """The note on 16-bit images scaled from their type's range for want of one: each image's top value
+        says where it holds narrower data (12-bit in a 16-bit file: 16 times too dark), the first such named."""
+        seen = sorted(self.sixteen_bit, key=lambda entry: str(entry[0]))  # the readers' order varies; names do not
+        checkpoint, signed = self.opts["checkpoint"], [p for p, is_signed, _ in seen if is_signed]
+        unsigned = [(p, top) for p, is_signed, top in seen if not is_signed]
+        if signed:
+            print(f"note: {Path(signed[0]).name} has signed 16-bit pixels and {checkpoint} has no intensity_range: they "
+                  f"were scaled from -32768-32767, so 0 is mid-grey and the data's own span is a sliver of it: predict "
+                  f"again with intensity_range=low,high, that span (CT in Hounsfield units: e.g. -1000,1000)")
+        narrow = [(p, top) for p, top in unsigned if 0 < top < 2 ** max(NARROW_DEPTHS)]
+        if narrow:
+            (path, top), n = narrow[0], len(unsigned)
+            bits = next(b for b in NARROW_DEPTHS if top < 2 ** b)
+            print(f"note: {Path(path).name} has 16-bit pixels and {checkpoint} has no intensity_range: they were "
+                  f"scaled from 0-65535, but its values reach only {top}: if it holds {bits}-bit data, the model saw it "
+                  f"{2 ** (16 - bits)} times too dark: predict again with intensity_range=0,{2 ** bits - 1}"
+                  + (f" ({len(narrow)} of the {n} 16-bit images stay below {2 ** max(NARROW_DEPTHS)})" if n > 1 else ""))
+        elif unsigned:
+            print(f"note: {len(unsigned)} image(s) have 16-bit pixels (e.g. {Path(unsigned[0][0]).name}) and "
+                  f"{checkpoint} has no intensity_range: they were scaled from 0-65535, the span their values use")
+
     def print_channels(self):
         checkpoint = self.opts["checkpoint"]
         if self.colour is not None:
@@ -7236,6 +7249,10 @@ class InputNotes:
 
 # A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.
 OUTSIDE_RANGE_SHARE = 0.01
+
+# The bit depths cameras and scanners store in 16-bit files: a 16-bit image whose values stay below 2**14
+# gets the narrowest of these that holds them as its likely depth (InputNotes.print_sixteen_bit).
+NARROW_DEPTHS = (8, 10, 12, 14)
 
 # predict looks for colour that in_channels=1 drops in this many images (InputNotes.look): beyond, a file
 # whose header does not say grey would be decoded twice, and one such image in a folder is enough to say it.

@@ -692,6 +692,33 @@ def test_predict_notes_colour_read_as_grey_and_a_dropped_channel_that_is_not_alp
     assert "note:" not in capsys.readouterr().out
 
 
+def test_the_16_bit_note_names_the_image_holding_12_bit_data_not_the_first_16_bit_one(trained, tmp_path, capsys):
+    """A full-range 16-bit a.tif beside 12-bit data in b.png: the note named a.tif, the first, and advised
+    0,4095, which would put all of a.tif outside the range; b.png, 16 times too dark, went unnamed."""
+    import tifffile
+
+    cfg, data = trained
+    inp = tmp_path / "in"
+    inp.mkdir()
+    grey = cv2.imread(str(sorted((data / "images").iterdir())[0]), cv2.IMREAD_GRAYSCALE)
+    tifffile.imwrite(inp / "a.tif", grey.astype(np.uint16) * 257)
+    cv2.imwrite(str(inp / "b.png"), grey.astype(np.uint16) * 16)
+    cv2.imwrite(str(inp / "c.png"), grey.astype(np.uint16) * 4)  # 10-bit data
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inp), "progress": False}
+    train_unet.predict({**opts, "output": str(tmp_path / "a")})
+    notes = [line for line in capsys.readouterr().out.splitlines() if "16-bit" in line]
+    top = int(grey.max()) * 16
+    assert notes == [f"note: b.png has 16-bit pixels and {opts['checkpoint']} has no intensity_range: they were scaled "
+                     f"from 0-65535, but its values reach only {top}: if it holds 12-bit data, the model saw it 16 times "
+                     f"too dark: predict again with intensity_range=0,4095 (2 of the 3 16-bit images stay below 16384)"]
+    (inp / "b.png").unlink()
+    (inp / "c.png").unlink()
+    train_unet.predict({**opts, "output": str(tmp_path / "b")})
+    assert [line for line in capsys.readouterr().out.splitlines() if "16-bit" in line] == [
+        f"note: 1 image(s) have 16-bit pixels (e.g. a.tif) and {opts['checkpoint']} has no intensity_range: they were "
+        f"scaled from 0-65535, the span their values use"]
+
+
 def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_and_a_key(trained, tmp_path,
                                                                                          capsys):
     """12-bit data in 16-bit files, predicted with a model trained on 8-bit images: scaled from 0-65535,
