@@ -6918,10 +6918,22 @@ def load_model(checkpoint, hw):
     return model.to(hw.device).eval(), cfg
 
 
-def state_dict_mismatch(exc, limit=160):
-    """load_state_dict's first specific complaint (its first line only says that there are some)."""
+def state_dict_mismatch(exc):
+    """load_state_dict's first specific complaint (its first line only says that there are some), shortened
+    whole: a shape mismatch as the two shapes, a list of keys as its first and how many more."""
     lines = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
-    return (lines[0] if lines else first_line(exc))[:limit]
+    if not lines:
+        return first_line(exc)
+    size = re.match(r"size mismatch for (\S+): copying a param with shape torch\.Size\((\[.*?\])\) from checkpoint, "
+                    r"the shape in current model is torch\.Size\((\[.*?\])\)", lines[0])
+    if size:
+        return f"{size[1]} is {size[2]} in the checkpoint, {size[3]} in the model"
+    keys = re.match(r"(Missing|Unexpected) key\(s\) in state_dict: (.*)", lines[0])
+    if keys:
+        names = re.findall(r'"([^"]+)"', keys[2])
+        return (f"{keys[1].lower()} weights: {', '.join(names[:2])}" + (f" and {len(names) - 2} more" if len(names) > 2
+                                                                       else ""))
+    return first_line(lines[0])
 
 
 def list_images(path):

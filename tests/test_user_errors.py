@@ -352,7 +352,20 @@ def test_a_checkpoint_whose_weights_do_not_fit_its_config_names_what_differs(tra
     message = one_line_error(train_unet.predict, {"checkpoint": str(edited), "input": str(data / "images"),
                                                   "output": str(tmp_path / "out"), "progress": False},
                              match="does not match the model its config describes")
-    assert "size mismatch for" in message and "use the checkpoint as training wrote it" in message
+    assert re.search(r"\(segmentation_head\.0\.weight is \[1, 16, 3, 3\] in the checkpoint, \[3, 16, 3, 3\] in the "
+                     r"model\): it was changed after training; use the checkpoint as training wrote it$", message), message
+
+
+def test_a_state_dicts_complaint_is_shortened_whole_not_cut_mid_text():
+    """'...the shape in current model is torch.Size([1,): it was changed...': cut at 160 characters."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Conv2d(4, 5, 1))
+    state = {f"extra{i}.weight": torch.zeros(1) for i in range(4)}
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict({**model.state_dict(), **state})
+    assert train_unet.state_dict_mismatch(info.value) == "unexpected weights: extra0.weight, extra1.weight and 2 more"
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict({k: v for k, v in model.state_dict().items() if k != "1.bias"})
+    assert train_unet.state_dict_mismatch(info.value) == "missing weights: 1.bias"
 
 
 @pytest.mark.parametrize("epochs_done", [0, 1])
