@@ -3490,7 +3490,8 @@ def check_pair_facts(pairs, facts, cfg):
                         f"{IGNORE_INDEX} means void (ignored), so nothing would be learnt; for binary "
                         f"0/255 masks use num_classes=1" + (f"; or: {palette}" if palette else ""))
     notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg),
-             colour_read_as_grey(pairs, facts), extra_channels_dropped(pairs, facts)]
+             colour_read_as_grey(pairs, facts), extra_channels_dropped(pairs, facts),
+             thin_in_fit_mode(pairs, facts, cfg)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
 
@@ -3534,6 +3535,33 @@ def extra_channels_dropped(pairs, facts):
         f"note: {n} of {len(pairs)} image(s) hold a channel that is not alpha beside their grey or RGB (e.g. {name}: "
         f"a TIFF extra sample such as near-infrared), and it is dropped: the model takes in_channels=1 or 3; if it "
         f"tells the classes apart, save it in place of one of those"))
+
+
+def thin_in_fit_mode(pairs, facts, cfg):
+    """A note where fit mode's resize leaves images under FIT_THIN_SIDE px across (fitted_thin)."""
+    if cfg["data_mode"] != "fit":
+        return None
+    thin = [(image, fitted) for image, _ in pairs
+            for fitted in [fitted_thin(facts[os.path.abspath(image)]["hw"], cfg["image_size"])] if fitted]
+    if not thin:
+        return None
+    (image, (fh, fw)), (h, w) = thin[0], facts[os.path.abspath(thin[0][0])]["hw"]
+    return (f"note: {len(thin)} of {len(pairs)} image(s) are so elongated that fit mode (longest side to image_size="
+            f"{cfg['image_size']}) leaves them under {FIT_THIN_SIDE} px across (e.g. {Path(image).name}: {w}x{h} -> "
+            f"{fw}x{fh}): their detail across is lost; data_mode=patch trains on them at full resolution")
+
+
+# fit mode resizes an image's longest side to image_size: one so elongated that its short side then falls under
+# this many pixels, from more, loses its detail across (a 1000x40 strip at 64 px: 64x3); patch mode keeps it.
+FIT_THIN_SIDE = 16
+
+
+def fitted_thin(hw, size):
+    """(h, w) an image of size hw takes in fit mode (fit_transforms' LongestMaxSize) where that leaves its short
+    side under FIT_THIN_SIDE px and shorter than it was, else None."""
+    scale = size / max(hw)
+    fitted = tuple(max(1, round(side * scale)) for side in hw)
+    return fitted if min(fitted) < FIT_THIN_SIDE and min(fitted) < min(hw) else None
 
 
 def exif_turned_images(pairs, facts):
@@ -7188,7 +7216,7 @@ class InputNotes:
 
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, [], None, None
-        self.colour, self.extra, self.looked = None, None, 0
+        self.colour, self.extra, self.thin, self.looked = None, None, None, 0
 
     def look(self, path, decoded, scaled):
         """An image as decoded and as scale_image mapped it: the first of each kind is kept (a race between
@@ -7206,10 +7234,13 @@ class InputNotes:
             self.colour = path
         if self.extra is None and extra_channel_not_alpha(path, decoded):
             self.extra = path
+        fitted = self.cfg["data_mode"] == "fit" and fitted_thin(decoded.shape[:2], self.cfg["image_size"])
+        if fitted and (self.thin is None or str(path) < str(self.thin[0])):  # the first by name, whatever the race
+            self.thin = (path, decoded.shape[:2], fitted)
 
     def print(self):
         """The notes, after the last batch."""
-        self.print_channels()
+        self.print_as_read()
         self.print_sixteen_bit()
         if self.eight_bit is not None:
             low, high = self.opts["intensity_range"]
@@ -7248,7 +7279,7 @@ class InputNotes:
             print(f"note: {len(unsigned)} image(s) have 16-bit pixels (e.g. {Path(unsigned[0][0]).name}) and "
                   f"{checkpoint} has no intensity_range: they were scaled from 0-65535, the span their values use")
 
-    def print_channels(self):
+    def print_as_read(self):
         checkpoint = self.opts["checkpoint"]
         if self.colour is not None:
             print(f"note: {Path(self.colour).name} holds colour, read as grey (its luminance): {checkpoint} takes "
@@ -7257,6 +7288,11 @@ class InputNotes:
             print(f"note: {Path(self.extra).name} holds a channel that is not alpha beside its grey or RGB (a TIFF "
                   f"extra sample such as near-infrared), and it is dropped: {checkpoint} takes "
                   f"in_channels={self.cfg['in_channels']}")
+        if self.thin is not None:
+            path, (h, w), (fh, fw) = self.thin
+            print(f"note: {Path(path).name} ({w}x{h}) went to the model as {fw}x{fh} (fit mode: longest side to "
+                  f"{self.cfg['image_size']} px), under {FIT_THIN_SIDE} px across: its detail across is lost; a model "
+                  f"trained with data_mode=patch predicts such images at full resolution")
 
 
 # A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.

@@ -705,6 +705,38 @@ def test_predict_notes_colour_read_as_grey_and_a_dropped_channel_that_is_not_alp
     assert "note:" not in capsys.readouterr().out
 
 
+def test_an_image_fit_mode_squeezes_under_16_px_across_gets_a_note_in_training_and_predict(trained, tmp_path,
+                                                                                          capsys):
+    """A 1000x40 strip went to a 32 px fit-mode model as 32x1, its detail across gone, without a word. A small
+    image (upscaled) gets no note, nor, at image_size=64, a 400x100 one (64x16); patch mode none."""
+    cfg, data = trained
+    strip = np.zeros((40, 1000, 3), np.uint8)
+    strip[10:30, 100:900] = 200
+    mask = np.where(strip[..., 0] > 0, 255, 0).astype(np.uint8)
+    root = tmp_path / "set"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    pairs = [(root / "images" / f"{name}.png", root / "masks" / f"{name}.png") for name in ("strip", "small", "wide")]
+    for (image, target), (h, w) in zip(pairs, ((40, 1000), (20, 17), (100, 400))):
+        cv2.imwrite(str(image), cv2.resize(strip, (w, h)))
+        cv2.imwrite(str(target), cv2.resize(mask, (w, h), interpolation=cv2.INTER_NEAREST))
+    base = {**cfg, "data_dir": str(root), "checkpoint_dir": str(tmp_path / "c")}
+    train_unet.check_pairs(pairs, train_unet.validate_config({**base, "image_size": 64}))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "elongated" in line]
+    assert notes == ["note: 1 of 3 image(s) are so elongated that fit mode (longest side to image_size=64) leaves them "
+                     "under 16 px across (e.g. strip.png: 1000x40 -> 64x3): their detail across is lost; "
+                     "data_mode=patch trains on them at full resolution"]
+    train_unet.check_pairs(pairs, train_unet.validate_config({**base, "data_mode": "patch", "image_size": 64}))
+    assert "elongated" not in capsys.readouterr().out
+    opts = {"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(root / "images"),
+            "progress": False, "use_amp": False}
+    train_unet.predict({**opts, "output": str(tmp_path / "out")})
+    notes = [line for line in capsys.readouterr().out.splitlines() if "across" in line]
+    assert notes == ["note: strip.png (1000x40) went to the model as 32x1 (fit mode: longest side to 32 px), under 16 px "
+                     "across: its detail across is lost; a model trained with data_mode=patch predicts such images at "
+                     "full resolution"]
+
+
 def test_the_16_bit_note_names_the_image_holding_12_bit_data_not_the_first_16_bit_one(trained, tmp_path, capsys):
     """A full-range 16-bit a.tif beside 12-bit data in b.png: the note named a.tif, the first, and advised
     0,4095, which would put all of a.tif outside the range; b.png, 16 times too dark, went unnamed."""
