@@ -3333,8 +3333,8 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
-    if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes (and a TIFF's compression, not
-        check_not_jpeg(path, values)             # parsed at every start-up) where the values are wrong (below)
+    if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes where the values are wrong (below);
+        check_not_jpeg(path, values)             # a TIFF's codec by the data check (check_pair_facts)
     odd = not_class_indices(values)
     if odd:
         check_not_jpeg(path, values)
@@ -3378,15 +3378,18 @@ def grey_palette_hint(path):
 def check_not_jpeg(path, values):
     """A class mask stored as JPEG (lossy_format), whatever its name: its edge noise could pass as classes
     ('holds class 2: set num_classes=3' led to training on it). Only the name is looked at on every start-up;
-    the bytes where the name says JPEG or the values are wrong."""
+    the bytes where the name says JPEG or the values are wrong, or the data check found a TIFF's codec JPEG."""
     lossy = lossy_format(path)
     if lossy:
         raise UserError(f"mask {path} is {lossy}: its lossy compression changes class indices along every edge "
                         f"(values {format_values(sorted(values))}), so it cannot hold classes exactly: save masks as PNG")
 
 
-# TIFF compressions that are JPEG (tifffile's COMPRESSION: 6 old-style JPEG, 7 JPEG, 34892 lossy JPEG)
+# TIFF compressions that are JPEG (tifffile's COMPRESSION: 6 old-style JPEG, 7 JPEG, 34892 lossy JPEG): a mask
+# so stored is refused; and those lossy or lossless by their settings, which the file does not tell: noted.
 JPEG_TIFF_COMPRESSIONS = (6, 7, 34892)
+MAYBE_LOSSY_TIFF_COMPRESSIONS = {22610: "JPEG XR", 33003: "JPEG 2000", 33005: "JPEG 2000", 34712: "JPEG 2000",
+                                 34887: "LERC", 34934: "JPEG XR", 50001: "WebP", 50002: "JPEG XL", 52546: "JPEG XL"}
 
 
 def lossy_format(path):
@@ -3394,17 +3397,24 @@ def lossy_format(path):
     image is stored so, else None."""
     if format_suffix(path) == ".jpg":
         return "a JPEG"
-    if is_tiff(path):
-        import tifffile
-
-        try:
-            with tifffile.TiffFile(path) as tif:
-                compression = tif.pages.first.compression
-        except Exception:  # noqa: BLE001 - as tiff_header: the read itself says what is wrong
-            return None
-        if compression in JPEG_TIFF_COMPRESSIONS:
-            return "a JPEG-compressed TIFF"
+    if tiff_codec(path) == "JPEG":
+        return "a JPEG-compressed TIFF"
     return None
+
+
+def tiff_codec(path):
+    """'JPEG', or the name of a codec that may be lossy (MAYBE_LOSSY_TIFF_COMPRESSIONS), where a TIFF's first
+    image is stored so; else None (another compression, or not a TIFF)."""
+    if not is_tiff(path):
+        return None
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            compression = int(tif.pages.first.compression)
+    except Exception:  # noqa: BLE001 - as tiff_header: the read itself says what is wrong
+        return None
+    return "JPEG" if compression in JPEG_TIFF_COMPRESSIONS else MAYBE_LOSSY_TIFF_COMPRESSIONS.get(compression)
 
 
 def binary_others(values):
@@ -3444,12 +3454,13 @@ def mask_hint(path, dtype, values):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 8  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 9  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
                          # LZW TIFFs by tifffile, as stored (imagecodecs); a TIFF's extra channel that is
-                         # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour)
+                         # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour);
+                         # 9: a TIFF mask's lossy codec (tiff_codec)
 
 
 def check_pairs(pairs, cfg):
@@ -3472,6 +3483,8 @@ def check_pair_facts(pairs, facts, cfg):
     others = binary_others(values)  # once: per pair it would compare every mask with every other
     for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
+        if mask.get("codec") == "JPEG":
+            check_not_jpeg(mask_path, found)
         check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others)
         if image["hw"] != mask["hw"]:
             turned = exif_turn(image_path, image["hw"])
@@ -3491,7 +3504,7 @@ def check_pair_facts(pairs, facts, cfg):
                         f"0/255 masks use num_classes=1" + (f"; or: {palette}" if palette else ""))
     notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg),
              colour_read_as_grey(pairs, facts), extra_channels_dropped(pairs, facts),
-             thin_in_fit_mode(pairs, facts, cfg)]
+             thin_in_fit_mode(pairs, facts, cfg), maybe_lossy_masks(pairs, facts)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
 
@@ -3535,6 +3548,19 @@ def extra_channels_dropped(pairs, facts):
         f"note: {n} of {len(pairs)} image(s) hold a channel that is not alpha beside their grey or RGB (e.g. {name}: "
         f"a TIFF extra sample such as near-infrared), and it is dropped: the model takes in_channels=1 or 3; if it "
         f"tells the classes apart, save it in place of one of those"))
+
+
+def maybe_lossy_masks(pairs, facts):
+    """A note where masks are TIFFs compressed with a codec that is lossy by its settings (JPEG 2000, WebP...):
+    saved lossy, the class indices change along every edge, within the classes where the noise is small."""
+    masks = [(mask, facts[os.path.abspath(mask)].get("codec")) for _, mask in pairs]
+    found = [(mask, codec) for mask, codec in masks if codec not in (None, "JPEG")]
+    if not found:
+        return None
+    (mask, codec), n = found[0], len(found)
+    return (f"note: {n} mask(s) are TIFFs compressed with a codec that can be lossy (e.g. {Path(mask).name}: {codec}): "
+            f"saved lossy, their class indices change along every edge; unless they were saved lossless, save masks "
+            f"as PNG")
 
 
 def thin_in_fit_mode(pairs, facts, cfg):
@@ -3627,8 +3653,9 @@ def checked_facts(paths, cfg, write, share=False):
         if path in masks:
             mask = decode_mask(path)
             values, counts = np.unique(mask, return_counts=True)
+            codec = tiff_codec(path)  # a JPEG's noise can stay within the classes: its values cannot tell
             return {"hw": list(mask.shape[:2]), "values": values.tolist(), "counts": counts.tolist(),
-                    "dtype": str(mask.dtype)}
+                    "dtype": str(mask.dtype), **({"codec": codec} if codec else {})}
         return image_facts(path, cfg["in_channels"])
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
         for path, found in zip(todo, pool.map(check, todo)):
@@ -3855,6 +3882,8 @@ def entry_valid(entry, mask):
         return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
                                 and span[0] <= span[1])
     values, counts = entry.get("values"), entry.get("counts")
+    if entry.get("codec") not in (None, "JPEG", *MAYBE_LOSSY_TIFF_COMPRESSIONS.values()):
+        return False
     return (isinstance(values, list) and bool(values) and all(isinstance(v, (int, float)) for v in values)
             and isinstance(counts, list) and len(counts) == len(values)
             and all(isinstance(n, int) and n > 0 for n in counts))

@@ -111,8 +111,7 @@ def test_data_dir_given_as_the_images_folder_names_the_folder_above(make_data, m
 
 def test_class_masks_in_jpeg_compressed_tiffs_are_refused_as_jpegs(make_data, make_cfg, tmp_path):
     """A TIFF mask saved with JPEG compression has JPEG's edge noise: it read 'holds class 3 but num_classes=3: set
-    num_classes=4'; a losslessly compressed TIFF (zlib) is read as ever. Binary masks: the hint names it too.
-    (The compression is read where the values are wrong, not at every start-up.)"""
+    num_classes=4'; a losslessly compressed TIFF (zlib) is read as ever. Binary masks: the hint names it too."""
     import tifffile
 
     root = make_data("jpeg_tiff", count=8, size=64, num_classes=3)
@@ -132,6 +131,35 @@ def test_class_masks_in_jpeg_compressed_tiffs_are_refused_as_jpegs(make_data, ma
     one_line_error(train_unet.check_mask_values, sorted((root / "masks").iterdir())[0], {0, 1, 2, 255}, 1, "uint8",
                    match=r"with num_classes=1 masks must be 0/1 or 0/255; it is a JPEG-compressed TIFF, whose "
                          r"compression blurs the edges: save masks as PNG")
+
+
+def test_a_jpeg_tiff_mask_whose_noise_stays_within_the_classes_is_refused_and_a_maybe_lossy_codec_noted(
+        make_data, make_cfg, capsys):
+    """A JPEG-compressed TIFF mask was looked into only where its values were wrong: blocks of one class
+    aligned to JPEG's 8 px grid (or noise that stays within num_classes) read as valid classes, and trained.
+    A codec lossy or lossless by its settings (JPEG 2000) gets a note, as the file cannot tell which."""
+    import tifffile
+
+    root = make_data("jpeg_grid", count=6, size=64, num_classes=3)
+    mask = np.zeros((64, 64), np.uint8)
+    mask[8:32, 16:40], mask[40:56, 8:48] = 1, 2  # on the 8 px grid: quality 100 keeps every value
+    masks = sorted((root / "masks").iterdir())
+    for i, path in enumerate(masks):
+        tifffile.imwrite(path.with_suffix(".tif"), mask, compression="jpeg2000" if i else "jpeg",
+                         compressionargs={} if i else {"level": 100})
+        path.unlink()
+    assert np.array_equal(tifffile.imread(masks[0].with_suffix(".tif")), mask)  # exact: the values cannot tell
+    cfg = make_cfg(data_dir=str(root), num_classes=3, batch_size=2)
+    one_line_error(train_unet.prepare_data, cfg,
+                   match=rf"mask .*{masks[0].stem}\.tif is a JPEG-compressed TIFF: its lossy compression changes class "
+                         r"indices along every edge \(values \[0, 1, 2\]\), so it cannot hold classes exactly: save "
+                         r"masks as PNG$")
+    tifffile.imwrite(masks[0].with_suffix(".tif"), mask, compression="zlib")
+    train_unet.prepare_data(cfg)
+    notes = [line for line in capsys.readouterr().out.splitlines() if "lossy" in line]
+    assert notes == [f"note: 5 mask(s) are TIFFs compressed with a codec that can be lossy (e.g. {masks[1].stem}.tif: "
+                     f"JPEG 2000): saved lossy, their class indices change along every edge; unless they were saved "
+                     f"lossless, save masks as PNG"]
 
 
 def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, make_cfg, capsys):
