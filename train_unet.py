@@ -2908,9 +2908,10 @@ def read_image(path, channels, intensity_range=None, look=None):
     """
     image = decode_image(path, channels)
     scaled = scale_image(image, path, intensity_range)
-    if look is not None:
+    shaped = to_channels(scaled, channels, path)
+    if look is not None:  # an image the checks took
         look(path, image, scaled)
-    return to_channels(scaled, channels, path)
+    return shaped
 
 
 def decode_image(path, channels=3):
@@ -6338,20 +6339,37 @@ def archive_previous_run(ckpt_dir, names=RUN_FILES):
             shutil.move(str(path), dest / path.name)
             moved.append(path)
     except OSError as exc:  # immutable, another user's in a sticky folder, a locked file on a share
-        put_back(moved, dest, path, kept if made else None)
-        raise UserError(f"cannot move {path} into {kept}/ ({exc.strerror or exc}), where earlier results go before "
-                        f"anything is written over them: fix its permissions (or its folder's), or choose another "
-                        f"folder; nothing was moved") from None
+        said = (f"cannot move {path} into {kept}/ ({exc.strerror or exc}), where earlier results go before anything "
+                f"is written over them: fix its permissions (or its folder's), or choose another folder")
+        try:
+            put_back(moved, dest, path, kept if made else None)
+        except OSError as undo:
+            raise UserError(f"{said}; putting back what had moved failed too ({undo.strerror or undo}): the earlier "
+                            f"results are in {ckpt_dir} and {dest}") from None
+        raise UserError(f"{said}; nothing was moved") from None
     return dest
 
 
 def put_back(moved, dest, failed, made):
-    """archive_previous_run's undo: the files it moved go back, the copy a move across file systems left of
-    the one it could not remove goes, and so do the folders it made where they are left empty."""
+    """archive_previous_run's undo: the files it moved go back; of the one it could not move, what a move across
+    file systems copied goes (and a file its removal already took from the original comes back from the copy);
+    the folders it made go where they are left empty."""
     for path in reversed(moved):
         shutil.move(str(dest / path.name), path)
-    if (failed.exists() or failed.is_symlink()) and (dest / failed.name).exists():
-        os.unlink(dest / failed.name)
+    left = dest / failed.name
+    if left.is_dir() and not left.is_symlink():  # copytree, then rmtree of the original: it failed in either
+        for root, _, names in os.walk(left):
+            for name in names:
+                original = failed / Path(root).relative_to(left) / name
+                if not (original.exists() or original.is_symlink()):  # removed after a whole copy: the copy is it
+                    original.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.move(str(Path(root) / name), original)
+        shutil.rmtree(left)
+    elif left.exists() or left.is_symlink():
+        if failed.exists() or failed.is_symlink():
+            os.unlink(left)
+        else:
+            shutil.move(str(left), failed)
     for folder in (dest, made):
         if folder is not None and not any(folder.iterdir()):
             folder.rmdir()
@@ -7245,27 +7263,30 @@ class InputNotes:
 
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, [], None, None
-        self.colour, self.extra, self.thin, self.looked = None, None, None, 0
+        self.colour, self.extra, self.thin, self.looked, self.lock = None, None, None, 0, threading.Lock()
 
     def look(self, path, decoded, scaled):
-        """An image as decoded and as scale_image mapped it: the first of each kind is kept (a race between
-        reader threads changes only which one is named)."""
-        self.looked += 1
+        """An image as decoded and as scale_image mapped it, on a reader thread: of each kind the first by name
+        is kept, whatever order the readers finish in (each look's findings are recorded under a lock)."""
+        with self.lock:
+            self.looked += 1
+            colour_turn = self.looked <= PREDICT_COLOUR_LOOKS
         kind, wide = decoded.dtype.kind, decoded.dtype.kind in "iu" and decoded.dtype != np.uint8
-        if self.cfg["intensity_range"] is None and wide and decoded.dtype.itemsize == 2:  # scaled by the type's range
-            self.sixteen_bit.append((path, kind == "i", int(without_alpha(decoded).max())))  # its top: 12-bit data?
-        if self.eight_bit is None and self.opts["intensity_range"] is not None and not wide and kind in "uf":
-            self.eight_bit = path  # about a range the user gave
-        if self.outside is None and self.cfg["intensity_range"] is not None and wide:
-            self.outside = outside_range(path, scaled)
-        if self.colour is None and self.cfg["in_channels"] == 1 and self.looked <= PREDICT_COLOUR_LOOKS \
-                and holds_colour(path, without_alpha(decoded)):
-            self.colour = path
-        if self.extra is None and extra_channel_not_alpha(path, decoded):
-            self.extra = path
+        values = without_alpha(decoded)  # what the network sees: an opaque 16-bit alpha is not data
+        ranged = self.cfg["intensity_range"] is not None
+        found = {"eight_bit": self.opts["intensity_range"] is not None and not wide and kind in "uf" and path,
+                 "outside": ranged and wide and outside_range(path, without_alpha(scaled)),
+                 "colour": self.cfg["in_channels"] == 1 and colour_turn and looks_colour(path, values) and path,
+                 "extra": extra_channel_not_alpha(path, decoded) and path}
         fitted = self.cfg["data_mode"] == "fit" and fitted_thin(decoded.shape[:2], self.cfg["image_size"])
-        if fitted and (self.thin is None or str(path) < str(self.thin[0])):  # the first by name, whatever the race
-            self.thin = (path, decoded.shape[:2], fitted)
+        found["thin"] = fitted and (path, decoded.shape[:2], fitted)
+        with self.lock:
+            if not ranged and wide and decoded.dtype.itemsize == 2:  # scaled by the type's range
+                self.sixteen_bit.append((path, kind == "i", int(values.max())))  # its top: 12-bit data?
+            for key, value in found.items():
+                kept = getattr(self, key)
+                if value and (kept is None or str(path) < str(kept[0] if isinstance(kept, tuple) else kept)):
+                    setattr(self, key, value)
 
     def print(self):
         """The notes, after the last batch."""
@@ -7293,20 +7314,22 @@ class InputNotes:
         checkpoint, signed = self.opts["checkpoint"], [p for p, is_signed, _ in seen if is_signed]
         unsigned = [(p, top) for p, is_signed, top in seen if not is_signed]
         if signed:
-            print(f"note: {Path(signed[0]).name} has signed 16-bit pixels and {checkpoint} has no intensity_range: they "
-                  f"were scaled from -32768-32767, so 0 is mid-grey and the data's own span is a sliver of it: predict "
-                  f"again with intensity_range=low,high, that span (CT in Hounsfield units: e.g. -1000,1000)")
+            print(f"note: {Path(signed[0]).name} has signed 16-bit pixels and {checkpoint} has no intensity_range: "
+                  f"they were scaled from -32768-32767, so 0 is mid-grey and the data's own span is a sliver of it: "
+                  f"predict again with intensity_range=low,high, that span (CT in Hounsfield units: e.g. -1000,1000)")
         narrow = [(p, top) for p, top in unsigned if 0 < top < 2 ** max(NARROW_DEPTHS)]
         if narrow:
             (path, top), n = narrow[0], len(unsigned)
             bits = next(b for b in NARROW_DEPTHS if top < 2 ** b)
             print(f"note: {Path(path).name} has 16-bit pixels and {checkpoint} has no intensity_range: they were "
-                  f"scaled from 0-65535, but its values reach only {top}: if it holds {bits}-bit data, the model saw it "
-                  f"{2 ** (16 - bits)} times too dark: predict again with intensity_range=0,{2 ** bits - 1}"
-                  + (f" ({len(narrow)} of the {n} 16-bit images stay below {2 ** max(NARROW_DEPTHS)})" if n > 1 else ""))
+                  f"scaled from 0-65535, but its values reach only {top}: if it holds {bits}-bit data, the model saw "
+                  f"it {2 ** (16 - bits)} times too dark: predict again with intensity_range=0,{2 ** bits - 1}"
+                  + (f" ({len(narrow)} of the {n} 16-bit images stay below {2 ** max(NARROW_DEPTHS)})" if n > 1
+                     else ""))
         elif unsigned:
             print(f"note: {len(unsigned)} image(s) have 16-bit pixels (e.g. {Path(unsigned[0][0]).name}) and "
-                  f"{checkpoint} has no intensity_range: they were scaled from 0-65535, the span their values use")
+                  f"{checkpoint} has no intensity_range: they were scaled from 0-65535 (their values reach up to "
+                  f"{max(top for _, top in unsigned)})")
 
     def print_as_read(self):
         checkpoint = self.opts["checkpoint"]
@@ -7333,7 +7356,20 @@ NARROW_DEPTHS = (8, 10, 12, 14)
 
 # predict looks for colour that in_channels=1 drops in this many images (InputNotes.look): beyond, a file
 # whose header does not say grey would be decoded twice, and one such image in a folder is enough to say it.
+# Nor in one over PREDICT_COLOUR_LOOK_PIXELS: its decoding in colour, 3 bytes a pixel, is outside MemoryBudget's.
 PREDICT_COLOUR_LOOKS = 8
+PREDICT_COLOUR_LOOK_PIXELS = 2 ** 24
+
+
+def looks_colour(path, values):
+    """holds_colour for predict's note: False for an image over PREDICT_COLOUR_LOOK_PIXELS, or one whose second
+    decoding fails (the image itself was read: predicting it goes on)."""
+    if values.shape[0] * values.shape[1] > PREDICT_COLOUR_LOOK_PIXELS:
+        return False
+    try:
+        return holds_colour(path, values)
+    except UserError:
+        return False
 
 
 def outside_range(path, image):
@@ -8502,8 +8538,8 @@ def edited_sidecar_numbers(meta, cfg):
     whose values differ from what its config gives: edited by hand, and ignored. Only the keys the sidecar
     holds are compared, so an older export's fewer keys are not taken for an edit."""
     made = json.loads(json.dumps({"mask": mask_rule_words(cfg), **preprocessing(cfg)}))  # as JSON keeps them
-    held = {"mask": meta.get("mask"), **{k: (meta.get("preprocessing") or {}).get(k)
-                                       for k in ("to_unit_range", "normalize")}}
+    given = meta.get("preprocessing") if isinstance(meta.get("preprocessing"), dict) else {}
+    held = {"mask": meta.get("mask"), **{k: given.get(k) for k in ("to_unit_range", "normalize")}}
     edited = []
     for key, section in held.items():
         for inner, value in (section.items() if isinstance(section, dict) else ()):

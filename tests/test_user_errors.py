@@ -609,6 +609,49 @@ def test_an_earlier_result_that_cannot_be_moved_leaves_every_file_in_place(tmp_p
     assert [p.name for p in (folder / "previous").iterdir()] == ["older"]  # an earlier archive stays
 
 
+def test_an_earlier_runs_folder_that_cannot_be_moved_comes_back_whole(tmp_path, monkeypatch):
+    """A folder (a run's tensorboard/) moved across file systems is copied, then removed: where the removal
+    failed partway, the undo unlinked the copy (a folder: IsADirectoryError's traceback). Now a file the
+    removal took comes back from the copy, and the copy goes."""
+    folder = tmp_path / "ckpt"
+    (folder / "tensorboard" / "run").mkdir(parents=True)
+    events = {f"run/events.{i}": f"event {i}" for i in range(3)}
+    for name, text in events.items():
+        (folder / "tensorboard" / name).write_text(text)
+    (folder / "history.csv").write_text("epoch\n1\n")
+
+    def move(src, dst):
+        if Path(src).name != "tensorboard":
+            return os.rename(src, dst)
+        shutil.copytree(src, dst)
+        (Path(src) / "run" / "events.0").unlink()  # the removal took one file, then failed
+        raise PermissionError(1, "Operation not permitted", src)
+    monkeypatch.setattr(shutil, "move", move)
+    one_line_error(train_unet.archive_previous_run, folder, ["history.csv", "tensorboard"],
+                   match=r"cannot move .*tensorboard into .*; nothing was moved$")
+    monkeypatch.undo()
+    assert {str(p.relative_to(folder / "tensorboard")): p.read_text()
+            for p in (folder / "tensorboard").rglob("*") if p.is_file()} == events
+    assert sorted(p.name for p in folder.iterdir()) == ["history.csv", "tensorboard"]
+
+
+def test_predicts_notes_name_the_first_image_by_name_whatever_order_the_readers_finish_in(tmp_path):
+    """Each note kept the first image a reader thread finished, and a reader that checked before another's
+    finding and finished after it wrote None over it (the outside-range note lost)."""
+    opts = {"checkpoint": "best.pt", "intensity_range": None}
+    notes = train_unet.InputNotes({"intensity_range": [0.0, 4095.0], "in_channels": 3, "data_mode": "fit",
+                                   "image_size": 64}, opts)
+    strip = np.zeros((8, 400), np.uint16)
+    for name, top in (("c.png", 4000), ("b.png", 65535), ("a.png", 60000), ("d.png", 100)):
+        image = np.full((8, 400), top, np.uint16)
+        notes.look(tmp_path / name, image, train_unet.scale_image(image, name, [0, 4095]))
+    assert notes.outside[0] == tmp_path / "a.png" and notes.thin[0] == tmp_path / "a.png"
+    rgba = np.dstack([strip + 100] * 3 + [np.full_like(strip, 65535)])  # an opaque alpha is not data
+    fresh = train_unet.InputNotes(notes.cfg, opts)
+    fresh.look(tmp_path / "rgba.tif", rgba, train_unet.scale_image(rgba, "rgba.tif", [0, 4095]))
+    assert fresh.outside is None
+
+
 def test_predicts_masks_and_overlays_carry_its_mark_and_decode_unchanged(tmp_path):
     mask = np.zeros((30, 40), np.uint8)
     mask[5:9] = 255
@@ -789,7 +832,7 @@ def test_the_16_bit_note_names_the_image_holding_12_bit_data_not_the_first_16_bi
     train_unet.predict({**opts, "output": str(tmp_path / "b")})
     assert [line for line in capsys.readouterr().out.splitlines() if "16-bit" in line] == [
         f"note: 1 image(s) have 16-bit pixels (e.g. a.tif) and {opts['checkpoint']} has no intensity_range: they were "
-        f"scaled from 0-65535, the span their values use"]
+        f"scaled from 0-65535 (their values reach up to {int(grey.max()) * 257})"]
 
 
 def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_and_a_key(trained, tmp_path,
