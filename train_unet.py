@@ -568,6 +568,7 @@ def resume_state(cfg, ckpt_dir, typed=()):
                                       f"moves it to {ckpt_dir / 'previous'}/)")
     check_resumable(state, path)
     changed = changed_resume_keys(state, cfg)
+    changed += [key for key in data_dir_left_out(state, cfg, typed) if key not in changed]
     if changed:
         was, now = state["config"].get("preset"), cfg.get("preset")
         hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != now else \
@@ -576,7 +577,9 @@ def resume_state(cfg, ckpt_dir, typed=()):
         raise UserError(f"cannot resume exactly: {path} was trained with "
                         + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
-                        + ": resume with the same values, or start a new run in another checkpoint_dir")
+                        + ": resume with the same values (" + " ".join(f"{k}={cli_value(state['config'].get(k, CONFIG[k]))}"
+                                                                       for k in changed)
+                        + "), or start a new run in another checkpoint_dir")
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
                         f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
@@ -588,6 +591,24 @@ def resume_state(cfg, ckpt_dir, typed=()):
 # checkpoints from before it
 RESUME_STATE_KEYS = ("optimizer", "scheduler", "epoch", "best_iou", "epochs_since_best", "rng", "history",
                      "precision")
+
+
+def data_dir_left_out(state, cfg, typed):
+    """['data_dir'] where it was not given and is not the folder the run trained on, which is still there: the
+    refusal then names it with the other keys (same_split_as_resumed would have, in a second refusal). A
+    data_dir given is judged by its files: a data set moved or copied resumes."""
+    was = state["config"].get("data_dir")
+    if "data_dir" in typed or was is None or not os.path.isdir(was) or \
+            os.path.realpath(was) == os.path.realpath(cfg["data_dir"]):
+        return []
+    return ["data_dir"]
+
+
+def cli_value(value):
+    """A config value as the command line takes it (parse_overrides): a list as low,high; quoted where the
+    shell would split it."""
+    text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    return shlex.quote(text)
 
 
 def check_resumable(state, path):

@@ -239,6 +239,25 @@ def trained(tmp_path_factory):
     return cfg, data
 
 
+def test_a_resume_refusal_names_every_key_to_give_data_dir_included_with_values_to_copy(trained, tmp_path):
+    """A run trained with data_dir=... image_size=32 batch_size=2, resumed with resume=True alone: the refusal named
+    image_size and batch_size; given those, a second refusal named data_dir. Now one names all three, as
+    key=value to copy; a data_dir given (a data set moved or copied) is still judged by its files."""
+    cfg, data = trained
+    run = tmp_path / "run"
+    shutil.copytree(cfg["checkpoint_dir"], run)
+    args = ["resume=True", f"checkpoint_dir={run}", "device=cpu", "progress=False", "epochs=2"]
+    given = train_unet.parse_overrides(args)
+    err = one_line_error(train_unet.train_main, given, train_unet.explicit_keys(args),
+                         match=r"cannot resume exactly: .*last.pt was trained with .*image_size=32.*batch_size=2.*data_dir="
+                               r".*: resume with the same values \(")
+    copied = err.split("resume with the same values (")[1].split("), or start")[0]
+    assert f"data_dir={data}" in copied.split() and "image_size=32" in copied.split()
+    again = args + copied.split()
+    state = train_unet.train_main(train_unet.parse_overrides(again), train_unet.explicit_keys(again))
+    assert state is not None
+
+
 def test_resume_refuses_changed_optimisation_settings_and_finished_runs(trained):
     cfg, _ = trained
     one_line_error(train_unet.train, {**cfg, "resume": True, "epochs": 2, "learning_rate": 1e-5},
