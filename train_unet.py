@@ -562,8 +562,11 @@ def resume_state(cfg, ckpt_dir, typed=()):
     given (not set by a preset), for the refusal's hint."""
     path = ckpt_dir / "last.pt"
     if not path.is_file():
+        archived = newest_archived_run(ckpt_dir)
+        moved = f"; the run before moved to {archived}/ when a new run started there: move its files back to " \
+                f"resume it" if archived and not path.exists() else ""
         raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
-                        f"start without resume, or set checkpoint_dir to the run you want to continue")
+                        f"start without resume, or set checkpoint_dir to the run you want to continue{moved}")
     state = load_checkpoint(path, fix=f"restore it from a copy to resume, or train without resume=True (a new run "
                                       f"moves it to {ckpt_dir / 'previous'}/)")
     check_resumable(state, path)
@@ -574,11 +577,11 @@ def resume_state(cfg, ckpt_dir, typed=()):
         hint = f" (it ran with preset={was}: give preset={was} again)" if was and was != now else \
             f" (set by preset={now}: leave it out)" if now and now != was and set(changed) & (set(PRESETS[now]) -
                                                                                           set(typed)) else ""
+        saved = {k: state["config"].get(k, CONFIG[k]) for k in changed}
         raise UserError(f"cannot resume exactly: {path} was trained with "
-                        + ", ".join(f"{k}={state['config'].get(k, CONFIG[k])!r}" for k in changed)
+                        + ", ".join(f"{k}={v!r}" for k, v in saved.items())
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
-                        + ": resume with the same values (" + " ".join(f"{k}={cli_value(state['config'].get(k, CONFIG[k]))}"
-                                                                       for k in changed)
+                        + ": resume with the same values (" + " ".join(f"{k}={cli_value(v)}" for k, v in saved.items())
                         + "), or start a new run in another checkpoint_dir")
     if state["epoch"] >= cfg["epochs"]:
         raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
@@ -591,6 +594,12 @@ def resume_state(cfg, ckpt_dir, typed=()):
 # checkpoints from before it
 RESUME_STATE_KEYS = ("optimizer", "scheduler", "epoch", "best_iou", "epochs_since_best", "rng", "history",
                      "precision")
+
+
+def newest_archived_run(ckpt_dir):
+    """The newest folder in <ckpt_dir>/previous/ that holds a last.pt (archive_previous_run's), or None."""
+    folders = [p for p in (ckpt_dir / "previous").glob("*") if (p / "last.pt").is_file()]
+    return max(folders, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def data_dir_left_out(state, cfg, typed):
@@ -3344,15 +3353,17 @@ def mask_to_classes(mask, num_classes, path="mask"):
     return classes
 
 
-def check_mask_values(path, values, num_classes, dtype, others=None):
+def check_mask_values(path, values, num_classes, dtype, others=None, greys=None):
     """Binary: 0/1 or 0/255 (255 = foreground). Multi-class: 0..num_classes-1, and 255 = void. `others`:
-    binary_others' word on the rest of the set, for a binary run's odd mask."""
+    binary_others' word on the rest of the set, for a binary run's odd mask; `greys`: the set's values, where
+    they are classes saved as evenly spaced greys (even_grey_levels; else this mask's are looked at)."""
+    greys = greys or even_grey_levels(values)
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
             return
         hint = (f"the other masks are binary ({others}): fix this one (a stray value?); num_classes > 1 would "
                 f"make {IGNORE_INDEX} void in them" if others and others.endswith("0/255") else
-                mask_hint(path, dtype, values))
+                greys_hint(greys) if greys else mask_hint(path, dtype, values))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
     if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes where the values are wrong (below);
@@ -3375,8 +3386,30 @@ def check_mask_values(path, values, num_classes, dtype, others=None):
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
         palette = grey_palette_hint(path)  # its indices may be the classes: the likelier fix first
+        hint = greys_hint(greys) if greys else hint
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): " + (f"{palette}; else {hint}" if palette else hint))
+
+
+def even_grey_levels(values):
+    """The sorted values, void aside where it does not fit, where they are 0 and evenly spaced greys at least 2
+    apart (0/100/200, 0/128/255, 0/85/170/255: class i saved as level i x step, as an export for viewing
+    writes them), else None."""
+    whole = sorted(int(v) for v in values if math.isfinite(v) and v == int(v))
+    for levels in (whole, [v for v in whole if v != IGNORE_INDEX]):
+        n = len(levels)
+        if n >= 2 and levels[0] == 0 and levels[1] >= 2 and \
+                all(abs(v - i * levels[-1] / (n - 1)) <= 1 for i, v in enumerate(levels)):
+            return levels
+    return None
+
+
+def greys_hint(levels):
+    """The fix for masks whose values are classes saved as evenly spaced greys (even_grey_levels)."""
+    n = len(levels)
+    binary = " (binary: 0/1 or 0/255, num_classes=1)" if n == 2 else ""
+    return (f"the masks' values {format_values(levels)} look like {n} classes saved as evenly spaced greys: save "
+            f"class i as value i (0..{n - 1}) and set num_classes={n}{binary}")
 
 
 def grey_palette_hint(path):
@@ -3503,11 +3536,12 @@ def check_pair_facts(pairs, facts, cfg):
     """check_pairs' verdict on the data check's facts: a UserError for a bad mask or pair, else its notes."""
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
     others = binary_others(values)  # once: per pair it would compare every mask with every other
+    greys = even_grey_levels(set().union(*values))  # the set's: one mask may hold only some of the levels
     for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         if mask.get("codec") == "JPEG":
             check_not_jpeg(mask_path, found)
-        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others)
+        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys)
         if image["hw"] != mask["hw"]:
             turned = exif_turn(image_path, image["hw"])
             raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "

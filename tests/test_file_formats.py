@@ -511,7 +511,8 @@ def test_a_short_grey_palette_whose_indices_are_classes_is_named_in_the_error(tm
                          match=r"holds class 128 but num_classes=3 \(255 = void is allowed\): it is a palette image of "
                                r"greys, read by its greys as a viewer shows it; if its palette indices \(\[0, 1, 2\]\) "
                                r"are the classes, save it as plain grey values \(class i as level i\); else ")
-    assert err.index("palette indices") < err.index("num_classes=129")  # the likelier fix first, the old one after
+    assert err.index("palette indices") < err.index("evenly spaced greys")  # the likelier fix first
+    assert "num_classes=129" not in err  # 0/128/255 reads as 3 classes saved as greys, not as 129 classes
 
 
 def test_white_black_palette_class_masks_refused_with_num_classes_2_name_the_palette(make_cfg, data_dir):

@@ -162,6 +162,27 @@ def test_a_jpeg_tiff_mask_whose_noise_stays_within_the_classes_is_refused_and_a_
                      f"lossless, save masks as PNG"]
 
 
+@pytest.mark.parametrize("levels, num_classes", [((0, 100, 200), 3), ((0, 128, 255), 3), ((0, 85, 170, 255), 4),
+                                                  ((0, 100, 200), 1), ((0, 128), 1)])
+def test_classes_saved_as_evenly_spaced_greys_get_that_fix_not_num_classes_201(make_data, make_cfg, levels,
+                                                                                  num_classes):
+    """Class indices 0/1/2 exported for viewing as 0/100/200: 'holds class 200 ... set num_classes=201 if it is a
+    class', which trained to IoU 0 over 201 classes; a binary 0/128 mask: 'anti-aliased edges?'."""
+    root = make_data("greys", count=6, size=32, num_classes=len(levels) if len(levels) > 2 else 1)
+    for path in sorted((root / "masks").iterdir()):
+        mask = cv2.imread(str(path), cv2.IMREAD_GRAYSCALE)
+        spread = np.zeros_like(mask)
+        for i, level in enumerate(levels):
+            spread[mask == (255 if len(levels) == 2 and i else i)] = level
+        cv2.imwrite(str(path), spread)
+    n = len(levels)
+    err = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), num_classes=num_classes, batch_size=2),
+                         match=rf"the masks' values \[{', '.join(map(str, levels))}\] look like {n} classes saved as "
+                               rf"evenly spaced greys: save class i as value i \(0..{n - 1}\) and set num_classes={n}")
+    assert "num_classes=2" not in err.replace(f"num_classes={n}", "") or n == 2
+    assert "num_classes=201" not in err and "anti-aliased" not in err
+
+
 def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, make_cfg, capsys):
     """num_classes=2 with half the masks 0/1 and half 0/255: the 0/255 ones have no foreground (255 is
     void); the run goes on (void-only masks can be meant), and the note says how to fix it if not."""
@@ -256,6 +277,19 @@ def test_a_resume_refusal_names_every_key_to_give_data_dir_included_with_values_
     again = args + copied.split()
     state = train_unet.train_main(train_unet.parse_overrides(again), train_unet.explicit_keys(again))
     assert state is not None
+
+
+def test_resume_where_a_new_run_moved_the_last_one_aside_says_where_it_went(trained, tmp_path):
+    """A new run started in a run's folder (its files moved to previous/<time>/), stopped before its first
+    epoch wrote last.pt: resume=True said only 'last.pt does not exist'."""
+    cfg, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(cfg["checkpoint_dir"], run)
+    moved = train_unet.archive_previous_run(run)
+    one_line_error(train_unet.train, {**cfg, "checkpoint_dir": str(run), "resume": True, "epochs": 2},
+                   match=rf"last.pt does not exist: start without resume, or set checkpoint_dir to the run you want "
+                         rf"to continue; the run before moved to {re.escape(str(moved))}/ when a new run started "
+                         rf"there: move its files back to resume it$")
 
 
 def test_resume_refuses_changed_optimisation_settings_and_finished_runs(trained):
