@@ -3392,13 +3392,13 @@ def check_mask_values(path, values, num_classes, dtype, others=None, greys=None)
 
 
 def even_grey_levels(values):
-    """The sorted values, void aside where it does not fit, where they are 0 and evenly spaced greys at least 2
-    apart (0/100/200, 0/128/255, 0/85/170/255: class i saved as level i x step, as an export for viewing
-    writes them), else None."""
+    """The sorted values, void aside where it does not fit, where they are 0 and evenly spaced greys that reach
+    at least 64 (0/100/200, 0/128/255, 0/85/170/255: class i saved as level i x step, as an export for viewing
+    writes them), else None. Closer values (0/2: class 1 absent?) are left to the usual hints."""
     whole = sorted(int(v) for v in values if math.isfinite(v) and v == int(v))
     for levels in (whole, [v for v in whole if v != IGNORE_INDEX]):
         n = len(levels)
-        if n >= 2 and levels[0] == 0 and levels[1] >= 2 and \
+        if n >= 2 and levels[0] == 0 and levels[1] >= 2 and levels[-1] >= 64 and \
                 all(abs(v - i * levels[-1] / (n - 1)) <= 1 for i, v in enumerate(levels)):
             return levels
     return None
