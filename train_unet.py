@@ -101,6 +101,9 @@ except KeyboardInterrupt:
 # The LR schedule counts attempted optimizer steps, including those GradScaler skips; PyTorch warns
 # about that ordering on a skipped first step, which is expected here.
 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+# DataLoader's warning for more workers than cores, printed once per loader ahead of the banner: the
+# script's own note says it, with the fix (check_worker_count).
+warnings.filterwarnings("ignore", message="This DataLoader will create .* worker processes in total")
 
 
 # ====================================================================================================
@@ -4525,6 +4528,10 @@ def check_worker_count(cfg):
         raise UserError(f"num_workers={cfg['num_workers']} is more than this machine can run: "
                         f"{cores} core(s) per process here, and each worker is a process with "
                         f"memory of its own; use num_workers=None (automatic) or at most {most}")
+    if cfg["num_workers"] is not None and cfg["num_workers"] > cores and DIST.is_main:
+        print(f"note: num_workers={cfg['num_workers']} on {cores} core(s) per process here: the workers share the "
+              f"cores with the training itself and each other, which slows an epoch; num_workers=None picks for "
+              f"this machine")
     workers = cfg["num_workers"] if cfg["num_workers"] is not None else min(8, max(1, cores // 2))  # auto's most
     limit = raise_open_files_limit()
     if workers and limit is not None and limit < OPEN_FILES_BASE + OPEN_FILES_PER_WORKER * workers:
