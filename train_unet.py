@@ -1713,8 +1713,8 @@ def check_counts(cfg):
     size, stride = cfg["image_size"], MODEL_STRIDE
     if not isinstance(size, int) or size < stride or size % stride:
         ok = max(stride, round(size / stride) * stride) if isinstance(size, (int, float)) else 128
-        raise UserError(f"image_size={size!r} must be a multiple of {stride} (the U-Net halves it 5 times): "
-                        f"try image_size={ok}")
+        raise UserError(f"image_size={size!r} must be a multiple of {stride}, at least {stride} (the U-Net halves "
+                        f"it 5 times): try image_size={ok}")
 
 
 def value_rules(cfg):
@@ -3547,8 +3547,10 @@ def check_pair_facts(pairs, facts, cfg):
         check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys)
         if image["hw"] != mask["hw"]:
             turned = exif_turn(image_path, image["hw"])
+            fix = "" if turned else (f": resize the mask to {image['hw'][1]}x{image['hw'][0]} with nearest-neighbour "
+                                     f"interpolation (class values stay exact), or pair it with its own image")
             raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "
-                            f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size")
+                            f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size{fix}")
     if all(v <= {0} for v in values):
         raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
                         f"model does; check that the masks were saved with their labels")

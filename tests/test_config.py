@@ -226,10 +226,11 @@ def test_counts_must_be_at_least_one(key, value):
     assert key in message and ">= 1" in message
 
 
-@pytest.mark.parametrize("size, suggestion", [("100", "96"), ("130", "128"), ("16", "32")])
+@pytest.mark.parametrize("size, suggestion", [("100", "96"), ("130", "128"), ("16", "32"), ("-64", "32")])
 def test_image_size_must_be_a_multiple_of_32(size, suggestion):
+    """image_size=-64 read 'must be a multiple of 32', which it is."""
     message = user_error([f"image_size={size}"])
-    assert "image_size" in message and "multiple of 32" in message
+    assert f"image_size={size} must be a multiple of 32, at least 32" in message
     assert f"image_size={suggestion}" in message
 
 

@@ -479,6 +479,18 @@ def test_a_size_mismatch_from_an_exif_turn_says_so(make_cfg, tmp_path):
     assert "but its mask is 96x64" in message
 
 
+def test_a_mask_of_another_size_gets_the_fix(make_data, make_cfg):
+    """A mask at half its image's size read 'they must have the same size', with no fix."""
+    root = make_data("half", count=6, size=64)
+    first = sorted((root / "masks").iterdir())[0]
+    mask = cv2.imread(str(first), cv2.IMREAD_GRAYSCALE)
+    cv2.imwrite(str(first), cv2.resize(mask, (32, 32), interpolation=cv2.INTER_NEAREST))
+    message = data_error(make_cfg(data_dir=str(root)))
+    assert message.endswith("is 64x64 but its mask is 32x32: they must have the same size: resize the mask to 64x64 "
+                            "with nearest-neighbour interpolation (class values stay exact), or pair it with its own "
+                            "image"), message
+
+
 @pytest.mark.parametrize("tag", [3, 6])
 def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp_path, capsys, tag):
     """Square JPEGs with Orientation 6 (a quarter turn) and any with 3 (a half turn) read turned, as viewers
