@@ -454,6 +454,7 @@ def train(cfg, explicit=()):
     `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
     win over the preset (apply_preset).
     """
+    cfg = check_config_dict(cfg)
     with checkpoint_dir_held():  # no other run writes into this run's checkpoint folder meanwhile
         try:
             cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
@@ -1573,6 +1574,7 @@ def parse_overrides(args, base=None, defaults=None):
     Training configs are validated here; other commands pass their own `defaults` and validate.
     """
     defaults = CONFIG if defaults is None else defaults
+    check_argument_list(args)
     cfg, seen = copy.deepcopy(defaults if base is None else base), set()
     for arg in args:
         key, sep, text = arg.partition("=")
@@ -1606,6 +1608,24 @@ def normalize_key(key):
 def explicit_keys(args):
     """The keys named in a key=value list: what the user typed wins over a preset."""
     return {normalize_key(a.partition("=")[0]) for a in args}
+
+
+def check_argument_list(args):
+    """A library call's key=value arguments as a list: a string was iterated a character at a time
+    ("argument 'e' is not key=value" for "epochs=2")."""
+    if isinstance(args, (str, bytes)) or not all(isinstance(arg, str) for arg in args):
+        raise UserError(f"{args!r}: pass the settings as a list of key=value strings, e.g. ['epochs=2']")
+
+
+def check_config_dict(cfg):
+    """A library call's config, as a dict of known keys: None or a list gave Python's TypeError, a typo was
+    taken silently by prepare_data. Keys left out take CONFIG's values (as validate_config does)."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"the config is {type(cfg).__name__}: pass a dict such as dict(train_unet.CONFIG, "
+                        f"data_dir=...), or parse_overrides(['key=value', ...])")
+    for key in cfg:
+        check_known_key(key)
+    return {**CONFIG, **cfg}
 
 
 def check_known_key(key, defaults=CONFIG):
@@ -2601,6 +2621,7 @@ EMBEDDED_DATA_DIR = "data/shapes"
 
 def prepare_data(cfg):
     """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
+    cfg = check_config_dict(cfg)
     root = Path(cfg["data_dir"])
     if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
@@ -7779,6 +7800,7 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
 
 def run_benchmark(args=()):
     """The `benchmark` command: returns {'rows', 'histories', 'bare_loop', ...} and writes CSV/JSON."""
+    check_argument_list(args)
     opts, base, train_args, names = parse_benchmark_args(list(args))
     hw = detect_hardware(base["device"])
     out_dir = Path(opts["output"])

@@ -1345,6 +1345,23 @@ def test_more_workers_than_cores_get_the_scripts_note_not_torchs_warning(monkeyp
     assert out.returncode == 0 and "DataLoader" not in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("call, arg, said", [
+    ("parse_overrides", "epochs=2", "'epochs=2': pass the settings as a list of key=value strings"),
+    ("run_benchmark", "configs=fp32", "'configs=fp32': pass the settings as a list of key=value strings"),
+    ("train", None, "the config is NoneType: pass a dict such as dict(train_unet.CONFIG, data_dir=...)"),
+    ("prepare_data", {"data_dir": "x", "batchsize": 2}, "unknown key 'batchsize': did you mean 'batch_size'?"),
+])
+def test_the_librarys_documented_calls_say_a_wrong_argument_in_one_line(call, arg, said):
+    """A string where a list goes was iterated a character at a time ("argument 'e' is not key=value"),
+    train(None) was Python's TypeError, and prepare_data took a typo silently (and a partial dict: KeyError)."""
+    one_line_error(getattr(train_unet, call), arg, match=re.escape(said))
+
+
+def test_prepare_data_takes_a_partial_config_as_train_does(data_dir):
+    train, val = train_unet.prepare_data({"data_dir": str(data_dir)})  # KeyError: 'seed'
+    assert len(train) + len(val) == 12
+
+
 def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, capsys):
     """10 training images in batches of 4: 2 of them sat out every epoch without a word."""
     train_unet.train(make_cfg(batch_size=4))
