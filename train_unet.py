@@ -515,6 +515,7 @@ def checked_config_and_resume_state(cfg, explicit):
         typed = given_keys(given, explicit)  # before the preset's values are in: the refusal's hint
         cfg, preset_line = apply_preset(given, explicit)
         check_paths_given(cfg, ("data_dir", "checkpoint_dir"))  # empty: the current folder, its files moved aside
+        check_not_in_a_data_set(cfg["checkpoint_dir"])
         check_worker_count(cfg)
         check_class_weights_weigh(cfg)
         check_model_takes_image_size(cfg)
@@ -529,6 +530,15 @@ def checked_config_and_resume_state(cfg, explicit):
         said_once_if_alike(exc)
     said_once_if_alike(None)  # every process joins the exchange, errors or not
     return cfg, preset_line, state
+
+
+def check_not_in_a_data_set(checkpoint_dir):
+    """checkpoint_dir= a data set's images/ or masks/ folder (the other beside it): best.pt, logs and tensorboard/
+    went among its files, and every later run over that data set noted them as entries not read."""
+    folder = Path(checkpoint_dir).resolve()
+    if folder.name in ("images", "masks") and all((folder.parent / sub).is_dir() for sub in ("images", "masks")):
+        raise UserError(f"checkpoint_dir={checkpoint_dir} is a data set's {folder.name} folder: checkpoints and logs "
+                        f"would go among its files; choose another checkpoint_dir (e.g. checkpoints/{folder.parent.name})")
 
 
 def same_class_names(state, names, cfg):
