@@ -536,9 +536,16 @@ def check_not_in_a_data_set(checkpoint_dir):
     """checkpoint_dir= a data set's images/ or masks/ folder (the other beside it): best.pt, logs and tensorboard/
     went among its files, and every later run over that data set noted them as entries not read."""
     folder = Path(checkpoint_dir).resolve()
-    if folder.name in ("images", "masks") and all((folder.parent / sub).is_dir() for sub in ("images", "masks")):
+    if data_set_part(folder) and folder.is_dir():
         raise UserError(f"checkpoint_dir={checkpoint_dir} is a data set's {folder.name} folder: checkpoints and logs "
                         f"would go among its files; choose another checkpoint_dir (e.g. checkpoints/{folder.parent.name})")
+
+
+def data_set_part(folder):
+    """'images' or 'masks' where a (resolved) folder is named so and has its partner beside it, as a data set's
+    have: a folder that predict's masks, or a run's checkpoints, would spoil. Else None."""
+    partner = {"images": "masks", "masks": "images"}.get(folder.name)
+    return folder.name if partner and (folder.parent / partner).is_dir() else None
 
 
 def same_class_names(state, names, cfg):
@@ -3390,11 +3397,12 @@ def mask_to_classes(mask, num_classes, path="mask"):
 def check_mask_values(path, values, num_classes, dtype, others=None, greys=None):
     """Binary: 0/1 or 0/255 (255 = foreground). Multi-class: 0..num_classes-1, and 255 = void. `others`:
     binary_others' word on the rest of the set, for a binary run's odd mask; `greys`: the set's values, where
-    they are classes saved as evenly spaced greys (even_grey_levels; else this mask's are looked at)."""
-    greys = greys or even_grey_levels(values)
+    they are classes saved as evenly spaced greys (even_grey_levels; else this mask's are looked at, where its
+    values are wrong: not for every mask at every start-up)."""
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
             return
+        greys = greys or even_grey_levels(values)
         hint = (f"the other masks are binary ({others}): fix this one (a stray value?); num_classes > 1 would "
                 f"make {IGNORE_INDEX} void in them" if others and others.endswith("0/255") else
                 greys_hint(greys) if greys else mask_hint(path, dtype, values))
@@ -3420,6 +3428,7 @@ def check_mask_values(path, values, num_classes, dtype, others=None, greys=None)
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
         palette = grey_palette_hint(path)  # its indices may be the classes: the likelier fix first
+        greys = greys or even_grey_levels(values)
         hint = greys_hint(greys) if greys else hint
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): " + (f"{palette}; else {hint}" if palette else hint))
@@ -7485,12 +7494,12 @@ def check_no_unpaired_masks(paths, out_dir, overlay):
     the next training run would find them without a partner, or, once masks of them went to masks/, train on
     masks of masks."""
     out_dir = out_dir.resolve()
-    if out_dir.name == "images" and (out_dir.parent / "masks").is_dir():
+    if data_set_part(out_dir) == "images":
         raise UserError(f"output={out_dir} is a data set's images folder (masks/ beside it): masks written there "
                         f"would be taken for images by the next training run; choose another output=... folder")
-    images = out_dir.parent / "images"
-    if out_dir.name != "masks" or not images.is_dir():
+    if data_set_part(out_dir) != "masks":
         return
+    images = out_dir.parent / "images"
     stems = {p.stem for p in images.iterdir() if p.suffix.lower() in IMAGE_EXTS}
     truth = {p.stem: p.name for p in out_dir.iterdir() if p.suffix.lower() in IMAGE_EXTS and p.suffix.lower() != ".png"}
     stray = next((p for p in paths if p.stem not in stems or p.stem in truth), None)
