@@ -275,7 +275,9 @@ COMMAND_KEYS = {"predict": lambda: PREDICT_CONFIG, "export": lambda: EXPORT_CONF
 INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True continues",
                "train, no checkpoint": "no epoch had finished, so there is no checkpoint to resume: train again",
                "train, at start": "stopped while the config was checked: nothing was written",
-               "predict": "the masks written so far are complete; no partial file is left"}
+               "predict": "the masks written so far are complete; no partial file is left",
+               "benchmark": "the benchmark did not finish, so it has no table, or one that says \"complete\": false; "
+                            "the runs and files written so far are intact: run it again for the whole table"}
 
 
 def said_once_if_alike(exc):
@@ -455,7 +457,7 @@ def train(cfg, explicit=()):
     win over the preset (apply_preset).
     """
     cfg = check_config_dict(cfg)
-    with checkpoint_dir_held():  # no other run writes into this run's checkpoint folder meanwhile
+    with run_folders_held():  # no other run writes into this run's checkpoint folder meanwhile
         try:
             cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
         finally:  # a start-up stopped by an error leaves no facts a later call could take (start_up_facts)
@@ -6197,10 +6199,17 @@ def check_writable(folder, key="output"):
 
 
 def hold_checkpoint_dir(folder):
-    """Lock the run's checkpoint folder until train returns (checkpoint_dir_held; a flock on the folder
-    itself: no file is added, and the kernel drops it however the process ends). A second run into the
+    """Lock the run's checkpoint folder until train returns (run_folders_held). A second run into the
     same folder would move the first one's files aside, then both would write the same checkpoints, and
-    the first run's results would be lost: it is refused. A folder this process holds is not taken twice."""
+    the first run's results would be lost: it is refused."""
+    hold_folder(folder, f"checkpoint_dir={folder} is in use by another training run or benchmark (it holds "
+                        f"the folder's lock): let it finish, or choose another checkpoint_dir=...")
+
+
+def hold_folder(folder, in_use):
+    """A flock on the folder itself until the run_folders_held scope ends: no file is added, and the
+    kernel drops it however the process ends. Taken already by another process: UserError(in_use). A folder
+    this process holds is not taken twice; where the system or file system has no flock, nothing is held."""
     key = os.path.realpath(folder)
     if key in HELD_FOLDERS:
         return
@@ -6218,8 +6227,7 @@ def hold_checkpoint_dir(folder):
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a file system without flock: not locked
             return
-        raise UserError(f"checkpoint_dir={folder} is in use by another training run (it holds the folder's "
-                        f"lock): let it finish, or choose another checkpoint_dir=...") from None
+        raise UserError(in_use) from None
     HELD_FOLDERS[key] = fd
 
 
@@ -6232,14 +6240,15 @@ def remove_stale_temps(folder):
                 path.unlink()
 
 
-HELD_FOLDERS = {}  # checkpoint folders this process has locked: {real path: descriptor}
-MADE_FOLDERS = set()  # checkpoint folders a run in this process made (checkpoint_dir_held removes them empty)
+HELD_FOLDERS = {}  # checkpoint and benchmark folders this process has locked: {real path: descriptor}
+MADE_FOLDERS = set()  # checkpoint folders a run in this process made (run_folders_held removes them empty)
 
 
 @contextlib.contextmanager
-def checkpoint_dir_held():
-    """The scope of a training run: the checkpoint folder locked inside it (hold_checkpoint_dir) is let go
-    at its end, so a notebook that trained can start the script on the same folder afterwards. A folder
+def run_folders_held():
+    """The scope of a training run or benchmark: the folders locked inside it (hold_folder: the checkpoint
+    folder, the benchmark's output) are let go at its end, so a notebook that trained can start the script
+    on the same folder afterwards. A folder
     the run made (MADE_FOLDERS) and left empty, refused or stopped at start-up (a data error, Ctrl-C during
     the data check), is removed."""
     before, made = set(HELD_FOLDERS), set(MADE_FOLDERS)
@@ -7820,14 +7829,15 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
 def run_benchmark(args=()):
     """The `benchmark` command: returns {'rows', 'histories', 'bare_loop', ...} and writes CSV/JSON."""
     check_argument_list(args)
-    opts, base, train_args, names = parse_benchmark_args(list(args))
+    with run_folders_held():  # no other benchmark moves this one's files aside, or writes among them
+        return benchmark_in(*parse_benchmark_args(list(args)), args)
+
+
+def benchmark_in(opts, base, train_args, names, args):
+    """run_benchmark, its arguments parsed: the output folder is locked for it, then written."""
     hw = detect_hardware(base["device"])
     out_dir = Path(opts["output"])
-    check_writable(out_dir)
-    writes = [*names, INFERENCE_DIR] if inference_modes(opts) else names
-    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, writes))
-    if moved:
-        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
+    claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
     prepare_data(base)  # writes the embedded data set once, before the runs start
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
@@ -7839,19 +7849,7 @@ def run_benchmark(args=()):
     if threads:
         print(f"[benchmark] note: {threads}", flush=True)
     bare, bare_spread = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
-    rows, histories, fp32_times = [], {}, {}
-    for name in names:
-        if probe_instead(name, base, hw):
-            rows.append(probe_row(name, base, hw, opts["probe_steps"], fp32_times))
-            continue
-        reason = skip_reason(name, base, hw)
-        if reason:
-            rows.append({"config": name, "status": f"skipped: {reason}"})
-            print(f"[benchmark] {name}: skipped: {reason}", flush=True)
-            continue
-        row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(row)
-    add_speedups(rows)
+    rows, histories = benchmark_rows(names, base, hw, opts, train_args, out_dir)
     result = {"device": describe(hw), "machine": benchmark_machine(hw, args),
               "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
               "batch_size", "epochs", "data_dir", "max_train_images", "seed", "eval_amp")},
@@ -7864,6 +7862,35 @@ def run_benchmark(args=()):
     result["complete"] = True
     write_json(out_dir / "benchmark.json", result)
     return result
+
+
+def claim_output_folder(out_dir, writes):
+    """The benchmark's output folder made and locked for this benchmark, an earlier one's results in it
+    moved aside (benchmark_outputs: those this one would write, `writes`, refused where not a benchmark's)."""
+    check_writable(out_dir)
+    hold_folder(out_dir, f"output={out_dir} is in use by another benchmark (it holds the folder's lock): let it "
+                         f"finish, or choose another output=...")
+    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, writes))
+    if moved:
+        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
+
+
+def benchmark_rows(names, base, hw, opts, train_args, out_dir):
+    """(the table's rows, {name: per-epoch history}): each configuration trained in its own process, probed
+    where training it would take far too long (probe_instead), or skipped where this machine cannot run it."""
+    rows, histories, fp32_times = [], {}, {}
+    for name in names:
+        if probe_instead(name, base, hw):
+            rows.append(probe_row(name, base, hw, opts["probe_steps"], fp32_times))
+            continue
+        reason = skip_reason(name, base, hw)
+        if reason:
+            rows.append({"config": name, "status": f"skipped: {reason}"})
+            print(f"[benchmark] {name}: skipped: {reason}", flush=True)
+            continue
+        row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
+        rows.append(row)
+    return add_speedups(rows), histories
 
 
 def benchmark_machine(hw, args):
@@ -7998,8 +8025,6 @@ def slower_than_fp32(slowdown):
 
 def run_benchmark_config(name, base, train_args, out_dir):
     """Train one configuration in a fresh process; returns (row, per-epoch history)."""
-    import subprocess
-
     run_dir = out_dir / name
     fixed = ["progress=False", "early_stopping_patience=None", "resume=False", f"checkpoint_dir={run_dir}"]
     cmd = [sys.executable, str(Path(__file__).resolve()),
@@ -8007,15 +8032,38 @@ def run_benchmark_config(name, base, train_args, out_dir):
     print(f"[benchmark] {name}: {' '.join(cmd[2:])}", flush=True)
     log_path = out_dir / f"{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
+        returncode = run_child(cmd, log, log)
     history_path = run_dir / "history.csv"
-    if proc.returncode != 0 or not history_path.is_file():
+    if returncode != 0 or not history_path.is_file():
         tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]  # whole: the fix ends the line
-        return {"config": name, "status": f"failed (exit {proc.returncode}): {tail[0]} (log: {log_path})"}, []
+        return {"config": name, "status": f"failed (exit {returncode}): {tail[0]} (log: {log_path})"}, []
     with open(history_path) as f:
         history = list(csv.DictReader(f))
     info = json.loads((run_dir / "config.json").read_text())
     return summarize_history(name, history, info), history
+
+
+def run_child(cmd, stdout, stderr):
+    """The exit code of a benchmark's child process (a row's training, a predict measured alone), run to its
+    end. It runs in its own process group, so a stop (Ctrl-C in a terminal, Jupyter's interrupt, SIGTERM)
+    reaches this process alone, which passes it on once as a Ctrl-C and waits while the child stops as
+    train and predict stop at one (files intact, none half-written, "stopped: ..." in its log); a second
+    Ctrl-C ends the child at once. subprocess.run killed it 0.25 s after the stop, mid-write; and where the
+    stop reached this process alone (Jupyter's), the child had not been told at all."""
+    import subprocess
+
+    group = {"process_group": 0} if os.name == "posix" else {}
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, **group)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT if os.name == "posix" else signal.SIGTERM)
+        try:
+            proc.wait()
+        except KeyboardInterrupt:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def merge_args(*lists):
@@ -8272,18 +8320,18 @@ def predict_peak_memory(args):
     row's is measured (in this process the rows before it, and the forward alone's inputs held in memory,
     would count): CPU, the process's peak resident memory; CUDA, the peak allocated by tensors.
     (None, why) where that process failed."""
-    import subprocess
-
     shutil.rmtree(args["output"], ignore_errors=True)  # as fresh_predict: no earlier masks moved to previous/
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_unet as T; T.keep_freed_memory(); "
             "a = json.loads(sys.argv[2]); T.predict(a); "
             "print(json.dumps(T.peak_memory_mb(T.detect_hardware(a['device']))))")
-    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parent), json.dumps(args)],
-                          capture_output=True, text=True)
-    lines = (proc.stdout + proc.stderr).strip().splitlines() or ["no output"]
-    if proc.returncode != 0:
-        return None, f"not measured: its predict process exited {proc.returncode}: {lines[-1]}"
-    return tuple(json.loads(proc.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        returncode = run_child([sys.executable, "-c", code, str(Path(__file__).resolve().parent), json.dumps(args)],
+                               out, err)
+        stdout, stderr = (f.seek(0) or f.read() for f in (out, err))
+    lines = (stdout + stderr).strip().splitlines() or ["no output"]
+    if returncode != 0:
+        return None, f"not measured: its predict process exited {returncode}: {lines[-1]}"
+    return tuple(json.loads(stdout.strip().splitlines()[-1]))
 
 
 def fresh_predict(args):

@@ -459,3 +459,46 @@ def test_a_failed_rows_note_holds_the_whole_error_and_its_log(tmp_path):
     assert row["status"] == (f"failed (exit 2): error: data_dir {missing} not found: create {missing}/images and "
                              f"{missing}/masks, or use data_dir=data/shapes for the embedded data set "
                              f"(log: {tmp_path / 'fp32.log'})")
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["jupyter-interrupt", "terminal-ctrl-c"])
+def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp_path, whole_group):
+    """Jupyter's interrupt reaches the benchmark's process alone: its row's training went on untold and was
+    killed 0.25 s later (subprocess.run), mid-write, and the benchmark said "files written so far are
+    complete". Now the row is told once, stops as a Ctrl-C stops training (its log says so), leaves no
+    temporary file and no process behind, and the benchmark says its table is missing."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=12, size=32)
+    out = tmp_path / "out"
+    bench = subprocess.Popen([sys.executable, str(ROOT / "train_unet.py"), "benchmark", "configs=fp32", "inference=",
+                              "bare_steps=0", "epochs=500", "image_size=32", "batch_size=2", "encoder_name=resnet18",
+                              "cpu_probe=False", f"data_dir={data}", f"output={out}"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not (out / "fp32" / "history.csv").is_file() and time.monotonic() < deadline and bench.poll() is None:
+        time.sleep(0.2)  # the row is training: its first epoch is written
+    (os.killpg if whole_group else os.kill)(bench.pid, signal.SIGINT)
+    _, err = bench.communicate(timeout=120)
+    assert bench.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().endswith("interrupted: the benchmark did not finish, so it has no table, or one that says "
+                                '"complete": false; the runs and files written so far are intact: run it again '
+                                "for the whole table"), err[-2000:]
+    log = (out / "fp32.log").read_text().strip()
+    assert log.endswith("interrupted: checkpoints written so far are intact; resume=True continues"), log[-2000:]
+    assert not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
+    assert (out / "fp32" / "last.pt").is_file() and not (out / "benchmark.json").exists()
+    proc = Path("/proc")
+    if proc.is_dir():  # no training process left behind
+        running = [p for p in proc.iterdir() if p.name.isdigit() and (p / "cmdline").is_file()]
+        assert not [p for p in running if f"checkpoint_dir={out / 'fp32'}".encode() in _cmdline(p)]
+
+
+def _cmdline(proc_dir):
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""

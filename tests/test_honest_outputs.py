@@ -202,6 +202,28 @@ def test_benchmark_in_the_current_folder_leaves_the_script_alone(tmp_path, data_
 
 
 @pytest.mark.usefixtures("restore_matmul_precision")
+def test_a_second_benchmark_into_a_folder_in_use_is_refused_and_moves_nothing(tmp_path, data_dir, monkeypatch):
+    """Two benchmarks into one output folder: the second moved the first's files aside mid-run, and both then
+    wrote the same rows. The running one holds the folder's lock (here a lock taken on the folder as another
+    process would hold it); the second is refused before anything moves, and the folder is free after."""
+    import fcntl
+
+    out = tmp_path / "out"
+    benchmark(monkeypatch, data_dir, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    other = os.open(out, os.O_RDONLY)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(UserError, match=r"output=.*out is in use by another benchmark .*choose another output="):
+            benchmark(monkeypatch, data_dir, out)
+    finally:
+        os.close(other)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    benchmark(monkeypatch, data_dir, out)  # the lock went with the first one; this one lets its own go
+    assert len(list((out / "previous").iterdir())) == 1 and not train_unet.HELD_FOLDERS
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
 def test_a_folder_in_the_way_of_a_run_is_refused_before_anything_moves(tmp_path, data_dir, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
