@@ -7836,6 +7836,7 @@ def run_benchmark(args=()):
 def benchmark_in(opts, base, train_args, names, args):
     """run_benchmark, its arguments parsed: the output folder is locked for it, then written."""
     hw = detect_hardware(base["device"])
+    check_inference_memory(opts, base, hw, available_memory())
     out_dir = Path(opts["output"])
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
     prepare_data(base)  # writes the embedded data set once, before the runs start
@@ -7974,6 +7975,29 @@ def check_inference_keys(opts):
     for key in ("inference_images", "inference_size", "inference_rounds"):
         if inference_modes(opts) and opts[key] < 1:
             raise UserError(f"{key}={opts[key]} must be >= 1 (or inference= for no inference table)")
+
+
+def check_inference_memory(opts, base, hw, free):
+    """The inference table's large image (inference_size²) must fit in the memory `free` (bytes; None:
+    unknown) beside what it holds: checked before any training, as it was met only after all the rows had
+    trained, as numpy's 30-line out-of-memory traceback. A lower bound (inference_bytes_per_pixel)."""
+    per_pixel, side = inference_bytes_per_pixel(base, hw), opts["inference_size"]
+    if not inference_modes(opts) or free is None or side * side * per_pixel <= free:
+        return
+    fits = max(1, math.isqrt(int(free // per_pixel)))
+    raise UserError(f"inference_size={side} needs at least {size_text(side * side * per_pixel)} of memory for the "
+                    f"inference table's {side}x{side} image, and {size_text(free)} is free: use a smaller "
+                    f"inference_size (at most {fits}), or inference= for no inference table")
+
+
+def inference_bytes_per_pixel(base, hw):
+    """Host bytes a pixel of the inference table's patch-mode image needs at least while its row runs: the
+    image as read for the forward alone, its tiles held for it (float32 on the host, (1 / (1 - tile_overlap))²
+    as many pixels as the image where the image is large; on CUDA on the device), and predict's own need
+    (predict_memory). Decoding and encoding buffers come on top."""
+    channels = image_bytes(1, base)
+    tiles = 0 if hw.kind == "cuda" else 4 * channels * (base["patch_scale"] / (1 - base["tile_overlap"])) ** 2
+    return channels + tiles + predict_memory(1, 1, 1, base)
 
 
 def benchmark_overrides(name, base):

@@ -502,3 +502,25 @@ def _cmdline(proc_dir):
         return (proc_dir / "cmdline").read_bytes()
     except OSError:  # ended meanwhile
         return b""
+
+
+def test_an_inference_image_too_large_for_memory_is_refused_before_any_training(tmp_path, monkeypatch):
+    """inference_size=200000 trained every row, then failed in numpy: 'Unable to allocate 112. GiB', a
+    traceback. Now refused at once, with the largest size the same check passes."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=4, size=32)
+    monkeypatch.setattr(train_unet, "available_memory", lambda: 2**30)
+    monkeypatch.setattr(train_unet, "run_benchmark_config", lambda *a: pytest.fail("a row was trained"))
+    args = ["configs=fp32", "bare_steps=0", "inference=fp32", "image_size=32", f"data_dir={data}",
+            f"output={tmp_path / 'out'}", "cpu_probe=False"]
+    with pytest.raises(train_unet.UserError, match=r"^inference_size=200000 needs at least \S+ [GT]B of memory for "
+                       r"the inference table's 200000x200000 image, and 1.0 GB is free: use a smaller inference_size "
+                       r"\(at most (\d+)\), or inference= for no inference table$") as err:
+        train_unet.run_benchmark([*args, "inference_size=200000"])
+    fits = int(re.search(r"at most (\d+)", str(err.value))[1])
+    assert 1024 < fits < 200000 and not (tmp_path / "out").exists()
+    opts, base, _, _ = train_unet.parse_benchmark_args([*args, f"inference_size={fits}"])
+    hw = train_unet.detect_hardware("cpu")
+    train_unet.check_inference_memory(opts, base, hw, 2**30)  # the size it names fits
+    opts["inference_size"] = fits + 1
+    with pytest.raises(train_unet.UserError):
+        train_unet.check_inference_memory(opts, base, hw, 2**30)
