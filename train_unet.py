@@ -7106,6 +7106,16 @@ def load_model(checkpoint, hw):
     return model.to(hw.device).eval(), cfg
 
 
+def trained_data_dir(checkpoint):
+    """The data_dir a checkpoint's run trained on, as a path that leads there from here: the folder the run
+    recorded (split_record, resolved as it started), so a relative data_dir given in another working
+    directory is found (the notebooks run in the repository: "data" was looked for there). Where the
+    checkpoint has no record, or that folder is gone, its data_dir as given."""
+    state = load_checkpoint(checkpoint)
+    folder = (state.get("data_split") or {}).get("folder")
+    return folder if folder and Path(folder).is_dir() else state["config"]["data_dir"]
+
+
 def state_dict_mismatch(exc):
     """load_state_dict's first specific complaint (its first line only says that there are some), shortened
     whole: a shape mismatch as the two shapes, a list of keys as its first and how many more."""

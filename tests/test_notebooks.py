@@ -37,13 +37,19 @@ def execute(name, env):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A real 2-epoch, 3-class run with class names (64 px, 12 images): what RUN_DIR points at."""
+    """A real 2-epoch, 3-class run with class names (64 px, 12 images): what RUN_DIR points at. Trained in its
+    own folder with data_dir=data, relative to it, as a user's project is; the notebooks run elsewhere."""
     tmp = tmp_path_factory.mktemp("run")
     data = train_unet.generate_shapes_dataset(tmp / "data", count=12, size=64, num_classes=3)
     (data / "class_names.txt").write_text("background\ncircle\nbox\n")
-    cfg = dict(train_unet.CONFIG, data_dir=str(data), checkpoint_dir=str(tmp / "run"), image_size=64,
+    cfg = dict(train_unet.CONFIG, data_dir="data", checkpoint_dir=str(tmp / "run"), image_size=64,
                num_classes=3, epochs=2, batch_size=4, device="cpu", progress=False, use_amp=False)
-    train_unet.train(cfg)
+    cwd = os.getcwd()
+    os.chdir(tmp)
+    try:
+        train_unet.train(cfg)
+    finally:
+        os.chdir(cwd)
     return tmp / "run"
 
 
@@ -53,7 +59,9 @@ def test_run_notebook_plots_the_run_in_run_dir(tiny_run):
     assert f"run: {tiny_run}" in text and "2 epoch(s)" in text
     assert "confusion matrix at epoch" in text and "3 classes" in text
     assert "precision per epoch: 1: fp32, 2: fp32" in text
-    assert "optimizer steps logged" in text and f"model: {tiny_run / 'best.pt'}" in text
+    assert "optimizer steps logged" in text
+    # data_dir=data was the run's own folder's, not the repository's, where the notebook runs ("not found")
+    assert f"model: {tiny_run / 'best.pt'}; images from {os.path.realpath(tiny_run.parent / 'data')}" in text
 
 
 @pytest.mark.parametrize("case", ["typo", "interrupted"])
@@ -113,6 +121,7 @@ def test_benchmark_notebook_plots_a_validation_set_of_one_image(tiny_run, tmp_pa
     shutil.copytree(tiny_run, bench / "fp32")
     state = train_unet.load_checkpoint(bench / "fp32" / "best.pt")
     state["config"] = {**state["config"], "data_dir": str(data), "val_fraction": 0.2}
+    state["data_split"] = {**state["data_split"], "folder": str(data)}  # as if trained on it (trained_data_dir)
     assert len(train_unet.prepare_data(state["config"])[1]) == 1
     train_unet.save_checkpoint(bench / "fp32" / "best.pt", state)
     history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
