@@ -276,8 +276,8 @@ INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True cont
                "train, no checkpoint": "no epoch had finished, so there is no checkpoint to resume: train again",
                "train, at start": "stopped while the config was checked: nothing was written",
                "predict": "the masks written so far are complete; no partial file is left",
-               "benchmark": "the benchmark did not finish, so it has no table, or one that says \"complete\": false; "
-                            "the runs and files written so far are intact: run it again for the whole table"}
+               "benchmark": "the benchmark did not finish (its benchmark.json, where written, says \"complete\": "
+                            "false); the runs and files written so far are intact: run it again for the whole table"}
 
 
 def said_once_if_alike(exc):
@@ -7849,6 +7849,8 @@ def benchmark_in(opts, base, train_args, names, args):
     check_inference_memory(opts, base, hw, available_memory())
     out_dir = Path(opts["output"])
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
+    result = started_benchmark(hw, base, args)
+    write_json(out_dir / "benchmark.json", result)
     prepare_data(base)  # writes the embedded data set once, before the runs start
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
@@ -7861,11 +7863,7 @@ def benchmark_in(opts, base, train_args, names, args):
         print(f"[benchmark] note: {threads}", flush=True)
     bare, bare_spread = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
     rows, histories = benchmark_rows(names, base, hw, opts, train_args, out_dir)
-    result = {"device": describe(hw), "machine": benchmark_machine(hw, args),
-              "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size",
-              "batch_size", "epochs", "data_dir", "max_train_images", "seed", "eval_amp")},
-              "rows": rows, "histories": histories, "bare_loop_s_per_step": bare, "bare_loop_step_spread": bare_spread,
-              "complete": False}  # the notebook refuses a benchmark stopped before its inference table
+    result.update(rows=rows, histories=histories, bare_loop_s_per_step=bare, bare_loop_step_spread=bare_spread)
     write_json(out_dir / "benchmark.json", result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print_benchmark_summary(rows, bare, hw, bare_spread, base["eval_amp"])
@@ -7873,6 +7871,16 @@ def benchmark_in(opts, base, train_args, names, args):
     result["complete"] = True
     write_json(out_dir / "benchmark.json", result)
     return result
+
+
+def started_benchmark(hw, base, args):
+    """benchmark.json as a benchmark starts: where and how it runs, no rows yet, and "complete": false until
+    its inference table is written. An interrupted benchmark's record keeps the command that started it: the
+    notebook, which refuses it, names it to run again (it suggested output= alone, dropping the user's keys)."""
+    return {"device": describe(hw), "machine": benchmark_machine(hw, args),
+            "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size", "batch_size", "epochs",
+                                              "data_dir", "max_train_images", "seed", "eval_amp")},
+            "rows": [], "histories": {}, "complete": False}
 
 
 def claim_output_folder(out_dir, writes):

@@ -138,7 +138,8 @@ def test_benchmark_notebook_plots_a_validation_set_of_one_image(tiny_run, tmp_pa
 
 def test_benchmark_notebook_refuses_a_benchmark_stopped_before_its_inference_table(tmp_path):
     """Interrupted after its rows trained, a benchmark's benchmark.json had no inference table: the notebook
-    said 'benchmark inference=... adds one', an option the user had given (user report)."""
+    said 'benchmark inference=... adds one', an option the user had given (user report). It names the command
+    the benchmark recorded, as for one stopped before any row finished (test_benchmark)."""
     bench = tmp_path / "bench"
     bench.mkdir()
     command = "python train_unet.py benchmark configs=fp32 inference=fp32,bf16"
@@ -146,8 +147,7 @@ def test_benchmark_notebook_refuses_a_benchmark_stopped_before_its_inference_tab
                                                       "bare_loop_s_per_step": {}, "complete": False,
                                                       "machine": {"command": command}}))
     with pytest.raises(nbclient.exceptions.CellExecutionError,
-                       match=re.escape(f"stopped before its inference table (interrupted, or it failed): run "
-                                       f"`{command}`")):
+                       match=re.escape(f"did not finish (interrupted, or it failed): run `{command}`")):
         execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
 
 
