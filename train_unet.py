@@ -2078,6 +2078,8 @@ def macos_has_arm_bf16():
 
 
 def detect_hardware(device="auto"):
+    if not valid_device(device):  # a library call's device= is not validate_config's ("gpu": torch's traceback)
+        raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda, cuda:N or mps")
     if DIST.enabled and (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available():
         device = f"cuda:{DIST.local_rank}"  # one GPU per process: LOCAL_RANK decides which
     if device == "auto":
@@ -2118,6 +2120,7 @@ def describe(hw):
 
 def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     """The one place that chooses bf16 / fp16 / fp32, and says why."""
+    amp_dtype = check_precision_args(use_amp, amp_dtype, force)
     if not use_amp:
         return Precision.of(torch.float32, "use_amp=False: plain fp32")
     if amp_dtype == "auto":
@@ -2126,7 +2129,6 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
         if hw.fp16:
             return Precision.of(torch.float16, "auto: no native bf16, native fp16 -> fp16 + GradScaler")
         return Precision.of(torch.float32, f"auto: no native bf16 ({hw.bf16_feature}) or fp16 -> fp32")
-    assert amp_dtype in CHOICES["amp_dtype"], amp_dtype  # validated before; a bug otherwise
     dtype = torch.bfloat16 if amp_dtype == "bfloat16" else torch.float16
     native = hw.bf16 if dtype == torch.bfloat16 else hw.fp16
     if native or force:
@@ -2136,6 +2138,17 @@ def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     # Not native here: the automatic choice is the fallback (it can never be the requested dtype).
     auto = decide_precision(hw)
     return Precision.of(auto.dtype, f"fallback from {amp_dtype}", fallback_warning(hw, amp_dtype, auto))
+
+
+def check_precision_args(use_amp, amp_dtype, force):
+    """decide_precision's arguments, as validate_config checks them in a config (a library call passes them
+    itself: use_amp="False", a string, is true, and chose bf16); returns amp_dtype's full name."""
+    for key, value in (("use_amp", use_amp), ("force_amp_dtype", force)):
+        if not isinstance(value, bool):
+            raise UserError(f"{key}={value!r} must be true or false")
+    amp_dtype = amp_dtype_name(amp_dtype)
+    check_choice("amp_dtype", amp_dtype)
+    return amp_dtype
 
 
 def fallback_warning(hw, amp_dtype, used):
@@ -2640,7 +2653,7 @@ EMBEDDED_DATA_DIR = "data/shapes"
 
 def prepare_data(cfg):
     """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
-    cfg = check_config_dict(cfg)
+    cfg = validate_config(check_config_dict(cfg), model_names=False)  # a library call's values too
     root = Path(cfg["data_dir"])
     if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")

@@ -1357,6 +1357,27 @@ def test_the_librarys_documented_calls_say_a_wrong_argument_in_one_line(call, ar
     one_line_error(getattr(train_unet, call), arg, match=re.escape(said))
 
 
+@pytest.mark.parametrize("call, args, said", [
+    ("detect_hardware", ("gpu",), "device='gpu' is not supported: use auto, cpu, cuda, cuda:N or mps"),
+    ("decide_precision", ("False",), "use_amp='False' must be true or false"),
+    ("decide_precision", (True, "bf8"), "amp_dtype='bf8' is not allowed: use one of auto, bfloat16, float16"),
+    ("decide_precision", (True, "auto", "yes"), "force_amp_dtype='yes' must be true or false"),
+    ("prepare_data", ({"data_dir": "x", "val_fraction": "0.2"},), "val_fraction='0.2' must be a number"),
+])
+def test_the_librarys_hardware_precision_and_data_calls_check_their_values(call, args, said):
+    """detect_hardware("gpu") was torch's RuntimeError listing 20 device types; decide_precision(hw, "False")
+    chose bf16 (a string is true) and amp_dtype="bf8" an AssertionError; prepare_data's values were not
+    checked at all ("type str doesn't define __round__")."""
+    if call == "decide_precision":
+        args = (train_unet.detect_hardware("cpu"), *args)
+    one_line_error(getattr(train_unet, call), *args, match=re.escape(said))
+
+
+def test_decide_precision_takes_amp_dtypes_short_names_as_configs_do():
+    hw = train_unet.detect_hardware("cpu")
+    assert train_unet.decide_precision(hw, True, "bf16", force=True).name == "bf16"
+
+
 def test_prepare_data_takes_a_partial_config_as_train_does(data_dir):
     train, val = train_unet.prepare_data({"data_dir": str(data_dir)})  # KeyError: 'seed'
     assert len(train) + len(val) == 12
