@@ -240,6 +240,7 @@ def main(argv=None):
     quiet_readers()
     try:
         with sigterm_as_exit():
+            stop_with_benchmark()
             return run_command(command, args)
     except UserError as exc:
         if not same_error_on_every_rank(exc):
@@ -8108,7 +8109,8 @@ def run_child(cmd, stdout, stderr):
     import subprocess
 
     group = {"process_group": 0} if os.name == "posix" else {}
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, **group)
+    env = {**os.environ, BENCHMARK_PARENT_ENV: str(os.getpid())}  # stop_with_benchmark
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, **group)
     try:
         return proc.wait()
     except KeyboardInterrupt:
@@ -8119,6 +8121,26 @@ def run_child(cmd, stdout, stderr):
             proc.kill()
             proc.wait()
         raise
+
+
+BENCHMARK_PARENT_ENV = "UNET_BENCHMARK_PARENT"  # the pid of the benchmark that started this process (run_child)
+PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal for this process when the thread that started it ends
+
+
+def stop_with_benchmark():
+    """In a benchmark's child (run_child): its own process group keeps a terminal's hang-up (ssh dropped)
+    from it, and nothing tells it when the benchmark is killed (the out-of-memory killer): it trained on,
+    untold, through its remaining epochs, holding the GPU. On Linux the kernel now sends it SIGTERM when
+    the benchmark ends, which stops it as a SIGTERM does (sigterm_as_exit); elsewhere nothing changes."""
+    parent = os.environ.pop(BENCHMARK_PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl in this C library
+        return
+    if os.getppid() != int(parent):  # the benchmark ended before the kernel was told
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def merge_args(*lists):
@@ -8377,7 +8399,7 @@ def predict_peak_memory(args):
     (None, why) where that process failed."""
     shutil.rmtree(args["output"], ignore_errors=True)  # as fresh_predict: no earlier masks moved to previous/
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import train_unet as T; T.keep_freed_memory(); "
-            "a = json.loads(sys.argv[2]); T.predict(a); "
+            "a = json.loads(sys.argv[2])\nwith T.sigterm_as_exit(): T.stop_with_benchmark(); T.predict(a)\n"
             "print(json.dumps(T.peak_memory_mb(T.detect_hardware(a['device']))))")
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         returncode = run_child([sys.executable, "-c", code, str(Path(__file__).resolve().parent), json.dumps(args)],

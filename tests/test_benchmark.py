@@ -4,6 +4,7 @@ import cv2
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import nbclient
@@ -461,13 +462,9 @@ def test_a_failed_rows_note_holds_the_whole_error_and_its_log(tmp_path):
                              f"(log: {tmp_path / 'fp32.log'})")
 
 
-@pytest.mark.parametrize("whole_group", [False, True], ids=["jupyter-interrupt", "terminal-ctrl-c"])
-def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp_path, whole_group):
-    """Jupyter's interrupt reaches the benchmark's process alone: its row's training went on untold and was
-    killed 0.25 s later (subprocess.run), mid-write, and the benchmark said "files written so far are
-    complete". Now the row is told once, stops as a Ctrl-C stops training (its log says so), leaves no
-    temporary file and no process behind, and the benchmark says its table is missing."""
-    import signal
+def start_training_benchmark(tmp_path):
+    """A benchmark process (its own session, as a terminal's job) whose fp32 row is training: its first epoch
+    is written. Returns (the benchmark's Popen, its output folder)."""
     import subprocess
     import sys
     import time
@@ -480,7 +477,42 @@ def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp
                              stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 180
     while not (out / "fp32" / "history.csv").is_file() and time.monotonic() < deadline and bench.poll() is None:
-        time.sleep(0.2)  # the row is training: its first epoch is written
+        time.sleep(0.2)
+    return bench, out
+
+
+def rows_running(out, wait_s=0):
+    """The processes still training the benchmark's fp32 row (by their command line), after waiting up to
+    wait_s for them to end; None where /proc cannot tell."""
+    import time
+
+    proc, deadline = Path("/proc"), time.monotonic() + wait_s
+    if not proc.is_dir():
+        return None
+    while True:
+        running = [p for p in proc.iterdir() if p.name.isdigit() and f"checkpoint_dir={out / 'fp32'}".encode()
+                   in _cmdline(p)]
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)
+
+
+def _cmdline(proc_dir):
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return b""
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["jupyter-interrupt", "terminal-ctrl-c"])
+def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp_path, whole_group):
+    """Jupyter's interrupt reaches the benchmark's process alone: its row's training went on untold and was
+    killed 0.25 s later (subprocess.run), mid-write, and the benchmark said "files written so far are
+    complete". Now the row is told once, stops as a Ctrl-C stops training (its log says so), leaves no
+    temporary file and no process behind, and the benchmark says its table is missing."""
+    import signal
+
+    bench, out = start_training_benchmark(tmp_path)
     (os.killpg if whole_group else os.kill)(bench.pid, signal.SIGINT)
     _, err = bench.communicate(timeout=120)
     assert bench.returncode == 130 and "Traceback" not in err, err[-2000:]
@@ -493,17 +525,23 @@ def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp
     assert (out / "fp32" / "last.pt").is_file()
     record = json.loads((out / "benchmark.json").read_text())  # what the notebook refuses, naming the command
     assert record["complete"] is False and record["rows"] == [] and "epochs=500" in record["machine"]["command"]
-    proc = Path("/proc")
-    if proc.is_dir():  # no training process left behind
-        running = [p for p in proc.iterdir() if p.name.isdigit() and (p / "cmdline").is_file()]
-        assert not [p for p in running if f"checkpoint_dir={out / 'fp32'}".encode() in _cmdline(p)]
+    assert not rows_running(out)  # no training process left behind
 
 
-def _cmdline(proc_dir):
-    try:
-        return (proc_dir / "cmdline").read_bytes()
-    except OSError:  # ended meanwhile
-        return b""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernel's parent-death signal is Linux's")
+def test_a_benchmark_killed_outright_stops_its_training_row_too(tmp_path):
+    """Killed (the out-of-memory killer; a dropped ssh session hangs up the benchmark, not its row's own
+    process group), the benchmark left its row training, untold, through its 500 epochs. The kernel now
+    sends the row SIGTERM, which stops it as it stops training."""
+    import signal
+
+    bench, out = start_training_benchmark(tmp_path)
+    os.kill(bench.pid, signal.SIGKILL)
+    bench.communicate(timeout=60)
+    assert rows_running(out, wait_s=90) == []
+    log = (out / "fp32.log").read_text().strip()
+    assert log.endswith("stopped by SIGTERM: checkpoints written so far are intact; resume=True continues"), log[-2000:]
+    assert (out / "fp32" / "last.pt").is_file() and not [p for p in out.rglob("*") if p.name.endswith(".tmp")]
 
 
 def test_an_inference_image_too_large_for_memory_is_refused_before_any_training(tmp_path, monkeypatch):
