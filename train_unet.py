@@ -6245,6 +6245,24 @@ def hold_folder(folder, in_use):
     HELD_FOLDERS[key] = fd
 
 
+def held_by_another(folder):
+    """Whether a process holds the folder's lock (hold_folder: a training run's checkpoint_dir, a running
+    benchmark's output): the benchmark notebook tells a running benchmark from an interrupted one. False
+    where that cannot be known (no flock here)."""
+    try:
+        import fcntl
+        fd = os.open(folder, os.O_RDONLY)
+    except (ImportError, OSError):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go at once, by the close below
+        return False
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)
+
+
 def remove_stale_temps(folder):
     """Temporary files atomic_write left in the checkpoint folder when its process was killed mid-write (a
     half-written .last.pt.<8 characters>.tmp, as large as a checkpoint): the folder is this run's (locked)."""
@@ -7126,8 +7144,8 @@ def trained_data_dir(checkpoint):
     directory is found (the notebooks run in the repository: "data" was looked for there). Where the
     checkpoint has no record, or that folder is gone, its data_dir as given."""
     state = load_checkpoint(checkpoint)
-    folder = (state.get("data_split") or {}).get("folder")
-    return folder if folder and Path(folder).is_dir() else state["config"]["data_dir"]
+    folder = (state.get("data_split") or {}).get("folder")  # emptied (the embedded set): written again as given
+    return folder if folder and has_files(Path(folder)) else state["config"]["data_dir"]
 
 
 def state_dict_mismatch(exc):
@@ -7862,10 +7880,11 @@ def benchmark_in(opts, base, train_args, names, args):
     hw = detect_hardware(base["device"])
     check_inference_memory(opts, base, hw, available_memory())
     out_dir = Path(opts["output"])
+    check_writable(out_dir)
+    prepare_data(base)  # the data checked (the embedded set written) before an earlier benchmark's files move
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
     result = started_benchmark(hw, base, args)
     write_json(out_dir / "benchmark.json", result)
-    prepare_data(base)  # writes the embedded data set once, before the runs start
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
     # every training row runs in its own process with its own setting.
@@ -7876,9 +7895,8 @@ def benchmark_in(opts, base, train_args, names, args):
     if threads:
         print(f"[benchmark] note: {threads}", flush=True)
     bare, bare_spread = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
-    rows, histories = benchmark_rows(names, base, hw, opts, train_args, out_dir)
-    result.update(rows=rows, histories=histories, bare_loop_s_per_step=bare, bare_loop_step_spread=bare_spread)
-    write_json(out_dir / "benchmark.json", result)
+    result.update(bare_loop_s_per_step=bare, bare_loop_step_spread=bare_spread)
+    rows = benchmark_rows(names, base, hw, opts, train_args, out_dir, result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print_benchmark_summary(rows, bare, hw, bare_spread, base["eval_amp"])
     result["inference"] = inference_table(base, hw, opts, out_dir)
@@ -7900,30 +7918,41 @@ def started_benchmark(hw, base, args):
 def claim_output_folder(out_dir, writes):
     """The benchmark's output folder made and locked for this benchmark, an earlier one's results in it
     moved aside (benchmark_outputs: those this one would write, `writes`, refused where not a benchmark's)."""
-    check_writable(out_dir)
-    hold_folder(out_dir, f"output={out_dir} is in use by another benchmark (it holds the folder's lock): let it "
-                         f"finish, or choose another output=...")
-    moved = archive_previous_run(out_dir, benchmark_outputs(out_dir, writes))
+    hold_folder(out_dir, f"output={out_dir} is in use by another benchmark or training run (it holds the folder's "
+                         f"lock): let it finish, or choose another output=...")
+    earlier = benchmark_outputs(out_dir, writes)
+    for name in (n for n in earlier if n in BENCHMARK_SETTINGS):  # a run still training there is not moved away
+        hold_folder(out_dir / name, f"{out_dir / name} is in use by a training run (it holds the folder's lock): "
+                                    f"let it finish, or choose another output=...")
+    moved = archive_previous_run(out_dir, earlier)
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
 
 
-def benchmark_rows(names, base, hw, opts, train_args, out_dir):
-    """(the table's rows, {name: per-epoch history}): each configuration trained in its own process, probed
-    where training it would take far too long (probe_instead), or skipped where this machine cannot run it."""
-    rows, histories, fp32_times = [], {}, {}
+def benchmark_rows(names, base, hw, opts, train_args, out_dir, result):
+    """The table's rows, each into `result` and benchmark.json as it ends (with its per-epoch history where it
+    trained): an interrupted benchmark keeps the rows before."""
+    fp32_times = {}
     for name in names:
-        if probe_instead(name, base, hw):
-            rows.append(probe_row(name, base, hw, opts["probe_steps"], fp32_times))
-            continue
-        reason = skip_reason(name, base, hw)
-        if reason:
-            rows.append({"config": name, "status": f"skipped: {reason}"})
-            print(f"[benchmark] {name}: skipped: {reason}", flush=True)
-            continue
-        row, histories[name] = run_benchmark_config(name, base, train_args, out_dir)
-        rows.append(row)
-    return add_speedups(rows), histories
+        row, history = benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times)
+        result["rows"].append(row)
+        if history is not None:
+            result["histories"][name] = history
+        add_speedups(result["rows"])
+        write_json(out_dir / "benchmark.json", result)
+    return result["rows"]
+
+
+def benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times):
+    """(row, per-epoch history or None): the configuration trained in its own process, probed where training
+    it would take far too long (probe_instead), or skipped where this machine cannot run it."""
+    if probe_instead(name, base, hw):
+        return probe_row(name, base, hw, opts["probe_steps"], fp32_times), None
+    reason = skip_reason(name, base, hw)
+    if reason:
+        print(f"[benchmark] {name}: skipped: {reason}", flush=True)
+        return {"config": name, "status": f"skipped: {reason}"}, None
+    return run_benchmark_config(name, base, train_args, out_dir)
 
 
 def benchmark_machine(hw, args):
@@ -8013,23 +8042,28 @@ def check_inference_memory(opts, base, hw, free):
     """The inference table's large image (inference_size²) must fit in the memory `free` (bytes; None:
     unknown) beside what it holds: checked before any training, as it was met only after all the rows had
     trained, as numpy's 30-line out-of-memory traceback. A lower bound (inference_bytes_per_pixel)."""
-    per_pixel, side = inference_bytes_per_pixel(base, hw), opts["inference_size"]
+    per_pixel, side = inference_bytes_per_pixel(opts, base, hw), opts["inference_size"]
     if not inference_modes(opts) or free is None or side * side * per_pixel <= free:
         return
-    fits = max(1, math.isqrt(int(free // per_pixel)))
+    fits = math.isqrt(int(free // per_pixel))
+    smaller = f"use a smaller inference_size (at most {fits}), or " if fits >= 1 else "use "
     raise UserError(f"inference_size={side} needs at least {size_text(side * side * per_pixel)} of memory for the "
-                    f"inference table's {side}x{side} image, and {size_text(free)} is free: use a smaller "
-                    f"inference_size (at most {fits}), or inference= for no inference table")
+                    f"inference table's {side}x{side} image, and {size_text(free)} is free: {smaller}inference= "
+                    f"for no inference table")
 
 
-def inference_bytes_per_pixel(base, hw):
-    """Host bytes a pixel of the inference table's patch-mode image needs at least while its row runs: the
-    image as read for the forward alone, its tiles held for it (float32 on the host, (1 / (1 - tile_overlap))²
-    as many pixels as the image where the image is large; on CUDA on the device), and predict's own need
-    (predict_memory). Decoding and encoding buffers come on top."""
+def inference_bytes_per_pixel(opts, base, hw):
+    """Host bytes a pixel of the inference table's patch-mode image needs at least: made, its noise and its
+    blurred copy (inference_inputs); while a row runs (none where bf16 is not native and every mode is
+    bf16's), the image as read for the forward alone, its tiles held for it (float32 on the host,
+    (1 / (1 - tile_overlap))² as many pixels as the image where it is large; on CUDA on the device), and
+    predict's own need (predict_memory). Decoding and encoding buffers come on top."""
+    made = 2 * 3
+    if not any(CPU_PROBE_MODES[mode][0] == "fp32" or hw.bf16 for mode in inference_modes(opts)):
+        return made
     channels = image_bytes(1, base)
     tiles = 0 if hw.kind == "cuda" else 4 * channels * (base["patch_scale"] / (1 - base["tile_overlap"])) ** 2
-    return channels + tiles + predict_memory(1, 1, 1, base)
+    return max(made, channels + tiles + predict_memory(1, 1, 1, base))
 
 
 def benchmark_overrides(name, base):
@@ -8101,25 +8135,35 @@ def run_benchmark_config(name, base, train_args, out_dir):
 
 def run_child(cmd, stdout, stderr):
     """The exit code of a benchmark's child process (a row's training, a predict measured alone), run to its
-    end. It runs in its own process group, so a stop (Ctrl-C in a terminal, Jupyter's interrupt, SIGTERM)
-    reaches this process alone, which passes it on once as a Ctrl-C and waits while the child stops as
-    train and predict stop at one (files intact, none half-written, "stopped: ..." in its log); a second
-    Ctrl-C ends the child at once. subprocess.run killed it 0.25 s after the stop, mid-write; and where the
-    stop reached this process alone (Jupyter's), the child had not been told at all."""
+    end. On POSIX it runs in a session of its own, so a stop (Ctrl-C in a terminal, Jupyter's interrupt,
+    SIGTERM) reaches this process alone, which passes it on once as a Ctrl-C and waits while the child stops
+    as train and predict stop at one (files intact, none half-written, "stopped: ..." in its log). It was
+    killed 0.25 s after the stop (subprocess.run), mid-write. Where this process is killed instead, the
+    child is told by the kernel (stop_with_benchmark)."""
     import subprocess
 
-    group = {"process_group": 0} if os.name == "posix" else {}
+    own_session = {"start_new_session": True} if os.name == "posix" else {}  # process_group= needs Python 3.11
     env = {**os.environ, BENCHMARK_PARENT_ENV: str(os.getpid())}  # stop_with_benchmark
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, **group)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, env=env, **own_session)
     try:
         return proc.wait()
+    finally:
+        if proc.poll() is None:  # a stop (KeyboardInterrupt: Ctrl-C, SIGTERM) while it runs
+            stop_child(proc)
+
+
+def stop_child(proc):
+    """A benchmark's running child stopped as a Ctrl-C stops it, and waited for; a second Ctrl-C meanwhile
+    ends it and its loader workers at once. On Windows (no session of its own) the console's Ctrl-C has
+    reached it already: it is waited for."""
+    try:
+        if os.name == "posix":
+            proc.send_signal(signal.SIGINT)
+        proc.wait()
     except KeyboardInterrupt:
-        proc.send_signal(signal.SIGINT if os.name == "posix" else signal.SIGTERM)
-        try:
-            proc.wait()
-        except KeyboardInterrupt:
-            proc.kill()
-            proc.wait()
+        with contextlib.suppress(OSError):  # ended meanwhile
+            os.killpg(proc.pid, signal.SIGKILL) if os.name == "posix" else proc.kill()
+        proc.wait()
         raise
 
 

@@ -1,6 +1,7 @@
 """The benchmark command (one process per configuration) and the notebook that plots it."""
 import csv
 import cv2
+import dataclasses
 import json
 import os
 import re
@@ -564,3 +565,19 @@ def test_an_inference_image_too_large_for_memory_is_refused_before_any_training(
     opts["inference_size"] = fits + 1
     with pytest.raises(train_unet.UserError):
         train_unet.check_inference_memory(opts, base, hw, 2**30)
+
+
+def test_the_memory_check_counts_what_the_inference_table_will_run(tmp_path):
+    """Where bf16 is not native its inference rows are skipped: only the generated image is held, and a size
+    refused for a fp32 row passes. Where not even one pixel fits, only inference= is suggested."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=4, size=32)
+    opts, base, _, _ = train_unet.parse_benchmark_args(["inference=bf16,bf16_cl", "inference_size=4000",
+                                                        f"data_dir={data}"])
+    hw = train_unet.detect_hardware("cpu")
+    emulated = dataclasses.replace(hw, bf16=False)
+    free = 4000 * 4000 * 8
+    train_unet.check_inference_memory(opts, base, emulated, free)  # the image made, no row run
+    with pytest.raises(train_unet.UserError):
+        train_unet.check_inference_memory({**opts, "inference": "fp32,bf16"}, base, emulated, free)
+    with pytest.raises(train_unet.UserError, match=r"and 0 MB is free: use inference= for no inference table$"):
+        train_unet.check_inference_memory(opts, base, hw, 3)

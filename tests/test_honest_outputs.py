@@ -2,6 +2,7 @@
 original size, against its original mask); the benchmark archives only its own earlier outputs; predict
 never counts a mask it could not write."""
 import errno
+import json
 import os
 import shutil
 import time
@@ -214,13 +215,65 @@ def test_a_second_benchmark_into_a_folder_in_use_is_refused_and_moves_nothing(tm
     other = os.open(out, os.O_RDONLY)
     fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     try:
-        with pytest.raises(UserError, match=r"output=.*out is in use by another benchmark .*choose another output="):
+        with pytest.raises(UserError, match=r"output=.*out is in use by another benchmark or training run .*choose "
+                                             r"another output="):
             benchmark(monkeypatch, data_dir, out)
     finally:
         os.close(other)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     benchmark(monkeypatch, data_dir, out)  # the lock went with the first one; this one lets its own go
     assert len(list((out / "previous").iterdir())) == 1 and not train_unet.HELD_FOLDERS
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_an_earlier_run_folder_still_training_is_not_moved_away(tmp_path, data_dir, monkeypatch):
+    """A training run still writing in <output>/fp32 (a user's, or a row of a killed benchmark) had its folder
+    moved to previous/ under it: the benchmark is refused, and nothing moves."""
+    import fcntl
+
+    out = tmp_path / "out"
+    benchmark(monkeypatch, data_dir, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    training = os.open(out / "fp32", os.O_RDONLY)
+    fcntl.flock(training, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as hold_checkpoint_dir holds it
+    try:
+        with pytest.raises(UserError, match=r"out/fp32 is in use by a training run .*choose another output=") as err:
+            benchmark(monkeypatch, data_dir, out)
+        assert "\n" not in str(err.value)
+    finally:
+        os.close(training)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert not train_unet.HELD_FOLDERS
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_a_benchmark_refused_by_its_data_leaves_the_earlier_results_in_place(tmp_path, data_dir, monkeypatch):
+    """The earlier benchmark's results were moved to previous/ before the data check; each retry of a user
+    fixing their data then buried them deeper, under a new record of no rows."""
+    out = tmp_path / "out"
+    benchmark(monkeypatch, data_dir, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for _ in range(2):
+        with pytest.raises(UserError, match="not found"):
+            benchmark(monkeypatch, tmp_path / "no_such_data", out)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.usefixtures("restore_matmul_precision")
+def test_an_interrupted_benchmark_keeps_the_rows_that_ended_before(tmp_path, data_dir, monkeypatch):
+    """benchmark.json held the rows only once all had trained: a stop in the second row lost the first."""
+    def stopped_in_the_second(name, base, train_args, out_dir):
+        if name == "fp32_cl":
+            raise KeyboardInterrupt
+        return fake_run(name, base, train_args, out_dir)
+
+    out = tmp_path / "out"
+    monkeypatch.setattr(train_unet, "run_benchmark_config", stopped_in_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        train_unet.run_benchmark(["configs=fp32,fp32_cl", "bare_steps=0", "inference=", "epochs=1", "image_size=32",
+                                  f"data_dir={data_dir}", f"output={out}"])
+    record = json.loads((out / "benchmark.json").read_text())
+    assert [r["config"] for r in record["rows"]] == ["fp32"] and record["complete"] is False
 
 
 @pytest.mark.usefixtures("restore_matmul_precision")

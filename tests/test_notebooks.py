@@ -175,3 +175,37 @@ def test_every_make_target_the_readme_names_exists():
         assert done.returncode == 0, (target, done.stderr)
     assert "jupyter notebook --notebook-dir=notebooks" in subprocess.run(
         ["make", "-n", "-o", ".venv/.installed", "notebook"], cwd=ROOT, capture_output=True, text=True).stdout
+
+
+def test_benchmark_notebook_tells_a_running_benchmark_from_an_interrupted_one(tmp_path):
+    """benchmark.json says "complete": false from a benchmark's start: opened while one runs, the notebook
+    said it had been interrupted. A running benchmark holds its folder's lock (here this process holds it)."""
+    import fcntl
+
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {}, "rows": [], "histories": {},
+                                                      "complete": False, "machine": {"command": "python ..."}}))
+    running = os.open(bench, os.O_RDONLY)
+    fcntl.flock(running, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(nbclient.exceptions.CellExecutionError, match=re.escape(
+                f"the benchmark in {bench} is still running: run this notebook again once it has finished")):
+            execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    finally:
+        os.close(running)
+    assert not train_unet.held_by_another(bench)
+
+
+def test_the_data_folder_of_a_run_whose_recorded_folder_was_emptied_is_its_data_dir(tmp_path):
+    """The embedded data set emptied after training: its recorded (absolute) folder would not be written
+    again, as data_dir=data/shapes, given, is."""
+    model = train_unet.build_model({**train_unet.CONFIG, "encoder_name": "resnet18", "encoder_weights": None})
+    (tmp_path / "emptied").mkdir()
+    state = {"model": model.state_dict(), "config": {**train_unet.CONFIG, "data_dir": "data/shapes"},
+             "data_split": {"folder": str(tmp_path / "emptied")}}
+    train_unet.save_checkpoint(tmp_path / "best.pt", state)
+    assert train_unet.trained_data_dir(tmp_path / "best.pt") == "data/shapes"
+    state["data_split"]["folder"] = str(tmp_path)  # holds best.pt: a folder with files
+    train_unet.save_checkpoint(tmp_path / "best.pt", state)
+    assert train_unet.trained_data_dir(tmp_path / "best.pt") == str(tmp_path)
