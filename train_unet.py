@@ -6702,7 +6702,16 @@ PREDICT_BACKENDS = {"torch": {}, "onnxruntime": {"use_amp": False, "cpu_probe": 
 
 
 def predict(opts):
-    """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}."""
+    """The `predict` command: returns {'predicted', 'failed': [(path, reason)], 'seconds', ...}. Its output
+    folder is locked while it writes (archive_earlier_predictions): a second predict into it is refused.
+    Two at once had each moved the other's masks aside and written over them, silently: 25 of 80 masks
+    were one model's, the rest the other's."""
+    with run_folders_held():
+        return predict_into_output(opts)
+
+
+def predict_into_output(opts):
+    """predict, its output folder held."""
     opts = validate_predict({**PREDICT_CONFIG, **opts})
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
@@ -7571,6 +7580,8 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
     predictions in its place, which the next training run learns from. Returns the folder, or None. The
     folder is checked writable first, and checked not to be a data set's masks folder it would spoil."""
     check_writable(out_dir)
+    hold_folder(out_dir, f"output={out_dir} is in use by another predict, training run or benchmark (it holds "
+                         f"the folder's lock): let it finish, or choose another output=...")
     check_no_unpaired_masks(paths, out_dir, overlay)
     names = [name for p in paths for name in prediction_names(p)]
     there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]

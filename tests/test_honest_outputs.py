@@ -308,6 +308,27 @@ def run_predict(checkpoint, data_dir, out, **extra):
                                "progress": False, **extra})
 
 
+def test_a_second_predict_into_a_folder_in_use_is_refused_and_moves_nothing(checkpoint, data_dir, tmp_path):
+    """Two predicts into one output folder each moved the other's masks aside and wrote over them, and both
+    said they had predicted every image: 25 of 80 masks were one model's, the rest the other's. The one
+    running holds the folder's lock (here taken as another process holds it)."""
+    import fcntl
+
+    out = tmp_path / "out"
+    run_predict(checkpoint, data_dir, out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    other = os.open(out, os.O_RDONLY)
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        with pytest.raises(UserError, match=r"output=.*out is in use by another predict, training run or benchmark "
+                                            r"\(it holds the folder's lock\): let it finish, or choose another output="):
+            run_predict(checkpoint, data_dir, out)
+    finally:
+        os.close(other)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert run_predict(checkpoint, data_dir, out)["predicted"] == len(before) and not train_unet.HELD_FOLDERS
+
+
 def break_after_first_batch(monkeypatch, breaks, out=None, written=2):
     """breaks() as predict starts its second batch; with `out`, once the first batch's `written` masks are
     there (predict writes them on a thread while the model works on the next batch)."""
