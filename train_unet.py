@@ -7144,6 +7144,7 @@ def load_model(checkpoint, hw):
     except RuntimeError as exc:
         raise UserError(f"{checkpoint} does not match the model its config describes ({state_dict_mismatch(exc)}): "
                         f"it was changed after training; use the checkpoint as training wrote it") from None
+    model.trained_config = {key: cfg[key] for key in MODEL_INPUT_KEYS}  # check_model_config
     return model.to(hw.device).eval(), cfg
 
 
@@ -7279,8 +7280,29 @@ def same_size_groups(sizes):
 def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
     class indices (uint8 arrays) at the same sizes, the way the checkpoint's data_mode validated."""
+    check_model_config(model, cfg)
     check_model_images(images, cfg)
     return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)] if len(images) else []
+
+
+# What a model trained on decides what it must be given: predict_batch's cfg must say the same.
+MODEL_INPUT_KEYS = ("in_channels", "num_classes", "image_size", "data_mode", "patch_scale", "intensity_range")
+
+
+def check_model_config(model, cfg):
+    """predict_batch's cfg describes the model: its first convolution's input channels and its last one's
+    classes, and where load_model made it, the config it trained with (MODEL_INPUT_KEYS). A library caller
+    who passed CONFIG, or their own dict, got masks silently wrong: num_classes=3 for a binary model was all
+    background; image_size=32 for a 64 px one, 12% of pixels changed."""
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    found = {"in_channels": convs[0].in_channels, "num_classes": convs[-1].out_channels} if convs else {}
+    found.update(getattr(model, "trained_config", None) or {})
+    same = lambda a, b: (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)  # noqa: E731
+    wrong = [f"{key}={cfg.get(key)!r}, trained with {value!r}" for key, value in found.items()
+             if not same(cfg.get(key), value)]
+    if wrong:
+        raise UserError(f"cfg does not describe this model ({'; '.join(wrong)}): pass the config load_model "
+                        f"returned with it")
 
 
 def check_model_images(images, cfg):

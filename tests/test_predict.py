@@ -184,6 +184,22 @@ def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp
             train_unet.predict_batch(model, [empty], cfg, fp32, hw)
 
 
+def test_predict_batch_refuses_a_config_that_is_not_the_models(binary_model, hw, fp32):
+    """CONFIG, or the user's own dict, in place of load_model's: num_classes=3 for a binary model gave all-
+    background masks, image_size=32 for a 64 px model 12% of pixels changed; both silently."""
+    ckpt, data = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    image = train_unet.read_image(sorted((data / "images").glob("*.png"))[0], 3)
+    for key, value in (("num_classes", 3), ("image_size", cfg["image_size"] // 2), ("data_mode", "patch")):
+        with pytest.raises(train_unet.UserError, match=rf"^cfg does not describe this model \({key}={value!r}, trained "
+                                                       rf"with .*\): pass the config load_model returned with it$"):
+            train_unet.predict_batch(model, [image], {**cfg, key: value}, fp32, hw)
+    built = train_unet.build_model({**cfg, "encoder_weights": None})  # no trained config: its layers still tell
+    with pytest.raises(train_unet.UserError, match=r"num_classes=3, trained with 1"):
+        train_unet.predict_batch(built, [image], {**cfg, "num_classes": 3}, fp32, hw)
+    assert train_unet.predict_batch(model, [image], {**cfg, "tile_overlap": 0.5}, fp32, hw)  # a tiling choice
+
+
 def test_a_long_library_message_is_cut_at_a_word():
     """torch.load's weights_only text came out as '... the `weights_only` argumen)'."""
     exc = ValueError("In PyTorch 2.6, we changed the default value of the `weights_only` argument in torch.load")
