@@ -2993,6 +2993,7 @@ def read_image(path, channels, intensity_range=None, look=None):
     intensity_range, so they all see the same values: 8-bit files stay uint8, everything else becomes
     float32 ([0, 1] for the training images). look(path, as decoded, as scaled): predict's InputNotes.look.
     """
+    check_choice("in_channels", channels)  # a library call's (2 gave a grey image, unsaid)
     image = decode_image(path, channels)
     scaled = scale_image(image, path, intensity_range)
     shaped = to_channels(scaled, channels, path)
@@ -3311,6 +3312,8 @@ def to_uint8_view(image):
 def read_mask(path, num_classes):
     """A mask as class indices (uint8), values checked: binary 0/255 and 0/1 both become 0/1;
     multi-class masks keep their indices, and 255 (void, the VOC convention) stays IGNORE_INDEX."""
+    if type(num_classes) is not int or not 1 <= num_classes < IGNORE_INDEX:  # a library call's
+        raise UserError(f"num_classes={num_classes!r} must be a whole number from 1 to {IGNORE_INDEX - 1}")
     mask = decode_mask(path)
     check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)
     return mask_to_classes(mask, num_classes, path)
@@ -8674,7 +8677,7 @@ def export(opts):
     if moved:
         print(f"the earlier {' and '.join(there)} moved to {moved}/")
     print(f"wrote {path} ({size_text(path.stat().st_size)}) and {path.with_suffix('.json')}; predict with it: "
-          f"python train_unet.py predict backend=onnxruntime checkpoint={path} input=...")
+          f"python train_unet.py predict backend=onnxruntime checkpoint={cli_value(path)} input=...")
     return {"onnx": path, "sidecar": path.with_suffix(".json"), "check": check}
 
 
@@ -8920,7 +8923,7 @@ def check_not_run_record(path, exported=False):
     if isinstance(record, dict) and "format" not in record and isinstance(record.get("config"), dict) \
             and "world_size" in record:
         model = next((path.parent / n for n in ("best.pt", "last.pt") if (path.parent / n).is_file()), None)
-        given = f"checkpoint={model}" if model else "the run's best.pt or last.pt"
+        given = f"checkpoint={cli_value(model)}" if model else "the run's best.pt or last.pt"
         raise UserError(f"checkpoint={path} is the config.json a training run writes, not a model: give "
                         + (f"the model.onnx that python train_unet.py export {given if model else 'checkpoint=...'} "
                            f"writes" if exported else given))

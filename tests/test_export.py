@@ -8,6 +8,7 @@ equal" is then not the vacuous all-background.
 import errno
 import json
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -435,6 +436,15 @@ def test_a_training_runs_config_json_given_as_the_checkpoint_names_the_checkpoin
             backend = {"backend": "onnxruntime"} if command.endswith("onnxruntime") else {}
             train_unet.predict(predict_opts(record, binary["data"] / "images", tmp_path / "out", **backend))
     assert not (tmp_path / "out").exists() and not (tmp_path / "e").exists()
+
+
+def test_the_predict_command_export_prints_can_be_pasted_where_the_path_has_spaces(binary, tmp_path, capsys):
+    """'checkpoint=/tmp/my data/deploy/model.onnx', pasted, gave predict two arguments."""
+    out = tmp_path / "my models" / "dep loy"
+    export(binary["ckpt"], out)
+    command = capsys.readouterr().out.split("predict with it: ")[1].strip()
+    assert shlex.split(command)[:5] == ["python", "train_unet.py", "predict", "backend=onnxruntime",
+                                        f"checkpoint={out / 'model.onnx'}"]
 
 
 def test_onnxruntime_predict_of_a_missing_or_renamed_export_says_what_is_missing(binary, tmp_path):

@@ -1363,11 +1363,14 @@ def test_the_librarys_documented_calls_say_a_wrong_argument_in_one_line(call, ar
     ("decide_precision", (True, "bf8"), "amp_dtype='bf8' is not allowed: use one of auto, bfloat16, float16"),
     ("decide_precision", (True, "auto", "yes"), "force_amp_dtype='yes' must be true or false"),
     ("prepare_data", ({"data_dir": "x", "val_fraction": "0.2"},), "val_fraction='0.2' must be a number"),
+    ("read_image", ("image.png", 2), "in_channels=2 is not allowed: use one of 1, 3"),
+    ("read_mask", ("mask.png", 0), "num_classes=0 must be a whole number from 1 to 254"),
 ])
 def test_the_librarys_hardware_precision_and_data_calls_check_their_values(call, args, said):
     """detect_hardware("gpu") was torch's RuntimeError listing 20 device types; decide_precision(hw, "False")
     chose bf16 (a string is true) and amp_dtype="bf8" an AssertionError; prepare_data's values were not
-    checked at all ("type str doesn't define __round__")."""
+    checked at all ("type str doesn't define __round__"); read_image(path, 2) gave a grey image, read_mask(path,
+    0) a hint about evenly spaced greys."""
     if call == "decide_precision":
         args = (train_unet.detect_hardware("cpu"), *args)
     one_line_error(getattr(train_unet, call), *args, match=re.escape(said))
