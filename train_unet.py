@@ -1580,7 +1580,18 @@ def parse_value(key, text, defaults):
             return [float(v) for v in text.strip().strip("[]()").split(",")]
         return text
     except ValueError:
-        raise UserError(f"{key}={text!r} is not {TYPE_WORDS.get(kind, kind.__name__)} (default {default!r})") from None
+        raise UserError(f"{key}={text!r} is not {TYPE_WORDS.get(kind, kind.__name__)} (default {default!r})"
+                        + resume_file_hint(key, text)) from None
+
+
+def resume_file_hint(key, value):
+    """resume= names the run's last.pt or its folder: resume=True continues the run in checkpoint_dir."""
+    text = str(value).strip() if isinstance(value, (str, os.PathLike)) else ""
+    if key != "resume" or not (text.endswith(".pt") or "/" in text or os.sep in text or Path(text).is_dir()):
+        return ""  # resume=maybe: no path
+    path = Path(text)
+    folder = path.parent if path.suffix == ".pt" else path
+    return f": to continue the run in {folder}, give checkpoint_dir={cli_value(folder)} resume=True"
 
 
 # What a value of each type is, in a message: "batch_size='x' is not a whole number"
@@ -1717,7 +1728,7 @@ def check_types(cfg, defaults):
                 + ["None"] * takes_none(key, defaults)
             allowed = " or ".join([", ".join(alternatives[:-1]), alternatives[-1]] if len(alternatives) > 1
                                   else alternatives)
-            raise UserError(f"{key}={value!r} must be {allowed}")
+            raise UserError(f"{key}={value!r} must be {allowed}{resume_file_hint(key, value)}")
 
 
 def validate_config(cfg, model_names=True):

@@ -1357,6 +1357,19 @@ def test_the_librarys_documented_calls_say_a_wrong_argument_in_one_line(call, ar
     one_line_error(getattr(train_unet, call), arg, match=re.escape(said))
 
 
+@pytest.mark.parametrize("value, said", [
+    ("runs/r1/last.pt", "to continue the run in runs/r1, give checkpoint_dir=runs/r1 resume=True"),
+    ("my runs/r1", "to continue the run in my runs/r1, give checkpoint_dir='my runs/r1' resume=True"),
+    ("maybe", "(default False)"),
+])
+def test_resume_given_a_run_says_how_to_continue_it(value, said):
+    """resume=checkpoints/last.pt, the natural guess, was told only that it is not true or false."""
+    message = one_line_error(train_unet.parse_overrides, [f"resume={value}"], match="is not true or false")
+    assert message.endswith(said)
+    message = one_line_error(train_unet.validate_config, {"resume": value}, match="must be true or false")
+    assert message.endswith(said if value != "maybe" else "must be true or false")
+
+
 @pytest.mark.parametrize("call, args, said", [
     ("detect_hardware", ("gpu",), "device='gpu' is not supported: use auto, cpu, cuda, cuda:N or mps"),
     ("decide_precision", ("False",), "use_amp='False' must be true or false"),
