@@ -536,12 +536,16 @@ def checked_config_and_resume_state(cfg, explicit):
 
 
 def check_not_in_a_data_set(checkpoint_dir):
-    """checkpoint_dir= a data set's images/ or masks/ folder (the other beside it): best.pt, logs and tensorboard/
-    went among its files, and every later run over that data set noted them as entries not read."""
+    """checkpoint_dir= a data set's images/ or masks/ folder (the other beside it), or a folder inside one:
+    best.pt, logs and tensorboard/ went among its files, and every later run over that data set noted them
+    as entries not read."""
     folder = Path(checkpoint_dir).resolve()
-    if data_set_part(folder) and folder.is_dir():
-        raise UserError(f"checkpoint_dir={checkpoint_dir} is a data set's {folder.name} folder: checkpoints and logs "
-                        f"would go among its files; choose another checkpoint_dir (e.g. checkpoints/{folder.parent.name})")
+    part = next((p for p in (folder, *folder.parents) if data_set_part(p) and p.is_dir()), None)
+    if part is not None:
+        where = "is" if part == folder else f"is inside {part}, which is"
+        raise UserError(f"checkpoint_dir={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
+                        f"logs would go among its files; choose another checkpoint_dir (e.g. checkpoints/"
+                        f"{part.parent.name})")
 
 
 def data_set_part(folder):
