@@ -3484,9 +3484,11 @@ def even_grey_levels(values):
 def greys_hint(levels):
     """The fix for masks whose values are classes saved as evenly spaced greys (even_grey_levels)."""
     n = len(levels)
-    binary = " (binary: 0/1 or 0/255, num_classes=1)" if n == 2 else ""
+    if n == 2:  # 0/65535 in 16-bit files, 0/128: binary, whatever level the foreground was saved at
+        return (f"the masks' values {format_values(levels)} look like binary masks with their foreground saved as "
+                f"{levels[1]}: save it as 1 (or 255) with num_classes=1")
     return (f"the masks' values {format_values(levels)} look like {n} classes saved as evenly spaced greys: save "
-            f"class i as value i (0..{n - 1}) and set num_classes={n}{binary}")
+            f"class i as value i (0..{n - 1}) and set num_classes={n}")
 
 
 def grey_palette_hint(path):

@@ -176,10 +176,13 @@ def test_classes_saved_as_evenly_spaced_greys_get_that_fix_not_num_classes_201(m
             spread[mask == (255 if len(levels) == 2 and i else i)] = level
         cv2.imwrite(str(path), spread)
     n = len(levels)
+    fix = (rf"look like {n} classes saved as evenly spaced greys: save class i as value i \(0..{n - 1}\) and set "
+           rf"num_classes={n}" if n > 2 else  # binary (0/65535 in 16-bit files): num_classes=2 came first
+           rf"look like binary masks with their foreground saved as {levels[1]}: save it as 1 \(or 255\) with "
+           rf"num_classes=1")
     err = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), num_classes=num_classes, batch_size=2),
-                         match=rf"the masks' values \[{', '.join(map(str, levels))}\] look like {n} classes saved as "
-                               rf"evenly spaced greys: save class i as value i \(0..{n - 1}\) and set num_classes={n}")
-    assert "num_classes=2" not in err.replace(f"num_classes={n}", "") or n == 2
+                         match=rf"the masks' values \[{', '.join(map(str, levels))}\] {fix}")
+    assert "num_classes=2" not in err.replace(f"num_classes={n}", "")
     assert "num_classes=201" not in err and "anti-aliased" not in err
 
 
