@@ -391,6 +391,8 @@ def interrupts_held():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if any(sig != getattr(signal, "SIGCHLD", None) for sig in held):
+        if signal.SIGTERM in held:
+            STOP_SIGNAL.append("SIGTERM")  # named as sigterm_as_exit names one (stop_word)
         raise KeyboardInterrupt
     if held and callable(previous[signal.SIGCHLD]):  # a child ended meanwhile: its handler judges it now
         previous[signal.SIGCHLD](signal.SIGCHLD, None)
@@ -487,7 +489,7 @@ def set_up_training(cfg, explicit):
     notes.insert(0, preset_line and ("preset", preset_line))
     seed_everything(cfg["seed"])
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
-    train_pairs, val_pairs = prepare_data(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
     notes.append(unused_val_fraction(cfg, explicit))
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs),
@@ -544,8 +546,8 @@ def check_not_in_a_data_set(checkpoint_dir):
     if part is not None:
         where = "is" if part == folder else f"is inside {part}, which is"
         raise UserError(f"checkpoint_dir={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
-                        f"logs would go among its files; choose another checkpoint_dir (e.g. checkpoints/"
-                        f"{part.parent.name})")
+                        f"logs would go among its files; choose another checkpoint_dir (e.g. "
+                        f"{cli_value(part.parent.parent / 'checkpoints' / part.parent.name)})")
 
 
 def data_set_part(folder):
@@ -641,10 +643,13 @@ def data_dir_left_out(state, cfg, typed):
     return ["data_dir"]
 
 
-def cli_value(value):
+def cli_value(value, posix=os.name == "posix"):
     """A config value as the command line takes it (parse_overrides): a list as low,high; quoted where the
     shell would split it."""
     text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    if not posix:  # cmd.exe keeps single quote marks: double quotes, where needed
+        import subprocess
+        return subprocess.list2cmdline([text])
     return shlex.quote(text)
 
 
@@ -1595,7 +1600,8 @@ def resume_file_hint(key, value):
         return ""  # resume=maybe: no path
     path = Path(text)
     folder = path.parent if path.suffix == ".pt" else path
-    return f": to continue the run in {folder}, give checkpoint_dir={cli_value(folder)} resume=True"
+    return (f": to continue the run in {folder}, give checkpoint_dir={cli_value(folder)} resume=True"
+            + (" (it continues from last.pt)" if path.suffix == ".pt" and path.name != "last.pt" else ""))
 
 
 # What a value of each type is, in a message: "batch_size='x' is not a whole number"
@@ -1660,7 +1666,7 @@ def check_config_dict(cfg):
                         f"data_dir=...), or parse_overrides(['key=value', ...])")
     for key in cfg:
         check_known_key(key)
-    return {**CONFIG, **cfg}
+    return {**CONFIG, **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in cfg.items()}}  # Path
 
 
 def check_known_key(key, defaults=CONFIG):
@@ -2668,8 +2674,14 @@ EMBEDDED_DATA_DIR = "data/shapes"
 
 
 def prepare_data(cfg):
-    """Return (train_pairs, val_pairs); generate the embedded data set on first use."""
-    cfg = validate_config(check_config_dict(cfg), model_names=False)  # a library call's values too
+    """Return (train_pairs, val_pairs); generate the embedded data set on first use. For library callers
+    (notebooks, tools): their config's values are checked as a training run's are."""
+    return data_pairs(validate_config(check_config_dict(cfg), model_names=False))
+
+
+def data_pairs(cfg):
+    """prepare_data for a config training or the benchmark has already checked (and adapted: batch_size=auto
+    is checked with batch 1, which validate_config would refuse at some image sizes)."""
     root = Path(cfg["data_dir"])
     if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
@@ -3327,7 +3339,8 @@ def to_uint8_view(image):
 def read_mask(path, num_classes):
     """A mask as class indices (uint8), values checked: binary 0/255 and 0/1 both become 0/1;
     multi-class masks keep their indices, and 255 (void, the VOC convention) stays IGNORE_INDEX."""
-    if type(num_classes) is not int or not 1 <= num_classes < IGNORE_INDEX:  # a library call's
+    if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)) or \
+            not 1 <= num_classes < IGNORE_INDEX:  # a library call's
         raise UserError(f"num_classes={num_classes!r} must be a whole number from 1 to {IGNORE_INDEX - 1}")
     mask = decode_mask(path)
     check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)
@@ -3473,7 +3486,7 @@ def even_grey_levels(values):
     at least 64 (0/100/200, 0/128/255, 0/85/170/255: class i saved as level i x step, as an export for viewing
     writes them), else None. Closer values (0/2: class 1 absent?) are left to the usual hints."""
     whole = sorted(int(v) for v in values if math.isfinite(v) and v == int(v))
-    for levels in (whole, [v for v in whole if v != IGNORE_INDEX]):
+    for levels in (whole, LevelsBesideVoid(v for v in whole if v != IGNORE_INDEX)):
         n = len(levels)
         if n >= 2 and levels[0] == 0 and levels[1] >= 2 and levels[-1] >= 64 and \
                 all(abs(v - i * levels[-1] / (n - 1)) <= 1 for i, v in enumerate(levels)):
@@ -3481,14 +3494,19 @@ def even_grey_levels(values):
     return None
 
 
+class LevelsBesideVoid(list):
+    """even_grey_levels' levels where the masks also hold void (IGNORE_INDEX), set aside."""
+
+
 def greys_hint(levels):
     """The fix for masks whose values are classes saved as evenly spaced greys (even_grey_levels)."""
     n = len(levels)
-    if n == 2:  # 0/65535 in 16-bit files, 0/128: binary, whatever level the foreground was saved at
+    void = isinstance(levels, LevelsBesideVoid)  # {0, 100, 255}: void beside a class saved as 100, not binary
+    if n == 2 and not void:  # 0/65535 in 16-bit files, 0/128: binary, whatever level the foreground was saved at
         return (f"the masks' values {format_values(levels)} look like binary masks with their foreground saved as "
                 f"{levels[1]}: save it as 1 (or 255) with num_classes=1")
-    return (f"the masks' values {format_values(levels)} look like {n} classes saved as evenly spaced greys: save "
-            f"class i as value i (0..{n - 1}) and set num_classes={n}")
+    return (f"the masks' values {format_values(levels)}{f' (and {IGNORE_INDEX}, void)' if void else ''} look like "
+            f"{n} classes saved as evenly spaced greys: save class i as value i (0..{n - 1}) and set num_classes={n}")
 
 
 def grey_palette_hint(path):
@@ -7305,8 +7323,9 @@ def predict_batch(model, images, cfg, prec, hw):
     return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)] if len(images) else []
 
 
-# What a model trained on decides what it must be given: predict_batch's cfg must say the same.
-MODEL_INPUT_KEYS = ("in_channels", "num_classes", "image_size", "data_mode", "patch_scale", "intensity_range")
+# What a model trained on decides what it must be given: predict_batch's cfg must say the same (patch_scale
+# in patch mode alone; intensity_range is read_image's, which predict may be given anew).
+MODEL_INPUT_KEYS = ("in_channels", "num_classes", "image_size", "data_mode", "patch_scale")
 
 
 def check_model_config(model, cfg):
@@ -7314,9 +7333,11 @@ def check_model_config(model, cfg):
     classes, and where load_model made it, the config it trained with (MODEL_INPUT_KEYS). A library caller
     who passed CONFIG, or their own dict, got masks silently wrong: num_classes=3 for a binary model was all
     background; image_size=32 for a 64 px one, 12% of pixels changed."""
-    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)] if isinstance(model, nn.Module) else []
     found = {"in_channels": convs[0].in_channels, "num_classes": convs[-1].out_channels} if convs else {}
-    found.update(getattr(model, "trained_config", None) or {})
+    found.update(getattr(model, "trained_config", None) or {})  # an exported model (OnnxModel): none
+    if found.get("data_mode") != "patch":
+        found.pop("patch_scale", None)
     same = lambda a, b: (list(a) if isinstance(a, tuple) else a) == (list(b) if isinstance(b, tuple) else b)  # noqa: E731
     wrong = [f"{key}={cfg.get(key)!r}, trained with {value!r}" for key, value in found.items()
              if not same(cfg.get(key), value)]
@@ -7934,7 +7955,7 @@ def benchmark_in(opts, base, train_args, names, args):
     check_inference_memory(opts, base, hw, available_memory())
     out_dir = Path(opts["output"])
     check_writable(out_dir)
-    prepare_data(base)  # the data checked (the embedded set written) before an earlier benchmark's files move
+    data_pairs(base)  # the data checked (the embedded set written) before an earlier benchmark's files move
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
     result = started_benchmark(hw, base, args)
     write_json(out_dir / "benchmark.json", result)
@@ -8236,8 +8257,18 @@ def stop_with_benchmark():
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):  # no prctl in this C library
         return
-    if os.getppid() != int(parent):  # the benchmark ended before the kernel was told
-        os.kill(os.getpid(), signal.SIGTERM)
+    if os.getppid() != int(parent) and not process_alive(int(parent)):  # it ended before the kernel was told
+        os.kill(os.getpid(), signal.SIGTERM)  # (a launcher between the two, a shell, is a parent of another pid)
+
+
+def process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
 
 
 def merge_args(*lists):

@@ -438,6 +438,16 @@ def test_a_training_runs_config_json_given_as_the_checkpoint_names_the_checkpoin
     assert not (tmp_path / "out").exists() and not (tmp_path / "e").exists()
 
 
+def test_predict_batch_takes_an_exported_model(binary, hw):
+    """load_exported's OnnxModel has no torch layers: predict_batch's check of the cfg raised AttributeError."""
+    model, cfg = train_unet.load_exported(binary["onnx"], hw)
+    image = train_unet.read_image(sorted((binary["data"] / "images").glob("*.png"))[0], 3)
+    torch_model, torch_cfg = train_unet.load_model(binary["ckpt"], hw)
+    fp32 = train_unet.decide_precision(hw, use_amp=False)
+    want = train_unet.predict_batch(torch_model, [image], torch_cfg, fp32, hw)[0]
+    assert np.array_equal(train_unet.predict_batch(model, [image], cfg, fp32, hw)[0], want)
+
+
 def test_the_predict_command_export_prints_can_be_pasted_where_the_path_has_spaces(binary, tmp_path, capsys):
     """'checkpoint=/tmp/my data/deploy/model.onnx', pasted, gave predict two arguments."""
     out = tmp_path / "my models" / "dep loy"

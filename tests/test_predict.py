@@ -198,6 +198,8 @@ def test_predict_batch_refuses_a_config_that_is_not_the_models(binary_model, hw,
     with pytest.raises(train_unet.UserError, match=r"num_classes=3, trained with 1"):
         train_unet.predict_batch(built, [image], {**cfg, "num_classes": 3}, fp32, hw)
     assert train_unet.predict_batch(model, [image], {**cfg, "tile_overlap": 0.5}, fp32, hw)  # a tiling choice
+    assert train_unet.predict_batch(model, [image], {**cfg, "intensity_range": [0, 200]}, fp32, hw)  # read_image's
+    assert train_unet.predict_batch(model, [image], {**cfg, "patch_scale": 0.5}, fp32, hw)  # fit mode: not used
 
 
 def test_a_long_library_message_is_cut_at_a_word():

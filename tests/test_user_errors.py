@@ -186,6 +186,14 @@ def test_classes_saved_as_evenly_spaced_greys_get_that_fix_not_num_classes_201(m
     assert "num_classes=201" not in err and "anti-aliased" not in err
 
 
+def test_a_class_saved_as_a_grey_beside_void_is_not_taken_for_a_binary_mask(tmp_path):
+    """{0, 100, 255}: class 1 saved as 100 beside void. Told 'binary: save it as 1 (or 255) with num_classes=1',
+    the user would have made the void pixels foreground, or masks num_classes=1 refuses."""
+    one_line_error(train_unet.check_mask_values, tmp_path / "m.png", {0, 100, 255}, 2, "uint8",
+                   match=r"the masks' values \[0, 100\] \(and 255, void\) look like 2 classes saved as evenly spaced "
+                         r"greys: save class i as value i \(0..1\) and set num_classes=2$")
+
+
 def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, make_cfg, capsys):
     """num_classes=2 with half the masks 0/1 and half 0/255: the 0/255 ones have no foreground (255 is
     void); the run goes on (void-only masks can be meant), and the note says how to fix it if not."""
@@ -1156,16 +1164,19 @@ def test_a_dead_worker_names_a_small_dev_shm(make_cfg, monkeypatch):
     assert "/dev/shm" not in str(train_unet.worker_death(exc, make_cfg()))
 
 
-def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back():
+def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back(monkeypatch):
+    """A held SIGTERM is named as one ("stopped by SIGTERM"): a benchmark's row stopped by the kernel when the
+    benchmark was killed said "interrupted", as if by a Ctrl-C."""
     import signal
 
+    monkeypatch.setattr(train_unet, "STOP_SIGNAL", [])
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     done = []
     with pytest.raises(KeyboardInterrupt):
         with train_unet.interrupts_held():
             os.kill(os.getpid(), signal.SIGTERM)
             done.append("rest of the block")
-    assert done == ["rest of the block"]
+    assert done == ["rest of the block"] and train_unet.stop_word() == "stopped by SIGTERM"
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
     with train_unet.interrupts_held():  # nothing held: nothing raised
         pass
@@ -1362,6 +1373,7 @@ def test_the_librarys_documented_calls_say_a_wrong_argument_in_one_line(call, ar
 
 @pytest.mark.parametrize("value, said", [
     ("runs/r1/last.pt", "to continue the run in runs/r1, give checkpoint_dir=runs/r1 resume=True"),
+    ("runs/r1/best.pt", "give checkpoint_dir=runs/r1 resume=True (it continues from last.pt)"),
     ("my runs/r1", "to continue the run in my runs/r1, give checkpoint_dir='my runs/r1' resume=True"),
     ("maybe", "(default False)"),
 ])
@@ -1381,6 +1393,7 @@ def test_resume_given_a_run_says_how_to_continue_it(value, said):
     ("prepare_data", ({"data_dir": "x", "val_fraction": "0.2"},), "val_fraction='0.2' must be a number"),
     ("read_image", ("image.png", 2), "in_channels=2 is not allowed: use one of 1, 3"),
     ("read_mask", ("mask.png", 0), "num_classes=0 must be a whole number from 1 to 254"),
+    ("read_mask", ("mask.png", True), "num_classes=True must be a whole number from 1 to 254"),
 ])
 def test_the_librarys_hardware_precision_and_data_calls_check_their_values(call, args, said):
     """detect_hardware("gpu") was torch's RuntimeError listing 20 device types; decide_precision(hw, "False")
@@ -1392,6 +1405,32 @@ def test_the_librarys_hardware_precision_and_data_calls_check_their_values(call,
     one_line_error(getattr(train_unet, call), *args, match=re.escape(said))
 
 
+def test_library_values_of_numpy_and_pathlib_types_are_taken(tmp_path):
+    """read_mask(path, np.int64(1)) (a count from numpy) was refused as no whole number."""
+    cv2.imwrite(str(tmp_path / "m.png"), np.array([[0, 255]], np.uint8))
+    assert train_unet.read_mask(tmp_path / "m.png", np.int64(1)).tolist() == [[0, 1]]
+
+
+def test_a_command_to_paste_is_quoted_for_the_shell_it_runs_in():
+    """shlex's single quotes stay in the path in Windows' cmd.exe ('C:\\runs\\model.onnx' not found)."""
+    assert train_unet.cli_value("my runs/r1", posix=True) == "'my runs/r1'"
+    assert train_unet.cli_value(r"C:\runs\model.onnx", posix=False) == r"C:\runs\model.onnx"
+    assert train_unet.cli_value(r"C:\my runs\model.onnx", posix=False) == r'"C:\my runs\model.onnx"'
+
+
+def test_a_process_started_by_a_benchmark_through_a_launcher_is_not_stopped():
+    """stop_with_benchmark took a parent of another pid (a shell between the benchmark and its row) for the
+    benchmark's end, and the row stopped itself at once."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ['UNET_BENCHMARK_PARENT'] = str(os.getpid()); import train_unet as T; "
+            "T.stop_with_benchmark(); print('trained on')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(train_unet.__file__).parent, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "trained on", (out.returncode, out.stderr[-500:])
+
+
 def test_decide_precision_takes_amp_dtypes_short_names_as_configs_do():
     hw = train_unet.detect_hardware("cpu")
     assert train_unet.decide_precision(hw, True, "bf16", force=True).name == "bf16"
@@ -1400,6 +1439,7 @@ def test_decide_precision_takes_amp_dtypes_short_names_as_configs_do():
 def test_prepare_data_takes_a_partial_config_as_train_does(data_dir):
     train, val = train_unet.prepare_data({"data_dir": str(data_dir)})  # KeyError: 'seed'
     assert len(train) + len(val) == 12
+    assert train_unet.prepare_data({"data_dir": data_dir}) == (train, val)  # a Path, as a notebook has it
 
 
 @pytest.mark.parametrize("sub", ["masks", "images", "images/run1"])
@@ -1411,7 +1451,7 @@ def test_a_checkpoint_dir_in_a_data_sets_folders_is_refused(make_cfg, data_dir, 
     inside = rf" is inside .*{part}, which is" if "/" in sub else " is"
     one_line_error(train_unet.train, make_cfg(checkpoint_dir=str(data_dir / sub)),
                    match=rf"checkpoint_dir=.*{sub}{inside} a data set's {part} folder: checkpoints and logs would go "
-                         rf"among its files; choose another checkpoint_dir \(e.g. checkpoints/data\)$")
+                         rf"among its files; choose another checkpoint_dir \(e.g. {data_dir.parent / 'checkpoints' / 'data'}\)$")
     assert sorted(p.name for p in (data_dir / part).iterdir()) == before
 
 
