@@ -4672,7 +4672,7 @@ def start_worker(worker_id):
     of the checkpoint folder's lock closed (the lock stays the training process's). Killed (out of memory),
     that process left workers alive for seconds, holding the lock: an immediate resume=True was refused."""
     one_opencv_thread(worker_id)
-    for fd in HELD_FOLDERS.values():
+    for fd, _ in HELD_FOLDERS.values():
         with contextlib.suppress(OSError):
             os.close(fd)  # this process's descriptor only: the lock goes when the last one is closed
 
@@ -6260,11 +6260,14 @@ def hold_checkpoint_dir(folder):
 
 def hold_folder(folder, in_use):
     """A flock on the folder itself until the run_folders_held scope ends: no file is added, and the
-    kernel drops it however the process ends. Taken already by another process: UserError(in_use). A folder
-    this process holds is not taken twice; where the system or file system has no flock, nothing is held."""
+    kernel drops it however the process ends. Taken already by another process, or by another thread of
+    this one: UserError(in_use); by this thread, it is not taken twice. Where the system or file system has
+    no flock, nothing is held."""
     key = os.path.realpath(folder)
-    if key in HELD_FOLDERS:
-        return
+    if key in HELD_FOLDERS:  # a run inside a run's scope (a benchmark's in-process predict) keeps it
+        if HELD_FOLDERS[key][1] == threading.get_ident():
+            return
+        raise UserError(in_use)  # held by another thread of this process (a notebook's background run)
     try:
         import fcntl
     except ImportError:  # Windows: not locked
@@ -6280,7 +6283,7 @@ def hold_folder(folder, in_use):
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a file system without flock: not locked
             return
         raise UserError(in_use) from None
-    HELD_FOLDERS[key] = fd
+    HELD_FOLDERS[key] = fd, threading.get_ident()
 
 
 def held_by_another(folder):
@@ -6310,7 +6313,7 @@ def remove_stale_temps(folder):
                 path.unlink()
 
 
-HELD_FOLDERS = {}  # checkpoint and benchmark folders this process has locked: {real path: descriptor}
+HELD_FOLDERS = {}  # folders this process has locked (hold_folder): {real path: (descriptor, its thread)}
 MADE_FOLDERS = set()  # checkpoint folders a run in this process made (run_folders_held removes them empty)
 
 
@@ -6331,8 +6334,9 @@ def run_folders_held():
         raise
     finally:
         MADE_FOLDERS.intersection_update(made)
-        for key in set(HELD_FOLDERS) - before:
-            os.close(HELD_FOLDERS.pop(key))
+        for key in set(HELD_FOLDERS) - before:  # this thread's: another's scope lets its own go
+            if HELD_FOLDERS[key][1] == threading.get_ident():
+                os.close(HELD_FOLDERS.pop(key)[0])
 
 
 def atomic_write(path, write):

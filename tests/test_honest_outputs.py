@@ -329,6 +329,36 @@ def test_a_second_predict_into_a_folder_in_use_is_refused_and_moves_nothing(chec
     assert run_predict(checkpoint, data_dir, out)["predicted"] == len(before) and not train_unet.HELD_FOLDERS
 
 
+def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_scope_alone(tmp_path):
+    """The held folders were the process's: a notebook's predict in one thread into the folder a background
+    benchmark wrote in was let in, and the first scope to end let go of the other thread's locks too."""
+    import threading
+
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir(), theirs.mkdir()
+    held, release = threading.Event(), threading.Event()
+
+    def background():
+        with train_unet.run_folders_held():
+            train_unet.hold_folder(theirs, "theirs")
+            held.set()
+            release.wait(30)
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        assert held.wait(30)
+        with train_unet.run_folders_held():
+            train_unet.hold_folder(mine, "mine")
+            with pytest.raises(UserError, match="^theirs$"):
+                train_unet.hold_folder(theirs, "theirs")
+        assert os.path.realpath(theirs) in train_unet.HELD_FOLDERS  # not let go by this thread's scope
+        assert os.path.realpath(mine) not in train_unet.HELD_FOLDERS
+    finally:
+        release.set()
+        thread.join(30)
+    assert not train_unet.HELD_FOLDERS
+
+
 def break_after_first_batch(monkeypatch, breaks, out=None, written=2):
     """breaks() as predict starts its second batch; with `out`, once the first batch's `written` masks are
     there (predict writes them on a thread while the model works on the next batch)."""
@@ -496,7 +526,7 @@ def test_loader_workers_do_not_share_the_folders_lock(tmp_path):
             fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.close(probe)
     finally:
-        os.close(train_unet.HELD_FOLDERS.pop(os.path.realpath(folder)))
+        os.close(train_unet.HELD_FOLDERS.pop(os.path.realpath(folder))[0])
 
 
 def test_half_written_temporary_checkpoints_of_a_killed_run_are_removed(make_cfg, tmp_path):
