@@ -608,6 +608,8 @@ def resume_state(cfg, ckpt_dir, typed=()):
             f" (set by preset={now}: leave it out)" if now and now != was and set(changed) & (set(PRESETS[now]) -
                                                                                           set(typed)) else ""
         saved = {k: state["config"].get(k, CONFIG[k]) for k in changed}
+        if "data_dir" in saved:  # as the run resolved it: a relative data_dir from its own folder is found
+            saved["data_dir"] = run_data_dir(state)
         raise UserError(f"cannot resume exactly: {path} was trained with "
                         + ", ".join(f"{k}={v!r}" for k, v in saved.items())
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
@@ -636,7 +638,7 @@ def data_dir_left_out(state, cfg, typed):
     """['data_dir'] where it was not given and is not the folder the run trained on, which is still there: the
     refusal then names it with the other keys (same_split_as_resumed would have, in a second refusal). A
     data_dir given is judged by its files: a data set moved or copied resumes."""
-    was = state["config"].get("data_dir")
+    was = run_data_dir(state)
     if "data_dir" in typed or was is None or not os.path.isdir(was) or \
             os.path.realpath(was) == os.path.realpath(cfg["data_dir"]):
         return []
@@ -7195,9 +7197,14 @@ def trained_data_dir(checkpoint):
     recorded (split_record, resolved as it started), so a relative data_dir given in another working
     directory is found (the notebooks run in the repository: "data" was looked for there). Where the
     checkpoint has no record, or that folder is gone, its data_dir as given."""
-    state = load_checkpoint(checkpoint)
-    folder = (state.get("data_split") or {}).get("folder")  # emptied (the embedded set): written again as given
-    return folder if folder and has_files(Path(folder)) else state["config"]["data_dir"]
+    return run_data_dir(load_checkpoint(checkpoint))
+
+
+def run_data_dir(state):
+    """trained_data_dir of a checkpoint's state: its recorded folder where that still holds files (emptied,
+    the embedded set is written again as given), else its data_dir as given (None where it has none)."""
+    folder = (state.get("data_split") or {}).get("folder")
+    return folder if folder and has_files(Path(folder)) else state["config"].get("data_dir")
 
 
 def state_dict_mismatch(exc):

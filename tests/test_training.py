@@ -2,6 +2,7 @@
 import csv
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -406,6 +407,26 @@ def test_resume_with_data_dir_left_out_names_the_runs_folder_and_writes_nothing(
     with pytest.raises(UserError, match=r"was trained with data_dir='.*data'; this run has data_dir='data/shapes'"):
         train({**cfg, "epochs": 2, "resume": True, "data_dir": train_unet.CONFIG["data_dir"]})
     assert not (tmp_path / "data" / "shapes").exists()
+
+
+def test_a_resume_refusal_from_another_folder_names_the_runs_data_as_a_path_that_leads_there(make_cfg, tmp_path,
+                                                                                             monkeypatch):
+    """A run trained with data_dir=d in its project folder, resumed from elsewhere: the refusal said 'resume with
+    the same values (data_dir=d)', and that was 'not found'. It now names the folder the run recorded."""
+    project = Path(make_cfg()["data_dir"]).parent
+    monkeypatch.chdir(project)
+    cfg = make_cfg(epochs=1, data_dir=Path(make_cfg()["data_dir"]).name)  # relative to the project
+    train(cfg)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    resumed = {**cfg, "epochs": 2, "resume": True, "data_dir": train_unet.CONFIG["data_dir"],
+               "checkpoint_dir": str(project / cfg["checkpoint_dir"])}
+    with pytest.raises(UserError, match=r"resume with the same values \(data_dir=(\S+)\)") as info:
+        train(resumed)
+    given = re.search(r"data_dir=(\S+)\)", str(info.value))[1]
+    assert given == os.path.realpath(project / cfg["data_dir"])
+    assert len(train({**resumed, "data_dir": given})["history"]) == 2
 
 
 def test_best_pt_keeps_no_optimizer_state_and_a_resume_from_it_is_a_one_line_error(make_cfg):
