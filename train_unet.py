@@ -720,8 +720,9 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
     record, saved = split_record(train_pairs, val_pairs, cfg["data_dir"]), (state or {}).get("data_split")
     if not saved:
         return record
-    was = state["config"].get("data_dir", cfg["data_dir"])
-    elsewhere = saved.get("folder", os.path.realpath(was)) != record["folder"]
+    was = cli_value(run_data_dir(state) or cfg["data_dir"])
+    elsewhere = saved.get("folder", os.path.realpath(state["config"].get("data_dir", cfg["data_dir"]))) != \
+        record["folder"]
     if [saved[k] for k in ("train", "val", "digest")] != [record[k] for k in ("train", "val", "digest")]:
         fix = f"give data_dir={was}" if elsewhere else "put the folder back as it was"
         raise UserError(f"cannot resume exactly: {cfg['data_dir']} is not the data set this run started on "
@@ -734,6 +735,11 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
                             f"checkpoint_dir")
         notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other sizes): the "
                      f"resume trains and validates on them as they are now")
+    elif elsewhere and saved.get("folder") and has_files(Path(saved["folder"])):
+        # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
+        notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "
+                     f"{cfg['data_dir']}, whose files have the same names and sizes: if that is not a copy of the "
+                     f"same data, give data_dir={was} to resume exactly")
     return record
 
 

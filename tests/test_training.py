@@ -370,14 +370,25 @@ def test_resume_after_images_were_added_or_removed_is_refused(make_cfg, make_dat
     assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2  # put back: it resumes
 
 
-def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, data_dir, tmp_path, monkeypatch):
+def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, data_dir, tmp_path, monkeypatch,
+                                                                     capsys):
     """data_dir=./data or a moved folder held the same files, yet the path's spelling refused the resume:
-    with the split recorded, the files decide."""
+    with the split recorded, the files decide. Where the run's folder is still there beside the one given
+    (names and sizes alike: a copy, or a data set of uncompressed images of one size), a note names it."""
+    import shutil
+
     train(make_cfg(epochs=1))
     monkeypatch.chdir(tmp_path)
     assert len(train(make_cfg(epochs=2, resume=True, data_dir="./data"))["history"]) == 2
-    data_dir.rename(tmp_path / "moved")
-    assert len(train(make_cfg(epochs=3, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 3
+    shutil.copytree(data_dir, tmp_path / "copy")
+    capsys.readouterr()
+    assert len(train(make_cfg(epochs=3, resume=True, data_dir=str(tmp_path / "copy")))["history"]) == 3
+    assert re.search(rf"note +this run began on {re.escape(os.path.realpath(data_dir))}, which still holds its data; "
+                     rf"it goes on with .*copy, whose files have the same names and sizes: if that is not a copy of "
+                     rf"the same data, give data_dir=.*data to resume exactly", capsys.readouterr().out)
+    (tmp_path / "copy").rename(tmp_path / "moved")  # the folder the run went on with, moved: no note
+    assert len(train(make_cfg(epochs=4, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 4
+    assert "still holds its data" not in capsys.readouterr().out
 
 
 def test_resume_on_another_data_set_with_the_same_file_names_is_refused(make_cfg, make_data, tmp_path, capsys):
