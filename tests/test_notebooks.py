@@ -74,7 +74,10 @@ def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
         (run / "tensorboard").mkdir(parents=True)
         (run / "config.json").write_text("{}")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    with pytest.raises(nbclient.exceptions.CellExecutionError, match="no finished epoch in .*no history.csv"):
+    said = ("no finished epoch in .*no history.csv" if case == "interrupted" else  # a typo: no such folder, said
+            rf"RUN_DIR={re.escape(str(run))} not found \(a relative RUN_DIR is taken from the repository, .*\): give "
+            rf"the run's checkpoint_dir from there, or as an absolute path")
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match=said):
         execute("my_run.ipynb", {"RUN_DIR": str(run)})
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
 
