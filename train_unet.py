@@ -237,6 +237,8 @@ def main(argv=None):
         return 0
     keep_freed_memory()
     printable_file_names()
+    if not isinstance(sys.stdout, OutputReaderGone):
+        sys.stdout = OutputReaderGone(sys.stdout)
     quiet_readers()
     try:
         with sigterm_as_exit():
@@ -1435,6 +1437,37 @@ def printable_file_names():
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure") and stream.errors in ("strict", "surrogateescape"):
             stream.reconfigure(errors="backslashreplace")
+
+
+class OutputReaderGone:
+    """The script's stdout, which goes on where its reader has ended (`| head -3`): the first print after that
+    raised BrokenPipeError wherever it was, a checkpoint's write included, and the run stopped with exit 1 and
+    no word. Now one note on stderr, and the run goes on, printing nowhere."""
+
+    def __init__(self, stream):
+        self.stream, self.gone = stream, False
+
+    def write(self, text):
+        return self.unless_gone(self.stream.write, text) or len(text)
+
+    def flush(self):
+        self.unless_gone(self.stream.flush)
+
+    def unless_gone(self, call, *args):
+        if self.gone:
+            return None
+        try:
+            return call(*args)
+        except BrokenPipeError:
+            self.gone = True
+            with contextlib.suppress(OSError, ValueError):  # Python's flush at exit finds the null device
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+            print("note: the output's reader has ended (a pipe such as | head): the command goes on without "
+                  "printing; its results are written as usual", file=sys.stderr, flush=True)
+            return None
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 def quiet_readers():
