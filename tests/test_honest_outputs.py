@@ -1,6 +1,7 @@
 """Outputs that say what they are: fit-mode validation scores what `predict` writes (at each image's
 original size, against its original mask); the benchmark archives only its own earlier outputs; predict
 never counts a mask it could not write."""
+import contextlib
 import errno
 import json
 import os
@@ -163,6 +164,23 @@ def user_files(folder):
     return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+def files_in(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@contextlib.contextmanager
+def locked_as_another_process_would(folder):
+    """The folder's flock taken on a descriptor of its own, as another process (a running command) holds it."""
+    import fcntl
+
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def benchmark(monkeypatch, data, output, configs="fp32,fp32_cl"):
     monkeypatch.setattr(train_unet, "run_benchmark_config", fake_run)
     return train_unet.run_benchmark([f"configs={configs}", "bare_steps=0", "inference=", "epochs=1", "image_size=32",
@@ -207,20 +225,13 @@ def test_a_second_benchmark_into_a_folder_in_use_is_refused_and_moves_nothing(tm
     """Two benchmarks into one output folder: the second moved the first's files aside mid-run, and both then
     wrote the same rows. The running one holds the folder's lock (here a lock taken on the folder as another
     process would hold it); the second is refused before anything moves, and the folder is free after."""
-    import fcntl
-
     out = tmp_path / "out"
     benchmark(monkeypatch, data_dir, out)
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    other = os.open(out, os.O_RDONLY)
-    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    try:
-        with pytest.raises(UserError, match=r"output=.*out is in use by another benchmark or training run .*choose "
-                                             r"another output="):
-            benchmark(monkeypatch, data_dir, out)
-    finally:
-        os.close(other)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    before = files_in(out)
+    with locked_as_another_process_would(out), pytest.raises(
+            UserError, match=r"output=.*out is in use by another benchmark or training run .*choose another output="):
+        benchmark(monkeypatch, data_dir, out)
+    assert files_in(out) == before
     benchmark(monkeypatch, data_dir, out)  # the lock went with the first one; this one lets its own go
     assert len(list((out / "previous").iterdir())) == 1 and not train_unet.HELD_FOLDERS
 
@@ -229,20 +240,13 @@ def test_a_second_benchmark_into_a_folder_in_use_is_refused_and_moves_nothing(tm
 def test_an_earlier_run_folder_still_training_is_not_moved_away(tmp_path, data_dir, monkeypatch):
     """A training run still writing in <output>/fp32 (a user's, or a row of a killed benchmark) had its folder
     moved to previous/ under it: the benchmark is refused, and nothing moves."""
-    import fcntl
-
     out = tmp_path / "out"
     benchmark(monkeypatch, data_dir, out)
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    training = os.open(out / "fp32", os.O_RDONLY)
-    fcntl.flock(training, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as hold_checkpoint_dir holds it
-    try:
-        with pytest.raises(UserError, match=r"out/fp32 is in use by a training run .*choose another output=") as err:
-            benchmark(monkeypatch, data_dir, out)
-        assert "\n" not in str(err.value)
-    finally:
-        os.close(training)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    before = files_in(out)
+    with locked_as_another_process_would(out / "fp32"), pytest.raises(  # as hold_checkpoint_dir holds it
+            UserError, match=r"out/fp32 is in use by a training run .*choose another output=") as err:
+        benchmark(monkeypatch, data_dir, out)
+    assert "\n" not in str(err.value) and files_in(out) == before
     assert not train_unet.HELD_FOLDERS
 
 
@@ -252,11 +256,11 @@ def test_a_benchmark_refused_by_its_data_leaves_the_earlier_results_in_place(tmp
     fixing their data then buried them deeper, under a new record of no rows."""
     out = tmp_path / "out"
     benchmark(monkeypatch, data_dir, out)
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    before = files_in(out)
     for _ in range(2):
         with pytest.raises(UserError, match="not found"):
             benchmark(monkeypatch, tmp_path / "no_such_data", out)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert files_in(out) == before
 
 
 @pytest.mark.usefixtures("restore_matmul_precision")
@@ -312,20 +316,14 @@ def test_a_second_predict_into_a_folder_in_use_is_refused_and_moves_nothing(chec
     """Two predicts into one output folder each moved the other's masks aside and wrote over them, and both
     said they had predicted every image: 25 of 80 masks were one model's, the rest the other's. The one
     running holds the folder's lock (here taken as another process holds it)."""
-    import fcntl
-
     out = tmp_path / "out"
     run_predict(checkpoint, data_dir, out)
-    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    other = os.open(out, os.O_RDONLY)
-    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    try:
-        with pytest.raises(UserError, match=r"output=.*out is in use by another predict, training run or benchmark "
-                                            r"\(it holds the folder's lock\): let it finish, or choose another output="):
-            run_predict(checkpoint, data_dir, out)
-    finally:
-        os.close(other)
-    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    before = files_in(out)
+    with locked_as_another_process_would(out), pytest.raises(
+            UserError, match=r"output=.*out is in use by another predict, training run or benchmark \(it holds the "
+                             r"folder's lock\): let it finish, or choose another output="):
+        run_predict(checkpoint, data_dir, out)
+    assert files_in(out) == before
     assert run_predict(checkpoint, data_dir, out)["predicted"] == len(before) and not train_unet.HELD_FOLDERS
 
 
