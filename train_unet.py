@@ -6309,40 +6309,43 @@ def hold_folder(folder, in_use):
         if HELD_FOLDERS[key][1] == threading.get_ident():
             return
         raise UserError(in_use)  # held by another thread of this process (a notebook's background run)
-    try:
-        import fcntl
-    except ImportError:  # Windows: not locked
-        return
-    try:
-        fd = os.open(key, os.O_RDONLY)
-    except OSError:  # a folder this user may write but not list: not locked
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a file system without flock: not locked
-            return
-        raise UserError(in_use) from None
-    HELD_FOLDERS[key] = fd, threading.get_ident()
+    fd = folder_lock(key)
+    if fd is FOLDER_BUSY:
+        raise UserError(in_use)
+    if fd is not None:
+        HELD_FOLDERS[key] = fd, threading.get_ident()
 
 
 def held_by_another(folder):
     """Whether a process holds the folder's lock (hold_folder: a training run's checkpoint_dir, a running
     benchmark's output): the benchmark notebook tells a running benchmark from an interrupted one. False
     where that cannot be known (no flock here)."""
+    fd = folder_lock(folder)
+    if fd is FOLDER_BUSY:
+        return True
+    if fd is not None:
+        os.close(fd)  # let go at once
+    return False
+
+
+FOLDER_BUSY = object()  # folder_lock's answer where another holds the lock
+
+
+def folder_lock(folder):
+    """A descriptor holding the folder's flock; FOLDER_BUSY where another descriptor holds it; None where
+    it cannot be locked here: Windows, a file system without flock, a folder this user may write but not
+    list."""
     try:
         import fcntl
         fd = os.open(folder, os.O_RDONLY)
     except (ImportError, OSError):
-        return False
+        return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # let go at once, by the close below
-        return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
         os.close(fd)
+        return FOLDER_BUSY if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) else None
+    return fd
 
 
 def remove_stale_temps(folder):
