@@ -6295,15 +6295,16 @@ def hold_checkpoint_dir(folder):
     """Lock the run's checkpoint folder until train returns (run_folders_held). A second run into the
     same folder would move the first one's files aside, then both would write the same checkpoints, and
     the first run's results would be lost: it is refused."""
-    hold_folder(folder, f"checkpoint_dir={folder} is in use by another training run or benchmark (it holds "
-                        f"the folder's lock): let it finish, or choose another checkpoint_dir=...")
+    hold_folder(folder, f"checkpoint_dir={folder}", "another training run or benchmark", "checkpoint_dir")
 
 
-def hold_folder(folder, in_use):
+def hold_folder(folder, given, users, option="output"):
     """A flock on the folder itself until the run_folders_held scope ends: no file is added, and the
     kernel drops it however the process ends. Taken already by another process, or by another thread of
-    this one: UserError(in_use); by this thread, it is not taken twice. Where the system or file system has
-    no flock, nothing is held."""
+    this one: a UserError saying `given` is in use by `users`, and to choose another `option`; by this thread,
+    it is not taken twice. Where the system or file system has no flock, nothing is held."""
+    in_use = (f"{given} is in use by {users} (it holds the folder's lock): let it finish, or choose another "
+              f"{option}=...")
     key = os.path.realpath(folder)
     if key in HELD_FOLDERS:  # a run inside a run's scope (a benchmark's in-process predict) keeps it
         if HELD_FOLDERS[key][1] == threading.get_ident():
@@ -7696,8 +7697,7 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
     predictions in its place, which the next training run learns from. Returns the folder, or None. The
     folder is checked writable first, and checked not to be a data set's masks folder it would spoil."""
     check_writable(out_dir)
-    hold_folder(out_dir, f"output={out_dir} is in use by another predict, training run or benchmark (it holds "
-                         f"the folder's lock): let it finish, or choose another output=...")
+    hold_folder(out_dir, f"output={out_dir}", "another predict, training run or benchmark")
     check_no_unpaired_masks(paths, out_dir, overlay)
     names = [name for p in paths for name in prediction_names(p)]
     there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]
@@ -8045,12 +8045,10 @@ def started_benchmark(hw, base, args):
 def claim_output_folder(out_dir, writes):
     """The benchmark's output folder made and locked for this benchmark, an earlier one's results in it
     moved aside (benchmark_outputs: those this one would write, `writes`, refused where not a benchmark's)."""
-    hold_folder(out_dir, f"output={out_dir} is in use by another benchmark or training run (it holds the folder's "
-                         f"lock): let it finish, or choose another output=...")
+    hold_folder(out_dir, f"output={out_dir}", "another benchmark or training run")
     earlier = benchmark_outputs(out_dir, writes)
     for name in (n for n in earlier if n in BENCHMARK_SETTINGS):  # a run still training there is not moved away
-        hold_folder(out_dir / name, f"{out_dir / name} is in use by a training run (it holds the folder's lock): "
-                                    f"let it finish, or choose another output=...")
+        hold_folder(out_dir / name, f"{out_dir / name}", "a training run")
     moved = archive_previous_run(out_dir, earlier)
     if moved:
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
@@ -8179,6 +8177,11 @@ def check_inference_memory(opts, base, hw, free):
                     f"for no inference table")
 
 
+def inference_mode_runs(mode, hw):
+    """Whether an inference table's mode runs here: its bf16 rows are skipped where bf16 is not native."""
+    return CPU_PROBE_MODES[mode][0] == "fp32" or hw.bf16
+
+
 def inference_bytes_per_pixel(opts, base, hw):
     """Host bytes a pixel of the inference table's patch-mode image needs at least: made, its noise and its
     blurred copy (inference_inputs); while a row runs (none where bf16 is not native and every mode is
@@ -8186,7 +8189,7 @@ def inference_bytes_per_pixel(opts, base, hw):
     (1 / (1 - tile_overlap))² as many pixels as the image where it is large; on CUDA on the device), and
     predict's own need (predict_memory). Decoding and encoding buffers come on top."""
     made = 2 * 3
-    if not any(CPU_PROBE_MODES[mode][0] == "fp32" or hw.bf16 for mode in inference_modes(opts)):
+    if not any(inference_mode_runs(mode, hw) for mode in inference_modes(opts)):
         return made
     channels = image_bytes(1, base)
     tiles = 0 if hw.kind == "cuda" else 4 * channels * (base["patch_scale"] / (1 - base["tile_overlap"])) ** 2
@@ -8538,7 +8541,7 @@ def inference_row(mode, data_mode, base, hw, opts, folder, inputs):
     model, trained = load_model(checkpoint, hw)
     cfg = {**trained, "data_mode": data_mode, "channels_last": nhwc, "tta": "none"}
     prec = Precision.of(DTYPES[dtype], "benchmark")
-    if prec.amp and not hw.bf16:
+    if not inference_mode_runs(mode, hw):
         return {"mode": mode, "data_mode": data_mode, "precision": None, "status": "skipped: bf16 not native here"}
     if trained["data_mode"] != data_mode:  # saved in the row's data_mode, which predict runs (a patch-mode
         checkpoint = folder / f"{data_mode}.pt"  # benchmark's fit rows ran its sliding window, unsaid)

@@ -338,7 +338,7 @@ def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_s
 
     def background():
         with train_unet.run_folders_held():
-            train_unet.hold_folder(theirs, "theirs")
+            train_unet.hold_folder(theirs, "theirs", "a background run")
             held.set()
             release.wait(30)
     thread = threading.Thread(target=background)
@@ -346,9 +346,9 @@ def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_s
     try:
         assert held.wait(30)
         with train_unet.run_folders_held():
-            train_unet.hold_folder(mine, "mine")
-            with pytest.raises(UserError, match="^theirs$"):
-                train_unet.hold_folder(theirs, "theirs")
+            train_unet.hold_folder(mine, "mine", "a background run")
+            with pytest.raises(UserError, match="^theirs is in use by a background run "):
+                train_unet.hold_folder(theirs, "theirs", "a background run")
         assert os.path.realpath(theirs) in train_unet.HELD_FOLDERS  # not let go by this thread's scope
         assert os.path.realpath(mine) not in train_unet.HELD_FOLDERS
     finally:
