@@ -542,9 +542,11 @@ def checked_config_and_resume_state(cfg, explicit):
 def check_not_in_a_data_set(checkpoint_dir):
     """checkpoint_dir= a data set's images/ or masks/ folder (the other beside it), or a folder inside one:
     best.pt, logs and tensorboard/ went among its files, and every later run over that data set noted them
-    as entries not read."""
+    as entries not read. A folder above it counts only where it holds images itself: ~/images/projects/run1,
+    with a ~/masks of other uses beside ~/images, is no data set's."""
     folder = Path(checkpoint_dir).resolve()
-    part = next((p for p in (folder, *folder.parents) if data_set_part(p) and p.is_dir()), None)
+    part = next((p for p in (folder, *folder.parents) if data_set_part(p) and p.is_dir()
+                 and (p == folder or image_file_count(p))), None)
     if part is not None:
         where = "is" if part == folder else f"is inside {part}, which is"
         raise UserError(f"checkpoint_dir={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
@@ -866,6 +868,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
                      + other_world_size(state, cfg) + other_clipping(state, cfg) + other_modes(state, cfg, prec))
         notes.append(set_aside_other_runs_files(cfg["checkpoint_dir"], state) if DIST.is_main else None)
+        notes.append(set_aside_edited_history(cfg["checkpoint_dir"], state) if DIST.is_main else None)
     else:
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         what = "an earlier run" if not moved or (Path(moved) / "history.csv").exists() else \
@@ -898,6 +901,25 @@ def set_aside_other_runs_files(ckpt_dir, state):
     moved = archive_previous_run(ckpt_dir, [name for name in RUN_FILES if name != "last.pt"])
     return (f"{best} is not of the run its last.pt continues (their histories differ: a last.pt copied from "
             f"another run?): that run's files but last.pt moved to {moved}")
+
+
+def set_aside_edited_history(ckpt_dir, state):
+    """history.csv is written again from last.pt's history after each epoch: one changed since (a column of
+    notes added, a value changed) moves to previous/<time>/ first, and the note says so; before, the edits were
+    written over without a word. Epochs behind or ahead of last.pt (stopped between the two writes, last.pt
+    restored from an older copy), the same otherwise, are the run's own: its epochs are trained again."""
+    path = Path(ckpt_dir) / "history.csv"
+    if not path.is_file():
+        return None
+    with open(path, newline="", errors="replace") as f:
+        lines = f.read().splitlines()
+    own = history_text(state["history"]).splitlines()
+    n = min(len(lines), len(own))
+    if n and lines[:n] == own[:n]:
+        return None
+    moved = archive_previous_run(ckpt_dir, ["history.csv"])
+    return (f"{path} differs from the history last.pt holds (edited, or written by another version): it moved "
+            f"to {moved}, and history.csv is written again from last.pt's")
 
 
 def other_clipping(state, cfg):
@@ -2785,6 +2807,9 @@ def split_pairs(cfg):
         raise UserError(f"data_dir {root} not found: create {root}/images and {root}/masks, or use "
                         f"data_dir={EMBEDDED_DATA_DIR} for the embedded data set")
     split = [(root / name).is_dir() for name in ("train", "val")]
+    misnamed = misnamed_split(root, split)
+    if misnamed:
+        raise UserError(misnamed)
     if split == [True, False] or split == [False, True]:
         have, missing = ("train", "val") if split[0] else ("val", "train")
         raise UserError(f"{root} has {have}/ but no {missing}/: add {root}/{missing}/images and masks, or "
@@ -2804,6 +2829,26 @@ def split_pairs(cfg):
         train = [pairs[i] for i in sorted(order[n_val:])]
     train = train[:cfg["max_train_images"]]
     return train, val
+
+
+# The split's folders as data sets name them otherwise (compared in lower case): Val/, validation/, Training/.
+SPLIT_FOLDER_NAMES = {"train": ("train", "training"), "val": ("val", "valid", "validation")}
+
+
+def misnamed_split(root, split):
+    """Where data_dir lacks train/ or val/ but has it named otherwise (Val/, validation/), beside the other or
+    both so named with no images/ of data_dir's own, the error that says which to rename, else None: "no val/"
+    or "images/ not found" hid that the folder was there."""
+    if all(split) or (not any(split) and (root / "images").is_dir()):
+        return None
+    found = {name: next((p.name for p in sorted(root.iterdir()) if p.is_dir() and p.name.lower() in names), None)
+             for name, names in SPLIT_FOLDER_NAMES.items()}
+    wrong = [(found[name], name) for name, there in zip(("train", "val"), split) if not there]
+    if not all(was for was, _ in wrong) or not wrong:
+        return None
+    have = [f"{name}/" for name, there in zip(("train", "val"), split) if there] + [f"{was}/" for was, _ in wrong]
+    return (f"{root} has {' and '.join(have)}, but the split's folders are named train/ and val/: rename "
+            f"{' and '.join(f'{was}/ to {name}/' for was, name in wrong)}")
 
 
 def largest_val_fraction(count, cfg):
@@ -2968,13 +3013,17 @@ def find_pairs(folder):
         if not (folder / sub).is_dir():
             raise UserError(f"{folder / sub} not found: put images in {folder}/images and masks with "
                             f"the same file names in {folder}/masks")
+    if (folder / "masks").resolve() == (folder / "images").resolve():  # a link: each image its own "mask"
+        raise UserError(f"{folder / 'masks'} and {folder / 'images'} are one folder ({(folder / 'images').resolve()}): "
+                        f"masks are files of their own, one channel of class indices: put them in a masks/ folder "
+                        f"of their own")
     images, masks = (index_by_stem(folder / sub) for sub in ("images", "masks"))
     if not images:
         subs = [p.name + "/" for p in sorted((folder / "images").iterdir())
                 if p.is_dir() and not p.name.startswith(".")]
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
             f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else ""))
-    renamed = renamed_partners(images, masks, folder)
+    renamed = renamed_partners(images, masks, folder) or partners_in_other_case(images, masks, folder)
     if renamed:
         raise UserError(renamed)
     for missing, have, there, fix in ((set(images) - set(masks), images, folder / "masks", "add masks"),
@@ -3013,6 +3062,20 @@ def renamed_partners(images, masks, folder):
                 f"{have.name} for {base}): {named} pair with {other} by the same file stem, so rename them (e.g. "
                 f"{have.name} -> {base}{have.suffix})")
     return None
+
+
+def partners_in_other_case(images, masks, folder):
+    """Where unpaired masks are unpaired images' stems in other letter case (IMG_01.png for img_01.tif, as
+    one tool or camera names them), the error that says so, else None: stems are matched exactly, on every
+    file system, and "no partner" hid that the partner was there."""
+    lone = {stem.lower(): stem for stem in set(images) - set(masks)}
+    pairs = [(lone[stem.lower()], stem) for stem in sorted(set(masks) - set(images)) if stem.lower() in lone]
+    if not pairs:
+        return None
+    image, mask = pairs[0]
+    return (f"{len(pairs)} of the masks in {folder / 'masks'} are named as their images in other letter case (e.g. "
+            f"{masks[mask].name} for {images[image].name}): stems are matched exactly, so rename them (e.g. "
+            f"{masks[mask].name} -> {image}{masks[mask].suffix})")
 
 
 def unread_entries(root):
@@ -6488,15 +6551,23 @@ HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "train_dice", 
 
 
 def write_history(path, history):
-    # The fixed columns, then the per-class ones (val_iou_<class>, ...): they follow num_classes.
-    fields = list(HISTORY_FIELDS) + [k for k in (history[0] if history else {}) if k not in HISTORY_FIELDS]
+    text = history_text(history)
 
     def write(tmp):
         with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(history)
+            f.write(text)
     atomic_write(path, write)
+
+
+def history_text(history):
+    """history.csv's text: the fixed columns, then the per-class ones (val_iou_<class>, ...), which follow
+    num_classes."""
+    fields = list(HISTORY_FIELDS) + [k for k in (history[0] if history else {}) if k not in HISTORY_FIELDS]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(history)
+    return out.getvalue()
 
 
 def history_row(run, epoch, trained, validated, val_time, hw):

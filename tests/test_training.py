@@ -504,6 +504,30 @@ def test_a_best_pt_one_epoch_ahead_of_last_pt_is_the_runs_own(make_cfg, capsys):
     assert "is not of the run" not in capsys.readouterr().out and not (folder / "previous").exists()
 
 
+def test_an_edited_history_csv_moves_aside_on_resume_not_written_over(make_cfg, capsys):
+    """A resume wrote history.csv again from last.pt's history: a column of notes the user had added (or a
+    value changed) was gone without a word (helper's report). It moves to previous/<time>/ with a note;
+    one a row behind last.pt, as a stop between the two writes leaves it, is the run's own."""
+    cfg = make_cfg(epochs=2)
+    train(cfg)
+    folder = Path(cfg["checkpoint_dir"])
+    path = folder / "history.csv"
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n")  # one row behind, as written
+    capsys.readouterr()
+    train({**cfg, "epochs": 3, "resume": True})
+    assert "differs from the history" not in capsys.readouterr().out and not (folder / "previous").exists()
+    edited = "\n".join(line + (",notes" if i == 0 else ",looked fine") for i, line in
+                       enumerate(path.read_text().splitlines())) + "\n"
+    path.write_text(edited)
+    train({**cfg, "epochs": 4, "resume": True})
+    [moved] = list((folder / "previous").iterdir())
+    assert f"{path} differs from the history last.pt holds (edited, or written by another version): it moved " \
+           f"to {moved}, and history.csv is written again from last.pt's" in capsys.readouterr().out
+    assert (moved / "history.csv").read_text() == edited
+    assert [row.split(",")[0] for row in path.read_text().splitlines()[1:]] == ["1", "2", "3", "4"]
+
+
 @pytest.mark.parametrize("keep", [("model", "optimizer", "config", "epoch"), ("model", "config", "optimizer", "epoch",
                                                                             "scheduler", "history", "best_iou", "rng")])
 def test_a_last_pt_saved_another_way_is_one_line(make_cfg, keep):

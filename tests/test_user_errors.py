@@ -1475,6 +1475,17 @@ def test_a_checkpoint_dir_in_a_data_sets_folders_is_refused(make_cfg, data_dir, 
     assert sorted(p.name for p in (data_dir / part).iterdir()) == before
 
 
+def test_a_checkpoint_dir_below_a_folder_named_images_that_holds_no_images_is_taken(tmp_path, data_dir):
+    """~/images/projects/run1 with a ~/masks of other uses beside ~/images was refused as inside a data set's
+    images folder, though ~/images holds no image of its own; a real data set's folder above still refuses."""
+    home = tmp_path / "home"
+    (home / "images" / "projects").mkdir(parents=True)
+    (home / "masks").mkdir()
+    train_unet.check_not_in_a_data_set(home / "images" / "projects" / "run1")
+    with pytest.raises(train_unet.UserError, match="is inside .*images, which is a data set's images folder"):
+        train_unet.check_not_in_a_data_set(data_dir / "images" / "projects" / "run1")
+
+
 def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, capsys):
     """10 training images in batches of 4: 2 of them sat out every epoch without a word."""
     train_unet.train(make_cfg(batch_size=4))
@@ -1598,6 +1609,47 @@ def test_masks_named_with_a_word_added_are_told_to_be_renamed(make_data, rename,
     message = one_line_error(train_unet.find_pairs, root,
                              match="6 file\\(s\\) have no partner in .*masks .*: add masks")
     assert "rename" not in message
+
+
+def test_masks_named_in_other_letter_case_are_told_to_be_renamed(make_data):
+    """IMG_0000.png beside img_0000.png: matched exactly, so "6 file(s) have no partner ... add masks",
+    though every mask was there (helper's report)."""
+    root = make_data("case", count=6, size=32)
+    for mask in sorted((root / "masks").iterdir()):
+        mask.rename(mask.with_name(mask.stem.upper() + mask.suffix))
+    one_line_error(train_unet.find_pairs, root,
+                   match=r"6 of the masks in .*masks are named as their images in other letter case \(e.g. "
+                         r"SHAPE_0000.png for shape_0000.png\): stems are matched exactly, so rename them \(e.g. "
+                         r"SHAPE_0000.png -> shape_0000.png\)$")
+
+
+def test_masks_linked_to_the_images_folder_are_named_so(make_data):
+    """masks/ a link to images/ (a slip while setting up): each image was read as its own mask, and the
+    error called the mask "a colour image"."""
+    root = make_data("linked", count=6, size=32)
+    shutil.rmtree(root / "masks")
+    (root / "masks").symlink_to(root / "images", target_is_directory=True)
+    one_line_error(train_unet.find_pairs, root, match=r"masks and .*images are one folder \(.*images\): masks are "
+                                                      r"files of their own")
+
+
+@pytest.mark.parametrize("names, fix", [
+    (("train", "Val"), "has train/ and Val/, .*: rename Val/ to val/$"),
+    (("train", "validation"), "has train/ and validation/, .*: rename validation/ to val/$"),
+    (("Training", "val"), "has val/ and Training/, .*: rename Training/ to train/$"),
+    (("Train", "Valid"), "has Train/ and Valid/, .*: rename Train/ to train/ and Valid/ to val/$")])
+def test_split_folders_named_otherwise_are_told_to_be_renamed(make_data, make_cfg, tmp_path, names, fix):
+    """train/ beside Val/ or validation/ was "has train/ but no val/" (or, both named otherwise, "images
+    not found"), though the folder was right there."""
+    root = tmp_path / "split"
+    for name in names:
+        make_data(f"split/{name}", count=4, size=32)
+    if (root / "val").is_dir() and (root / "train").is_dir():
+        pytest.skip("a file system that ignores letter case finds Val/ as val/: nothing to rename")
+    one_line_error(train_unet.split_pairs, make_cfg(data_dir=str(root)),
+                   match=rf"{root} {fix}")
+    assert "but the split's folders are named train/ and val/: rename" in str(train_unet.misnamed_split(
+        root, [(root / name).is_dir() for name in ("train", "val")]))
 
 
 def test_a_run_refused_at_start_up_leaves_no_empty_checkpoint_folder(make_cfg, tmp_path):
