@@ -56,12 +56,22 @@ def tiny_run(tmp_path_factory):
 def test_run_notebook_plots_the_run_in_run_dir(tiny_run):
     outputs, text = execute("my_run.ipynb", {"RUN_DIR": str(tiny_run)})
     assert sum("image/png" in o.get("data", {}) for o in outputs) >= 5  # curves, health, steps, confusion, predictions
-    assert f"run: {tiny_run}" in text and "2 epoch(s)" in text
+    assert f"run: {tiny_run}" in text and "2 epoch(s)" in text and "batch: 4 x 1\n" in text  # one process
     assert "confusion matrix at epoch" in text and "3 classes" in text
     assert "precision per epoch: 1: fp32, 2: fp32" in text
     assert "optimizer steps logged" in text
     # data_dir=data was the run's own folder's, not the repository's, where the notebook runs ("not found")
     assert f"model: {tiny_run / 'best.pt'}; images from {os.path.realpath(tiny_run.parent / 'data')}" in text
+
+
+def test_run_notebook_says_a_torchrun_runs_process_count(tiny_run, tmp_path):
+    """A run of 4 processes read "batch: 4 x 1": a quarter of the batch each optimizer step took."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    info = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**info, "world_size": 4}))
+    _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
+    assert f"batch: {info['config']['batch_size']} x 1 x 4 processes\n" in text
 
 
 @pytest.mark.parametrize("case", ["typo", "interrupted"])
