@@ -6871,6 +6871,7 @@ def predict(opts):
 def predict_into_output(opts):
     """predict, its output folder held."""
     opts = validate_predict({**PREDICT_CONFIG, **opts})
+    out_dir = hold_output(Path(opts["output"]), at_start=True)
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_predictor(opts, hw)
@@ -6882,7 +6883,6 @@ def predict_into_output(opts):
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
     note_validated_precision(cfg, opts, prec)
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
-    out_dir = Path(opts["output"])
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
     moved = archive_earlier_predictions(paths, out_dir, opts["overlay"])
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
@@ -7760,6 +7760,15 @@ def check_no_unpaired_masks(paths, out_dir, overlay):
                         f"output=... folder")
 
 
+def hold_output(out_dir, at_start=False):
+    """predict's output folder locked (hold_folder) for as long as it writes there; returns it. Taken at the
+    start where the folder exists (before the model loads and the CPU probe times it: a refusal after those
+    had cost seconds to minutes), else once archive_earlier_predictions has made it."""
+    if not at_start or out_dir.is_dir():
+        hold_folder(out_dir, f"output={out_dir}", "another predict, training run or benchmark")
+    return out_dir
+
+
 def archive_earlier_predictions(paths, out_dir, overlay=False):
     """An earlier predict's mask and overlay of any of these images move to <out_dir>/previous/<time>/
     (archive_previous_run), so no result is lost, and a mask never stands beside an older run's overlay
@@ -7768,7 +7777,7 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
     predictions in its place, which the next training run learns from. Returns the folder, or None. The
     folder is checked writable first, and checked not to be a data set's masks folder it would spoil."""
     check_writable(out_dir)
-    hold_folder(out_dir, f"output={out_dir}", "another predict, training run or benchmark")
+    hold_output(out_dir)
     check_no_unpaired_masks(paths, out_dir, overlay)
     names = [name for p in paths for name in prediction_names(p)]
     there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]

@@ -327,6 +327,21 @@ def test_a_second_predict_into_a_folder_in_use_is_refused_and_moves_nothing(chec
     assert run_predict(checkpoint, data_dir, out)["predicted"] == len(before) and not train_unet.HELD_FOLDERS
 
 
+def test_a_predict_into_a_folder_in_use_is_refused_before_the_model_loads(checkpoint, data_dir, tmp_path,
+                                                                          monkeypatch):
+    """The lock was taken after the model had loaded and the CPU probe had timed it: seconds to minutes
+    before the refusal."""
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def load_predictor(*args):
+        raise AssertionError("the model was loaded for a predict that is refused")
+    monkeypatch.setattr(train_unet, "load_predictor", load_predictor)
+    with locked_as_another_process_would(out), pytest.raises(UserError, match=r"output=.*out is in use by another"):
+        run_predict(checkpoint, data_dir, out)
+    assert not train_unet.HELD_FOLDERS
+
+
 def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_scope_alone(tmp_path):
     """The held folders were the process's: a notebook's predict in one thread into the folder a background
     benchmark wrote in was let in, and the first scope to end let go of the other thread's locks too."""
