@@ -528,7 +528,7 @@ def checked_config_and_resume_state(cfg, explicit):
         check_model_takes_image_size(cfg)
         if DIST.is_main:
             if not Path(cfg["checkpoint_dir"]).exists():
-                MADE_FOLDERS.add(Path(cfg["checkpoint_dir"]))
+                MADE_FOLDERS[Path(cfg["checkpoint_dir"])] = threading.get_ident()
             check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
             hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
             remove_stale_temps(Path(cfg["checkpoint_dir"]))
@@ -549,9 +549,10 @@ def check_not_in_a_data_set(checkpoint_dir):
                  and (p == folder or image_file_count(p))), None)
     if part is not None:
         where = "is" if part == folder else f"is inside {part}, which is"
+        data_set = part.parent.parent if part.parent.name in ("train", "val") else part.parent
         raise UserError(f"checkpoint_dir={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
                         f"logs would go among its files; choose another checkpoint_dir (e.g. "
-                        f"{cli_value(part.parent.parent / 'checkpoints' / part.parent.name)})")
+                        f"{cli_value(data_set.parent / 'checkpoints' / data_set.name)})")
 
 
 def data_set_part(folder):
@@ -914,12 +915,20 @@ def set_aside_edited_history(ckpt_dir, state):
     with open(path, newline="", errors="replace") as f:
         lines = f.read().splitlines()
     own = history_text(state["history"]).splitlines()
-    n = min(len(lines), len(own))
-    if n and lines[:n] == own[:n]:
+    if (lines and own[:len(lines)] == lines) or (lines[:len(own)] == own and later_epochs(lines[len(own):], state)):
         return None
     moved = archive_previous_run(ckpt_dir, ["history.csv"])
+    write_history(path, state["history"])  # now: a resume stopped before its first epoch leaves one too
     return (f"{path} differs from the history last.pt holds (edited, or written by another version): it moved "
             f"to {moved}, and history.csv is written again from last.pt's")
+
+
+def later_epochs(lines, state):
+    """Whether history.csv's lines past last.pt's history are rows of the epochs after it (last.pt restored
+    from an older copy), not a line the user added (a summary)."""
+    rows = list(csv.reader(lines))
+    width = len(history_text(state["history"]).splitlines()[0].split(","))
+    return all(len(row) == width and row[0] == str(state["epoch"] + 1 + i) for i, row in enumerate(rows))
 
 
 def other_clipping(state, cfg):
@@ -6358,7 +6367,7 @@ def hold_checkpoint_dir(folder):
     """Lock the run's checkpoint folder until train returns (run_folders_held). A second run into the
     same folder would move the first one's files aside, then both would write the same checkpoints, and
     the first run's results would be lost: it is refused."""
-    hold_folder(folder, f"checkpoint_dir={folder}", "another training run or benchmark", "checkpoint_dir")
+    hold_folder(folder, f"checkpoint_dir={folder}", "another training run, predict or benchmark", "checkpoint_dir")
 
 
 def hold_folder(folder, given, users, option="output"):
@@ -6422,7 +6431,7 @@ def remove_stale_temps(folder):
 
 
 HELD_FOLDERS = {}  # folders this process has locked (hold_folder): {real path: (descriptor, its thread)}
-MADE_FOLDERS = set()  # checkpoint folders a run in this process made (run_folders_held removes them empty)
+MADE_FOLDERS = {}  # checkpoint folders a run in this process made: the thread (run_folders_held removes them empty)
 
 
 @contextlib.contextmanager
@@ -6432,19 +6441,21 @@ def run_folders_held():
     on the same folder afterwards. A folder
     the run made (MADE_FOLDERS) and left empty, refused or stopped at start-up (a data error, Ctrl-C during
     the data check), is removed."""
-    before, made = set(HELD_FOLDERS), set(MADE_FOLDERS)
+    me = threading.get_ident()  # another thread's folders are its scope's: a notebook's background run
+    before = {key for key, (_, thread) in HELD_FOLDERS.items() if thread == me}
+    made = {folder for folder, thread in MADE_FOLDERS.items() if thread == me}
     try:
         yield
     except (UserError, KeyboardInterrupt):
-        for folder in MADE_FOLDERS - made:
+        for folder in [f for f, thread in MADE_FOLDERS.items() if thread == me and f not in made]:
             with contextlib.suppress(OSError):  # not empty (or gone): it stays as it is
                 folder.rmdir()
         raise
     finally:
-        MADE_FOLDERS.intersection_update(made)
-        for key in set(HELD_FOLDERS) - before:  # this thread's: another's scope lets its own go
-            if HELD_FOLDERS[key][1] == threading.get_ident():
-                os.close(HELD_FOLDERS.pop(key)[0])
+        for folder in [f for f, thread in MADE_FOLDERS.items() if thread == me and f not in made]:
+            del MADE_FOLDERS[folder]
+        for key in [k for k, (_, thread) in HELD_FOLDERS.items() if thread == me and k not in before]:
+            os.close(HELD_FOLDERS.pop(key)[0])
 
 
 def atomic_write(path, write):
@@ -8387,6 +8398,10 @@ def stop_with_benchmark():
     untold, through its remaining epochs, holding the GPU. On Linux the kernel now sends it SIGTERM when
     the benchmark ends, which stops it as a SIGTERM does (sigterm_as_exit); elsewhere nothing changes."""
     parent = os.environ.pop(BENCHMARK_PARENT_ENV, None)
+    if parent is not None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # started by a benchmark that was started in the background (`... benchmark &` in a script): SIGINT
+        # ignored is inherited, and the row trained on through the benchmark's Ctrl-C (stop_child)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if parent is None or not sys.platform.startswith("linux"):
         return
     try:

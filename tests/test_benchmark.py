@@ -505,6 +505,7 @@ def _cmdline(proc_dir):
         return b""
 
 
+@pytest.mark.skipif(os.name != "posix", reason="a row's own session and its signals are POSIX's")
 @pytest.mark.parametrize("whole_group", [False, True], ids=["jupyter-interrupt", "terminal-ctrl-c"])
 def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp_path, whole_group):
     """Jupyter's interrupt reaches the benchmark's process alone: its row's training went on untold and was

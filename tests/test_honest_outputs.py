@@ -171,7 +171,7 @@ def files_in(folder):
 @contextlib.contextmanager
 def locked_as_another_process_would(folder):
     """The folder's flock taken on a descriptor of its own, as another process (a running command) holds it."""
-    import fcntl
+    fcntl = pytest.importorskip("fcntl")  # no flock on Windows: nothing is held there
 
     fd = os.open(folder, os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -372,6 +372,58 @@ def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_s
     assert not train_unet.HELD_FOLDERS
 
 
+def test_a_scope_lets_go_of_a_folder_it_took_after_another_thread_let_it_go(tmp_path):
+    """A folder another thread held as this thread's scope began, let go there and then taken by this
+    thread, stayed held after the scope (its key was among those held before): every later command into
+    it was refused for the life of the kernel."""
+    import threading
+
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    held, release = threading.Event(), threading.Event()
+
+    def background():
+        with train_unet.run_folders_held():
+            train_unet.hold_folder(folder, "shared", "a background run")
+            held.set()
+            release.wait(30)
+    thread = threading.Thread(target=background)
+    thread.start()
+    assert held.wait(30)
+    with train_unet.run_folders_held():
+        release.set()
+        thread.join(30)
+        train_unet.hold_folder(folder, "shared", "a run")
+    assert not train_unet.HELD_FOLDERS and not train_unet.held_by_another(folder)
+
+
+def test_a_scope_that_fails_removes_only_the_empty_folders_its_own_thread_made(tmp_path):
+    """A refusal in one thread removed the empty checkpoint folder another thread's run had just made: its
+    checkpoints then had nowhere to go."""
+    import threading
+
+    theirs = tmp_path / "theirs"
+    made, release = threading.Event(), threading.Event()
+
+    def background():
+        with train_unet.run_folders_held():
+            theirs.mkdir()
+            train_unet.MADE_FOLDERS[theirs] = threading.get_ident()
+            made.set()
+            release.wait(30)
+    thread = threading.Thread(target=background)
+    thread.start()
+    try:
+        assert made.wait(30)
+        with pytest.raises(UserError), train_unet.run_folders_held():
+            raise UserError("a data error")
+        assert theirs.is_dir() and theirs in train_unet.MADE_FOLDERS
+    finally:
+        release.set()
+        thread.join(30)
+    assert not train_unet.MADE_FOLDERS
+
+
 def break_after_first_batch(monkeypatch, breaks, out=None, written=2):
     """breaks() as predict starts its second batch; with `out`, once the first batch's `written` masks are
     there (predict writes them on a thread while the model works on the next batch)."""
@@ -481,7 +533,7 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_moves_nothing(make_cfg
     """Another run holds the folder (its lock taken here through another descriptor, as another process
     would hold it): this run stops before anything moves, so the other run's files stay where it writes
     them (the second run used to move them to previous/, and both then wrote the same checkpoints)."""
-    import fcntl
+    fcntl = pytest.importorskip("fcntl")  # no flock on Windows: nothing is held there
 
     folder = tmp_path / "in_use"
     folder.mkdir()
@@ -489,7 +541,8 @@ def test_a_second_run_into_a_folder_in_use_is_refused_and_moves_nothing(make_cfg
     other = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(UserError, match=r"checkpoint_dir=.*in_use is in use by another training run .*choose "
+        with pytest.raises(UserError, match=r"checkpoint_dir=.*in_use is in use by another training run, predict or "
+                                            r"benchmark .*choose "
                                             r"another checkpoint_dir") as err:
             train_unet.train(make_cfg(checkpoint_dir=str(folder)))
         assert "\n" not in str(err.value)
@@ -522,7 +575,7 @@ class FolderDescriptors(torch.utils.data.Dataset):
 def test_loader_workers_do_not_share_the_folders_lock(tmp_path):
     """A forked worker held a copy of the lock's descriptor: after the training process was killed (out of
     memory), the workers still alive for seconds kept the folder locked and resume=True was refused."""
-    import fcntl
+    fcntl = pytest.importorskip("fcntl")  # no flock on Windows: nothing is held there
 
     folder = tmp_path / "run"
     folder.mkdir()

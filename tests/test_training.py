@@ -528,6 +528,25 @@ def test_an_edited_history_csv_moves_aside_on_resume_not_written_over(make_cfg, 
     assert [row.split(",")[0] for row in path.read_text().splitlines()[1:]] == ["1", "2", "3", "4"]
 
 
+def test_a_resume_stopped_before_its_first_epoch_keeps_a_history_csv(make_cfg, monkeypatch):
+    """The edited history.csv moved aside at the start, and the new one came only at the end of the first
+    epoch: stopped before it, the run's folder had none (the notebook: "no finished epoch")."""
+    cfg = make_cfg(epochs=1)
+    train(cfg)
+    folder = Path(cfg["checkpoint_dir"])
+    own = (folder / "history.csv").read_text()
+    (folder / "history.csv").write_text(own + "mean,,,,,,0.5\n")  # a summary line added: not an epoch's row
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "run_epoch", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        train({**cfg, "epochs": 2, "resume": True})
+    [moved] = list((folder / "previous").iterdir())
+    assert (moved / "history.csv").read_text().endswith("mean,,,,,,0.5\n")
+    assert (folder / "history.csv").read_text() == own
+
+
 @pytest.mark.parametrize("keep", [("model", "optimizer", "config", "epoch"), ("model", "config", "optimizer", "epoch",
                                                                             "scheduler", "history", "best_iou", "rng")])
 def test_a_last_pt_saved_another_way_is_one_line(make_cfg, keep):

@@ -1209,6 +1209,7 @@ def test_a_group_stop_ending_the_workers_mid_write_waits_for_the_block_too(monke
         signal.signal(signal.SIGINT, ignored)
 
 
+@pytest.mark.skipif(os.name != "posix", reason="process groups and SIGTERM are POSIX's")
 def test_a_stop_sent_to_the_whole_process_group_exits_130_without_a_traceback(make_data, tmp_path):
     """Slurm's scancel, `kill -TERM -PGID` and timeout signal the DataLoader's workers too; torch then
     reported their end as a RuntimeError: a traceback and exit 1 (or 'Exception ignored' at exit)."""
@@ -1451,6 +1452,23 @@ def test_a_process_started_by_a_benchmark_through_a_launcher_is_not_stopped():
     assert out.returncode == 0 and out.stdout.strip() == "trained on", (out.returncode, out.stderr[-500:])
 
 
+@pytest.mark.skipif(os.name != "posix", reason="a launch that ignores SIGINT is a POSIX shell's `&`")
+def test_a_row_of_a_benchmark_started_in_the_background_takes_the_benchmarks_ctrl_c():
+    """A script's `python train_unet.py benchmark &` starts it with SIGINT ignored, and its rows inherited
+    that: the SIGINT a stopped benchmark sends its row (stop_child) did nothing, and the benchmark waited
+    until the row had trained all its epochs."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import os, signal; os.environ['UNET_BENCHMARK_PARENT'] = str(os.getppid()); import train_unet as T; "
+            "T.stop_with_benchmark(); print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(train_unet.__file__).parent,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `&` starts it
+    assert out.returncode == 0 and out.stdout.strip() == "True", (out.returncode, out.stderr[-500:])
+
+
 def test_decide_precision_takes_amp_dtypes_short_names_as_configs_do():
     hw = train_unet.detect_hardware("cpu")
     assert train_unet.decide_precision(hw, True, "bf16", force=True).name == "bf16"
@@ -1484,6 +1502,13 @@ def test_a_checkpoint_dir_below_a_folder_named_images_that_holds_no_images_is_ta
     train_unet.check_not_in_a_data_set(home / "images" / "projects" / "run1")
     with pytest.raises(train_unet.UserError, match="is inside .*images, which is a data set's images folder"):
         train_unet.check_not_in_a_data_set(data_dir / "images" / "projects" / "run1")
+
+
+def test_the_checkpoint_dir_suggested_for_a_split_data_sets_folder_is_outside_the_data_set(make_data, tmp_path):
+    """checkpoint_dir=c/train/images suggested c/checkpoints/train: inside the data set again."""
+    make_data("c/train", count=4, size=32), make_data("c/val", count=2, size=32)
+    one_line_error(train_unet.check_not_in_a_data_set, tmp_path / "c" / "train" / "images",
+                   match=rf"choose another checkpoint_dir \(e.g. {tmp_path / 'checkpoints' / 'c'}\)$")
 
 
 def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, capsys):
@@ -1644,7 +1669,7 @@ def test_split_folders_named_otherwise_are_told_to_be_renamed(make_data, make_cf
     root = tmp_path / "split"
     for name in names:
         make_data(f"split/{name}", count=4, size=32)
-    if (root / "val").is_dir() and (root / "train").is_dir():
+    if any((root / name).is_dir() and name not in names for name in ("train", "val")):
         pytest.skip("a file system that ignores letter case finds Val/ as val/: nothing to rename")
     one_line_error(train_unet.split_pairs, make_cfg(data_dir=str(root)),
                    match=rf"{root} {fix}")
