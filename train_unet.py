@@ -740,12 +740,23 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
                             f"checkpoint_dir")
         notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other sizes): the "
                      f"resume trains and validates on them as they are now")
-    elif elsewhere and saved.get("folder") and has_files(Path(saved["folder"])):
+    elif elsewhere and saved.get("folder") and still_holds_the_split(saved, cfg):
         # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
         notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "
                      f"{cfg['data_dir']}, whose files have the same names and sizes: if that is not a copy of the "
                      f"same data, give data_dir={was} to resume exactly")
     return record
+
+
+def still_holds_the_split(saved, cfg):
+    """Whether the folder a resumed run recorded still holds files of the names and sizes it trained on:
+    where it holds others now (the data moved, the folder reused), it is no copy to choose from."""
+    try:
+        train, val = split_pairs({**cfg, "data_dir": saved["folder"]})
+        record = split_record(train, val, saved["folder"])
+    except (UserError, OSError):
+        return False
+    return all(record[k] == saved.get(k, record[k]) for k in ("train", "val", "digest", "sizes"))
 
 
 def no_data_elsewhere(was, data_dir):

@@ -389,6 +389,11 @@ def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, da
     (tmp_path / "copy").rename(tmp_path / "moved")  # the folder the run went on with, moved: no note
     assert len(train(make_cfg(epochs=4, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 4
     assert "still holds its data" not in capsys.readouterr().out
+    shutil.copytree(tmp_path / "moved", tmp_path / "again")  # moved again, its old folder reused for other data
+    shutil.rmtree(tmp_path / "moved")
+    train_unet.generate_shapes_dataset(tmp_path / "moved", count=5, size=32, seed=3)
+    assert len(train(make_cfg(epochs=5, resume=True, data_dir=str(tmp_path / "again")))["history"]) == 5
+    assert "still holds its data" not in capsys.readouterr().out  # it holds other files: said it held the run's
 
 
 def test_resume_on_another_data_set_with_the_same_file_names_is_refused(make_cfg, make_data, tmp_path, capsys):
