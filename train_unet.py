@@ -237,8 +237,7 @@ def main(argv=None):
         return 0
     keep_freed_memory()
     printable_file_names()
-    if not isinstance(sys.stdout, OutputReaderGone):
-        sys.stdout = OutputReaderGone(sys.stdout)
+    guard_output_streams()
     quiet_readers()
     try:
         with sigterm_as_exit():
@@ -1481,13 +1480,21 @@ def printable_file_names():
             stream.reconfigure(errors="backslashreplace")
 
 
-class OutputReaderGone:
-    """The script's stdout, which goes on where its reader has ended (`| head -3`): the first print after that
-    raised BrokenPipeError wherever it was, a checkpoint's write included, and the run stopped with exit 1 and
-    no word. Now one note on stderr, and the run goes on, printing nowhere."""
+def guard_output_streams():
+    """stdout and stderr each go on where their reader has ended (OutputReaderGone)."""
+    for name in ("stdout", "stderr"):
+        if not isinstance(getattr(sys, name), OutputReaderGone):
+            setattr(sys, name, OutputReaderGone(getattr(sys, name), name))
 
-    def __init__(self, stream):
-        self.stream, self.gone = stream, False
+
+class OutputReaderGone:
+    """One of the script's output streams, which goes on where its reader has ended (`| head -3`): the first
+    print after that raised BrokenPipeError wherever it was, a checkpoint's write included, and the run
+    stopped with exit 1 and no word; with `2>&1 | head` the progress bar's next line did, in the first epoch.
+    Now one note on the other stream (where it has a reader), and the run goes on, printing nowhere there."""
+
+    def __init__(self, stream, name="stdout"):
+        self.stream, self.name, self.gone = stream, name, False
 
     def write(self, text):
         return self.unless_gone(self.stream.write, text) or len(text)
@@ -1504,8 +1511,10 @@ class OutputReaderGone:
             self.gone = True
             with contextlib.suppress(OSError, ValueError):  # Python's flush at exit finds the null device
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-            print("note: the output's reader has ended (a pipe such as | head): the command goes on without "
-                  "printing; its results are written as usual", file=sys.stderr, flush=True)
+            other = sys.stderr if self.name == "stdout" else sys.stdout  # itself guarded: gone too, it is silent
+            what = "output's" if self.name == "stdout" else "error output's"
+            print(f"note: the {what} reader has ended (a pipe such as | head): the command goes on without "
+                  f"printing there; its results are written as usual", file=other, flush=True)
             return None
 
     def __getattr__(self, name):
