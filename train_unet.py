@@ -493,7 +493,7 @@ def set_up_training(cfg, explicit):
     train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
     notes.append(unused_val_fraction(cfg, explicit))
-    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs),
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
     # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
@@ -785,14 +785,17 @@ def setup_precision(cfg, state=None, explicit=()):
     return cfg, hw, prec, notes
 
 
-def run_intensity_range(cfg, state, train_pairs, val_pairs=()):
+def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
     """scale_image's range for this run: a resumed run's (its model learnt on that scale; None for a run
-    from before ranges were learnt), else intensity_range as given, else learnt from the training images.
-    With none, an image no range maps (wide_integers_unmapped) stops the run here, not at its first read."""
+    from before ranges were learnt), else intensity_range as given, else learnt from the training images
+    (with a note where one or two of them set it: range_set_by_few). With none, an image no range maps
+    (wide_integers_unmapped) stops the run here, not at its first read."""
     if state is None:
         found = cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
         if found is None:
             wide_integers_unmapped([*train_pairs, *val_pairs], cfg)
+        elif cfg["intensity_range"] is None and notes is not None:
+            notes.append(range_set_by_few(train_pairs, cfg, found))
         return found
     saved = state["config"].get("intensity_range")
     if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
@@ -4112,6 +4115,28 @@ def learnt_intensity_range(pairs, cfg):
         return None
     low, high = min(r[0] for r in ranges), max(r[1] for r in ranges)
     return [low, high] if high > low else None
+
+
+def range_set_by_few(pairs, cfg, found):
+    """A note where the learnt range is set by one image's maximum or minimum (a hot pixel, a saturated
+    frame) and the others use under half of it: every other image reached the model squashed into a
+    fraction of 0-1, said only by the config's intensity_range line. Else None."""
+    facts = start_up_facts(pairs, cfg)
+    ranged = sorted((facts[os.path.abspath(image)]["range"], Path(image).name) for image, _ in pairs
+                    if facts[os.path.abspath(image)].get("range") is not None)
+    if len(ranged) < 3:  # two images: neither is "the rest"
+        return None
+    top, bottom = max(ranged, key=lambda r: r[0][1]), min(ranged, key=lambda r: r[0][0])
+    high = max(r[0][1] for r in ranged if r is not top)
+    low = min(r[0][0] for r in ranged if r is not bottom)
+    if high <= low or 2 * (high - low) >= found[1] - found[0]:
+        return None
+    by = [(name, f"{name}'s {what} ({value})") for value, name, what in
+          ((found[1], top[1], "maximum"), (found[0], bottom[1], "minimum")) if value not in (low, high)]
+    others = len(ranged) - len({name for name, _ in by})
+    return (f"intensity_range={found} is set by {' and '.join(text for _, text in by)}; the other {others} "
+            f"training image(s) lie within [{low}, {high}], under half of it, so they reach the model squashed: if "
+            f"{low}-{high} is the data's range (a hot pixel, a saturated frame?), set intensity_range={low},{high}")
 
 
 def class_pixel_counts(pairs, cfg):

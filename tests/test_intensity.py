@@ -326,3 +326,29 @@ def test_questions_after_the_check_decode_nothing_where_no_cache_could_be_writte
     train_unet.image_sizes(train, cfg)
     train_unet.cache_bytes(train, cfg)
     assert decoded == []
+
+
+def test_a_range_set_by_one_hot_pixel_is_noted_with_the_rest_of_the_datas_range(make_cfg, depths, capsys):
+    """One 12-bit image with a hot pixel at 65535 set intensity_range=[0, 65535]: the other images reached
+    the model at 0-0.06, and only the config's intensity_range line said so (a user's report)."""
+    data = depths[12]
+    hot = sorted((data / "images").iterdir())[3]
+    image = cv2.imread(str(hot), cv2.IMREAD_UNCHANGED)
+    image[0, 0] = 65535
+    cv2.imwrite(str(hot), image)
+    cfg = make_cfg(data_dir=str(data))
+    train_pairs, _ = train_unet.prepare_data(cfg)
+    notes = []
+    assert train_unet.run_intensity_range(cfg, None, train_pairs, notes=notes) == [0, 65535]
+    assert notes == [f"intensity_range=[0, 65535] is set by {hot.name}'s maximum (65535); the other "
+                     f"{len(train_pairs) - 1} training image(s) lie within [0, 4095], under half of it, so they reach "
+                     f"the model squashed: if 0-4095 is the data's range (a hot pixel, a saturated frame?), set "
+                     f"intensity_range=0,4095"]
+    assert [hot.name == Path(p).name for p, _ in train_pairs].count(True) == 1  # it is a training image
+    train_unet.train({**cfg, "epochs": 1})
+    assert "set intensity_range=0,4095" in capsys.readouterr().out  # in the banner's notes
+    notes, cfg16 = [], make_cfg(data_dir=str(depths[16]))
+    train_unet.run_intensity_range(cfg16, None, train_unet.prepare_data(cfg16)[0], notes=notes)
+    assert notes == [None]  # no image stands out: no note
+
+
