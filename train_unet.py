@@ -3577,18 +3577,19 @@ def mask_to_classes(mask, num_classes, path="mask"):
     return classes
 
 
-def check_mask_values(path, values, num_classes, dtype, others=None, greys=None):
+def check_mask_values(path, values, num_classes, dtype, others=None, greys=None, at_least=0):
     """Binary: 0/1 or 0/255 (255 = foreground). Multi-class: 0..num_classes-1, and 255 = void. `others`:
     binary_others' word on the rest of the set, for a binary run's odd mask; `greys`: the set's values, where
     they are classes saved as evenly spaced greys (even_grey_levels; else this mask's are looked at, where its
-    values are wrong: not for every mask at every start-up)."""
+    values are wrong: not for every mask at every start-up); `at_least`: the num_classes the whole set needs
+    (set_classes), so the fix suggested is not one the next mask refuses."""
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
             return
         greys = greys or even_grey_levels(values)
         hint = (f"the other masks are binary ({others}): fix this one (a stray value?); num_classes > 1 would "
                 f"make {IGNORE_INDEX} void in them" if others and others.endswith("0/255") else
-                greys_hint(greys) if greys else mask_hint(path, dtype, values))
+                greys_hint(greys) if greys else mask_hint(path, dtype, values, at_least))
         raise UserError(f"mask {path} holds values {sorted(values)[:8]}: with num_classes=1 masks must be "
                         f"0/1 or 0/255; {hint}")
     if Path(path).suffix.lower() in JPEG_EXTS:  # by name here; by its bytes where the values are wrong (below);
@@ -3607,7 +3608,8 @@ def check_mask_values(path, values, num_classes, dtype, others=None, greys=None)
         top = max(classes)
         others = sorted(classes - {top})
         hint = (f"class indices must be below {IGNORE_INDEX} ({IGNORE_INDEX} = void)" if top >= IGNORE_INDEX else
-                f"set num_classes={top + 1} or fix the mask" if top < 2 * max(num_classes, len(classes)) or not others else
+                f"set num_classes={max(top + 1, at_least)} or fix the mask"
+                if top < 2 * max(num_classes, len(classes)) or not others else
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
                 f"set num_classes={top + 1} if it is a class")
         palette = grey_palette_hint(path)  # its indices may be the classes: the likelier fix first
@@ -3727,7 +3729,7 @@ def format_values(values, limit=8):
     return f"[{shown}{', ...' if len(values) > limit else ''}]"
 
 
-def mask_hint(path, dtype, values):
+def mask_hint(path, dtype, values, at_least=0):
     if np.dtype(dtype) != np.uint8:
         return f"this {dtype} mask needs saving as 8-bit 0/255 or 0/1"
     lossy = lossy_format(path)
@@ -3736,7 +3738,7 @@ def mask_hint(path, dtype, values):
     classes = values - {IGNORE_INDEX}
     if len(classes) <= 16 and max(classes) < 16:
         void = f" ({IGNORE_INDEX} = void there)" if IGNORE_INDEX in values else ""
-        return f"class indices? set num_classes={max(max(classes) + 1, 2)}{void}"
+        return f"class indices? set num_classes={max(max(classes) + 1, 2, at_least)}{void}"
     return "anti-aliased edges? save masks with exact values only"
 
 
@@ -3770,11 +3772,12 @@ def check_pair_facts(pairs, facts, cfg):
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
     others = binary_others(values)  # once: per pair it would compare every mask with every other
     greys = even_grey_levels(set().union(*values))  # the set's: one mask may hold only some of the levels
+    at_least = set_classes(values, cfg)
     for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
         if mask.get("codec") == "JPEG":
             check_not_jpeg(mask_path, found)
-        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys)
+        check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys, at_least)
         if image["hw"] != mask["hw"]:
             turned = exif_turn(image_path, image["hw"])
             fix = "" if turned else (f": resize the mask to {image['hw'][1]}x{image['hw'][0]} with nearest-neighbour "
@@ -3798,6 +3801,18 @@ def check_pair_facts(pairs, facts, cfg):
              thin_in_fit_mode(pairs, facts, cfg), maybe_lossy_masks(pairs, facts)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
+
+
+def set_classes(values, cfg):
+    """The num_classes the whole set asks for, for a fix to suggest: its masks' largest small class index
+    (below 16, as mask_hint takes values for classes) + 1, or class_names.txt's lines where more. The first
+    bad mask's own values suggested num_classes=3, and the next mask, holding class 3, was refused then."""
+    small = [int(v) for v in set().union(*values) if math.isfinite(v) and v == int(v) and 0 <= v < 16]
+    try:
+        named = Path(cfg["data_dir"], "class_names.txt").read_text(encoding="utf-8-sig").strip().splitlines()
+    except (OSError, UnicodeDecodeError):  # none, or unreadable: load_class_names says so in its turn
+        named = []
+    return max(max(small, default=0) + 1, len(named))
 
 
 def absent_classes(values, cfg):

@@ -1317,6 +1317,25 @@ def test_a_class_beyond_num_classes_gets_the_likely_fix(values, hint, tmp_path):
         train_unet.read_mask(path, 3)
 
 
+@pytest.mark.parametrize("names", [False, True])
+def test_the_num_classes_suggested_for_class_index_masks_is_the_whole_sets(make_data, make_cfg, names):
+    """0..3 and void in palette masks, the first holding 0..2 only: num_classes=1 suggested num_classes=3,
+    and the run with it was refused at the next mask: "holds class 3 ... set num_classes=4" (a user's
+    report). class_names.txt's lines count too: a class no mask holds yet."""
+    data = make_data("classes", count=6, size=32, num_classes=4)
+    masks = sorted((data / "masks").iterdir())
+    first = cv2.imread(str(masks[0]), cv2.IMREAD_UNCHANGED)
+    first[first == 3] = 2
+    first[0, 0] = 255
+    cv2.imwrite(str(masks[0]), first)
+    if names:
+        (data / "class_names.txt").write_text("background\na\nb\nc\nd\n")
+    want = 5 if names else 4
+    for num_classes, match in ((1, rf"holds values \[0, 1, 2, 255\]: with num_classes=1 .*set num_classes={want}"),
+                               (3, rf"holds class 3 but num_classes=3 .*set num_classes={want}")):
+        one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(data), num_classes=num_classes), match=match)
+
+
 @pytest.mark.parametrize("num_classes", [1, 3])
 def test_masks_with_no_foreground_at_all_are_refused(make_cfg, data_dir, num_classes):
     """All-zero masks trained, and an IoU of 0.0000 was marked 'best' with no word of why (multi-class:
