@@ -3060,6 +3060,8 @@ def find_pairs(folder):
         raise UserError(renamed)
     for missing, have, there, fix in ((set(images) - set(masks), images, folder / "masks", "add masks"),
                                       (set(masks) - set(images), masks, folder / "images", "add images")):
+        what = f"image(s) in {folder / 'images'} have no mask" if have is images else \
+            f"mask(s) in {folder / 'masks'} have no image"
         if missing:
             unreadable = next((p.name for p in sorted(there.glob(f"{glob.escape(min(missing))}.*"))
                                if p.suffix.lower() not in IMAGE_EXTS), None)
@@ -3067,8 +3069,8 @@ def find_pairs(folder):
                 raise UserError(f"{there / unreadable} is not a format this script reads ({', '.join(IMAGE_EXTS)}): "
                                 f"convert it (and any like it), e.g. to PNG")
             names = ", ".join(have[s].name for s in sorted(missing)[:3])
-            raise UserError(f"{len(missing)} file(s) have no partner in {there} (e.g. {names}): {fix} "
-                            f"with the same file stem, or remove them")
+            raise UserError(f"{len(missing)} {what} in {there} (e.g. {names}): {fix} with the same file stem, "
+                            f"or remove them")
     return [(images[s], masks[s]) for s in sorted(images)]
 
 

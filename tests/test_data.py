@@ -55,6 +55,7 @@ def test_image_without_mask(make_cfg, data_dir):
     message = data_error(make_cfg())
     assert orphan.name in message
     assert str(data_dir / "masks") in message  # where the partner is missing
+    assert f"1 image(s) in {data_dir / 'images'} have no mask in {data_dir / 'masks'}" in message  # which is which
 
 
 def test_mask_without_image(make_cfg, data_dir):
@@ -63,6 +64,7 @@ def test_mask_without_image(make_cfg, data_dir):
     message = data_error(make_cfg())
     assert orphan.name in message
     assert str(data_dir / "images") in message
+    assert f"1 mask(s) in {data_dir / 'masks'} have no image in {data_dir / 'images'}" in message
 
 
 def test_corrupt_image(make_cfg, data_dir):

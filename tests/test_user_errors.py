@@ -1653,7 +1653,7 @@ def test_masks_named_with_a_word_added_are_told_to_be_renamed(make_data, rename,
     for i, mask in enumerate(sorted((root / "masks").iterdir())):  # names of no relation: no rename advised
         mask.rename(mask.with_name(f"label{i}.png"))
     message = one_line_error(train_unet.find_pairs, root,
-                             match="6 file\\(s\\) have no partner in .*masks .*: add masks")
+                             match="6 image\\(s\\) in .*images have no mask in .*masks .*: add masks")
     assert "rename" not in message
 
 
