@@ -7419,6 +7419,10 @@ def list_images(path):
             raise UserError(f"input {path} is not one of the image types predict reads ({', '.join(IMAGE_EXTS)}): "
                             f"convert it to one of them")
         return [path]
+    if not path.is_dir() and any(c in path.name for c in "*?[") and path.parent.is_dir():
+        # input=dir/*.tif: a pattern, which the shell leaves as it is (no file is named input=dir/...)
+        raise UserError(f"input {path} not found: a pattern is not expanded here; give the folder, "
+                        f"input={cli_value(path.parent)}, whose images are all predicted (or one file)")
     if not path.is_dir():
         raise UserError(f"input {path} not found: give an image file or a folder of images")
     with os.scandir(path) as scan:  # each entry's type without a stat per file (a large folder)

@@ -429,6 +429,17 @@ def test_a_single_input_file_of_a_type_a_folder_skips_is_refused(tmp_path):
         train_unet.list_images(tmp_path / "e.webp")
 
 
+def test_an_input_pattern_is_told_to_be_the_folder(tmp_path):
+    """input="dir/*.tif" (quoted, or left as it is by the shell) was "not found: give an image file or a
+    folder", which it looked like it was (a user's report)."""
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(train_unet.UserError, match=rf"input .*\*.tif not found: a pattern is not expanded here; give "
+                                                   rf"the folder, input={tmp_path / 'dir'}, whose images are all"):
+        train_unet.list_images(tmp_path / "dir" / "*.tif")
+    with pytest.raises(train_unet.UserError, match="not found: give an image file or a folder of images"):
+        train_unet.list_images(tmp_path / "dir" / "a.tif")
+
+
 def test_corrupt_image_is_named_and_the_others_are_predicted(binary_model, tmp_path, capsys):
     ckpt, data = binary_model
     folder = tmp_path / "in"
