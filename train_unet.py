@@ -7693,6 +7693,7 @@ class InputNotes:
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, [], None, None
         self.colour, self.extra, self.thin, self.looked, self.lock = None, None, None, 0, threading.Lock()
+        self.colours = 0  # of the images looked at for colour (PREDICT_COLOUR_LOOKS)
 
     def look(self, path, decoded, scaled):
         """An image as decoded and as scale_image mapped it, on a reader thread: of each kind the first by name
@@ -7712,6 +7713,7 @@ class InputNotes:
         with self.lock:
             if not ranged and wide and decoded.dtype.itemsize == 2:  # scaled by the type's range
                 self.sixteen_bit.append((path, kind == "i", int(values.max())))  # its top: 12-bit data?
+            self.colours += bool(found["colour"])
             for key, value in found.items():
                 kept = getattr(self, key)
                 if value and (kept is None or str(path) < str(kept[0] if isinstance(kept, tuple) else kept)):
@@ -7763,7 +7765,9 @@ class InputNotes:
     def print_as_read(self):
         checkpoint = self.opts["checkpoint"]
         if self.colour is not None:
-            print(f"note: {Path(self.colour).name} holds colour, read as grey (its luminance): {checkpoint} takes "
+            looked = min(self.looked, PREDICT_COLOUR_LOOKS)  # not every image: a second decode each
+            print(f"note: {self.colours} of {'the first ' if self.looked > looked else ''}{looked} image(s) hold "
+                  f"colour (e.g. {Path(self.colour).name}), read as grey (their luminance): {checkpoint} takes "
                   f"in_channels=1; if colour tells the classes apart, train with in_channels=3")
         if self.extra is not None:
             print(f"note: {Path(self.extra).name} holds a channel that is not alpha beside its grey or RGB (a TIFF "

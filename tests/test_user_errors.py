@@ -823,8 +823,8 @@ def test_predict_notes_colour_read_as_grey_and_a_dropped_channel_that_is_not_alp
     grey_cfg = {**cfg, "in_channels": 1, "checkpoint_dir": str(tmp_path / "grey")}
     train_unet.train(grey_cfg)
     capsys.readouterr()
-    colour = "holds colour, read as grey (its luminance): {} takes in_channels=1; if colour tells the classes " \
-             "apart, train with in_channels=3"
+    colour = "note: 2 of 3 image(s) hold colour (e.g. colour.png), read as grey (their luminance): {} takes " \
+             "in_channels=1; if colour tells the classes apart, train with in_channels=3"  # colour.png and nir.tif
     nir = "note: nir.tif holds a channel that is not alpha beside its grey or RGB (a TIFF extra sample such as " \
           "near-infrared), and it is dropped: {} takes in_channels={}"
     for ckpt, channels in ((Path(grey_cfg["checkpoint_dir"]) / "best.pt", 1), (Path(cfg["checkpoint_dir"]) / "best.pt", 3)):
