@@ -545,13 +545,21 @@ def check_not_in_a_data_set(checkpoint_dir):
     with a ~/masks of other uses beside ~/images, is no data set's."""
     folder = Path(checkpoint_dir).resolve()
     part = next((p for p in (folder, *folder.parents) if data_set_part(p) and p.is_dir()
-                 and (p == folder or image_file_count(p))), None)
+                 and (p == folder or holds_images(p))), None)
     if part is not None:
         where = "is" if part == folder else f"is inside {part}, which is"
         data_set = part.parent.parent if part.parent.name in ("train", "val") else part.parent
         raise UserError(f"checkpoint_dir={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
                         f"logs would go among its files; choose another checkpoint_dir (e.g. "
                         f"{cli_value(data_set.parent / 'checkpoints' / data_set.name)})")
+
+
+def holds_images(folder):
+    """Whether a folder holds image files itself; one that cannot be listed is taken to (refused as before)."""
+    try:
+        return image_file_count(folder) > 0
+    except OSError:
+        return True
 
 
 def data_set_part(folder):
@@ -1496,8 +1504,8 @@ class OutputReaderGone:
     stopped with exit 1 and no word; with `2>&1 | head` the progress bar's next line did, in the first epoch.
     Now one note on the other stream (where it has a reader), and the run goes on, printing nowhere there."""
 
-    def __init__(self, stream, name="stdout"):
-        self.stream, self.name, self.gone = stream, name, False
+    def __init__(self, stream, which="stdout"):
+        self.stream, self.which, self.gone = stream, which, False  # not .name: the stream's own ("<stdout>")
 
     def write(self, text):
         return self.unless_gone(self.stream.write, text) or len(text)
@@ -1514,8 +1522,8 @@ class OutputReaderGone:
             self.gone = True
             with contextlib.suppress(OSError, ValueError):  # Python's flush at exit finds the null device
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-            other = sys.stderr if self.name == "stdout" else sys.stdout  # itself guarded: gone too, it is silent
-            what = "output's" if self.name == "stdout" else "error output's"
+            other = sys.stderr if self.which == "stdout" else sys.stdout  # itself guarded: gone too, it is silent
+            what = "output's" if self.which == "stdout" else "error output's"
             print(f"note: the {what} reader has ended (a pipe such as | head): the command goes on without "
                   f"printing there; its results are written as usual", file=other, flush=True)
             return None
@@ -2873,7 +2881,11 @@ def misnamed_split(root, split):
     or "images/ not found" hid that the folder was there."""
     if all(split) or (not any(split) and (root / "images").is_dir()):
         return None
-    found = {name: next((p.name for p in sorted(root.iterdir()) if p.is_dir() and p.name.lower() in names), None)
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:  # entered but not listed (mode 711): the usual messages say what is missing
+        return None
+    found = {name: next((p.name for p in entries if p.is_dir() and p.name.lower() in names), None)
              for name, names in SPLIT_FOLDER_NAMES.items()}
     wrong = [(found[name], name) for name, there in zip(("train", "val"), split) if not there]
     if not all(was for was, _ in wrong) or not wrong:
@@ -3102,7 +3114,7 @@ def partners_in_other_case(images, masks, folder):
     """Where unpaired masks are unpaired images' stems in other letter case (IMG_01.png for img_01.tif, as
     one tool or camera names them), the error that says so, else None: stems are matched exactly, on every
     file system, and "no partner" hid that the partner was there."""
-    lone = {stem.lower(): stem for stem in set(images) - set(masks)}
+    lone = {stem.lower(): stem for stem in sorted(set(images) - set(masks), reverse=True)}  # the first by name
     pairs = [(lone[stem.lower()], stem) for stem in sorted(set(masks) - set(images)) if stem.lower() in lone]
     if not pairs:
         return None
@@ -3613,7 +3625,7 @@ def check_mask_values(path, values, num_classes, dtype, others=None, greys=None,
                 f"set num_classes={max(top + 1, at_least)} or fix the mask"
                 if top < 2 * max(num_classes, len(classes)) or not others else
                 f"it stands far above the others ({format_values(others)}): a stray value? fix the mask, or "
-                f"set num_classes={top + 1} if it is a class")
+                f"set num_classes={max(top + 1, at_least)} if it is a class")
         palette = grey_palette_hint(path)  # its indices may be the classes: the likelier fix first
         greys = greys or even_grey_levels(values)
         hint = greys_hint(greys) if greys else hint
@@ -3806,15 +3818,19 @@ def check_pair_facts(pairs, facts, cfg):
 
 
 def set_classes(values, cfg):
-    """The num_classes the whole set asks for, for a fix to suggest: its masks' largest small class index
-    (below 16, as mask_hint takes values for classes) + 1, or class_names.txt's lines where more. The first
-    bad mask's own values suggested num_classes=3, and the next mask, holding class 3, was refused then."""
-    small = [int(v) for v in set().union(*values) if math.isfinite(v) and v == int(v) and 0 <= v < 16]
+    """The num_classes the whole set asks for, for a fix to suggest: its masks' largest class index + 1 where
+    their indices are dense (the largest under twice as many as there are: 0..20 of a VOC-like set, not a
+    stray 200, which each mask's own hint names), else the largest below 16; or class_names.txt's lines
+    where more. The first bad mask's own values suggested num_classes=3, and the next mask, holding
+    class 3, was refused then."""
+    whole = {int(v) for v in set().union(*values) if math.isfinite(v) and v == int(v) and 0 <= v < IGNORE_INDEX}
+    dense = whole and max(whole) < 2 * len(whole)
+    top = max(whole) if dense else max((v for v in whole if v < 16), default=0)
     try:
-        named = Path(cfg["data_dir"], "class_names.txt").read_text(encoding="utf-8-sig").strip().splitlines()
+        named = Path(cfg["data_dir"], "class_names.txt").read_text(encoding="utf-8-sig").rstrip("\n").splitlines()
     except (OSError, UnicodeDecodeError):  # none, or unreadable: load_class_names says so in its turn
         named = []
-    return max(max(small, default=0) + 1, len(named))
+    return max(top + 1, len(named))
 
 
 def absent_classes(values, cfg):
@@ -4136,20 +4152,23 @@ def learnt_intensity_range(pairs, cfg):
 
 def range_set_by_few(pairs, cfg, found):
     """A note where the learnt range is set by one image's maximum or minimum (a hot pixel, a saturated
-    frame) and the others use under half of it: every other image reached the model squashed into a
-    fraction of 0-1, said only by the config's intensity_range line. Else None."""
+    frame) standing apart from the rest (further out than the rest's own span), and the others use under half
+    of it: every other image reached the model squashed into a fraction of 0-1, said only by the config's
+    intensity_range line. Else None."""
     facts = start_up_facts(pairs, cfg)
-    ranged = sorted((facts[os.path.abspath(image)]["range"], Path(image).name) for image, _ in pairs
-                    if facts[os.path.abspath(image)].get("range") is not None)
+    ranged = [(facts[os.path.abspath(image)]["range"], Path(image).name) for image, _ in pairs
+              if facts[os.path.abspath(image)].get("range") is not None]
     if len(ranged) < 3:  # two images: neither is "the rest"
         return None
     top, bottom = max(ranged, key=lambda r: r[0][1]), min(ranged, key=lambda r: r[0][0])
-    high = max(r[0][1] for r in ranged if r is not top)
-    low = min(r[0][0] for r in ranged if r is not bottom)
-    if high <= low or 2 * (high - low) >= found[1] - found[0]:
+    core = (min(r[0][0] for r in ranged if r is not bottom), max(r[0][1] for r in ranged if r is not top))
+    span = core[1] - core[0]
+    apart = {"maximum": found[1] - core[1] > span > 0, "minimum": core[0] - found[0] > span > 0}
+    low, high = (core[0] if apart["minimum"] else found[0]), (core[1] if apart["maximum"] else found[1])
+    if not any(apart.values()) or 2 * (high - low) >= found[1] - found[0]:
         return None
     by = [(name, f"{name}'s {what} ({value})") for value, name, what in
-          ((found[1], top[1], "maximum"), (found[0], bottom[1], "minimum")) if value not in (low, high)]
+          ((found[1], top[1], "maximum"), (found[0], bottom[1], "minimum")) if apart[what]]
     others = len(ranged) - len({name for name, _ in by})
     return (f"intensity_range={found} is set by {' and '.join(text for _, text in by)}; the other {others} "
             f"training image(s) lie within [{low}, {high}], under half of it, so they reach the model squashed: if "
@@ -7419,7 +7438,7 @@ def list_images(path):
             raise UserError(f"input {path} is not one of the image types predict reads ({', '.join(IMAGE_EXTS)}): "
                             f"convert it to one of them")
         return [path]
-    if not path.is_dir() and any(c in path.name for c in "*?[") and path.parent.is_dir():
+    if not path.is_dir() and any(c in path.name for c in "*?") and path.parent.is_dir():
         # input=dir/*.tif: a pattern, which the shell leaves as it is (no file is named input=dir/...)
         raise UserError(f"input {path} not found: a pattern is not expanded here; give the folder, "
                         f"input={cli_value(path.parent)}, whose images are all predicted (or one file)")

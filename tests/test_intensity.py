@@ -4,6 +4,7 @@ check, saved in the checkpoint, used by training, validation and predict (issue 
 The guarantee: 12-bit and 16-bit copies of a data set give the network its 8-bit copy's inputs.
 """
 import json
+import os
 import shutil
 import sys
 import tracemalloc
@@ -352,3 +353,19 @@ def test_a_range_set_by_one_hot_pixel_is_noted_with_the_rest_of_the_datas_range(
     assert notes == [None]  # no image stands out: no note
 
 
+
+
+def test_only_an_extreme_standing_apart_is_named_and_the_suggested_range_holds_the_rest(monkeypatch):
+    """Minima a few counts apart (a camera's dark level) named the darkest image as a setter of the range
+    beside the hot pixel, counted it out of "the other" images, and suggested a range that cut into it."""
+    ranges = {"a.tif": [98, 4000], "b.tif": [97, 3900], "c.tif": [100, 65535], "d.tif": [101, 4095]}
+    pairs = [(f"/d/images/{name}", f"/d/masks/{name}") for name in ranges]
+    monkeypatch.setattr(train_unet, "start_up_facts", lambda pairs, cfg: {
+        os.path.abspath(image): {"range": ranges[Path(image).name]} for image, _ in pairs})
+    note = train_unet.range_set_by_few(pairs, {}, [97, 65535])
+    assert note.startswith("intensity_range=[97, 65535] is set by c.tif's maximum (65535); the other 3 training "
+                           "image(s) lie within [97, 4095]") and note.endswith("set intensity_range=97,4095")
+    ranges.update({"b.tif": [3, 3900], "c.tif": [100, 4100]})
+    assert train_unet.range_set_by_few(pairs, {}, [3, 4100]) is None  # nothing stands apart: no note
+    ranges.update({"b.tif": [30000, 30100], "a.tif": [30050, 30200], "d.tif": [30020, 30150]})  # c's minimum does
+    assert "set by c.tif's minimum (100); the other 3" in train_unet.range_set_by_few(pairs, {}, [100, 30200])

@@ -1336,6 +1336,36 @@ def test_the_num_classes_suggested_for_class_index_masks_is_the_whole_sets(make_
         one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(data), num_classes=num_classes), match=match)
 
 
+def test_the_num_classes_suggested_holds_a_voc_like_sets_classes_beyond_15(make_data, make_cfg):
+    """Indices 0..20 over the masks, the first holding 0..5: "set num_classes=6", then "holds class 20 ...
+    set num_classes=21" at the next mask (review). A stray 200 in a set of 0..3 is no class count."""
+    data = make_data("voc", count=4, size=32)
+    for i, path in enumerate(sorted((data / "masks").iterdir())):
+        cv2.imwrite(str(path), np.resize(np.arange(6 * i, 6 * i + 6) % 21, (32, 32)).astype(np.uint8))
+    one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(data), num_classes=3),
+                   match=r"holds class 5 but num_classes=3 .*: set num_classes=21 or fix the mask$")
+    assert train_unet.set_classes([{0, 1, 2}, {0, 3, 200}], {"data_dir": str(data)}) == 4
+
+
+def test_a_data_dir_that_cannot_be_listed_keeps_its_one_line_message(make_cfg, tmp_path, monkeypatch):
+    """A folder entered but not listed (mode 711: a colleague's on a shared cluster) gave PermissionError's
+    traceback from the split folders' names (review); checkpoint_dir under such an images/ folder too."""
+    root = tmp_path / "shared"
+    (root / "train" / "images").mkdir(parents=True)
+    (root / "masks").mkdir()
+    real = Path.iterdir
+
+    def iterdir(self):
+        if self in (root, root / "images"):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    one_line_error(train_unet.split_pairs, make_cfg(data_dir=str(root)), match=r"has train/ but no val/")
+    (root / "images").mkdir()
+    one_line_error(train_unet.check_not_in_a_data_set, root / "images" / "runs" / "r1",
+                   match=r"is inside .*images, which is a data set's images folder")
+
+
 @pytest.mark.parametrize("num_classes", [1, 3])
 def test_masks_with_no_foreground_at_all_are_refused(make_cfg, data_dir, num_classes):
     """All-zero masks trained, and an IoU of 0.0000 was marked 'best' with no word of why (multi-class:
@@ -1669,6 +1699,7 @@ def test_masks_named_in_other_letter_case_are_told_to_be_renamed(make_data):
                          r"SHAPE_0000.png -> shape_0000.png\)$")
 
 
+@pytest.mark.skipif(os.name == "nt", reason="a folder link needs a privilege on Windows")
 def test_masks_linked_to_the_images_folder_are_named_so(make_data):
     """masks/ a link to images/ (a slip while setting up): each image was read as its own mask, and the
     error called the mask "a colour image"."""
