@@ -6839,8 +6839,7 @@ class RunLogger:
     def __init__(self, log_dir=None, cfg=None):
         self.writer, self.steps = None, []   # steps: (global step, lr, [device scalars])
         if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(str(log_dir))
+            self.writer = LogWriter(log_dir)
             self.writer.add_text("config", "```\n" + json.dumps(cfg, indent=2, default=str) + "\n```")
 
     @classmethod
@@ -6916,6 +6915,47 @@ class RunLogger:
             self.flush_steps()
             self.writer.close()
             self.writer = None
+
+
+class LogWriter:
+    """TensorBoard's SummaryWriter, whose write errors name its folder. They come from its writer thread,
+    with no file name (a full disk at start-up read "cannot write a file"), and that thread printed its own
+    traceback as it ended, cut short by the exit, around the one-line error: it is left out (quiet_log_writers),
+    as tensorboard raises the error again in the run at its next call."""
+
+    def __init__(self, log_dir):
+        from torch.utils.tensorboard import SummaryWriter
+        quiet_log_writers()
+        self.log_dir = log_dir
+        self.writer = self.named(SummaryWriter, str(log_dir))
+
+    def named(self, call, *args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except OSError as exc:
+            if exc.filename is None:
+                raise OSError(exc.errno, exc.strerror, str(self.log_dir)) from exc
+            raise
+
+    def __getattr__(self, name):
+        if name == "writer":  # not yet set: no recursion
+            raise AttributeError(name)
+        attr = getattr(self.writer, name)
+        return functools.partial(self.named, attr) if callable(attr) else attr
+
+
+def quiet_log_writers():
+    """threading.excepthook, once, without the print for an OSError ending TensorBoard's writer thread."""
+    previous = threading.excepthook
+    if getattr(previous, "quiet_log_writers", False):
+        return
+
+    def hook(args):
+        if type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, OSError):
+            return  # raised again in the run's own thread, which says it in one line
+        previous(args)
+    hook.quiet_log_writers = True
+    threading.excepthook = hook
 
 
 # ====================================================================================================

@@ -88,6 +88,25 @@ def test_logger_none_and_csv_write_no_events(make_cfg):
         assert (Path(cfg["checkpoint_dir"]) / "history.csv").is_file()
 
 
+def test_a_full_disk_under_the_event_file_is_one_line_naming_its_folder(make_cfg, monkeypatch, capsys):
+    """The writer thread's ENOSPC at start-up (a full disk) printed "Exception in thread" and a traceback cut
+    short by the exit around "error: cannot write a file (...)" (a user's report)."""
+    from tensorboard.summary.writer import record_writer
+
+    def write(self, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    cfg = make_cfg(logger="tensorboard")
+    args = [f"{key}={value}" for key, value in cfg.items() if key in ("data_dir", "checkpoint_dir", "image_size",
+                                                                      "encoder_name", "batch_size", "epochs")]
+    assert train_unet.main([*args, "encoder_weights=None", "progress=False", "device=cpu", "use_amp=False",
+                            "cpu_probe=False", "num_workers=0", "logger=tensorboard"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"error: cannot write {Path(cfg['checkpoint_dir']) / 'tensorboard'} (No space left on "
+                           f"device): free disk space there or choose another folder; files are written under "
+                           f"temporary names, so those written before are intact"), err
+
+
 def test_logger_tensorboard_without_the_package_is_a_clear_error(make_cfg, monkeypatch):
     monkeypatch.setattr(train_unet, "tensorboard_installed", lambda: False)
     with pytest.raises(UserError, match="logger=tensorboard but the tensorboard package is not installed"):
