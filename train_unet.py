@@ -248,11 +248,9 @@ def main(argv=None):
             print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a full disk under any write that has no message of its own (history, logs)
-        if exc.errno not in FULL_DISK:
+        if exc.errno not in (*FULL_DISK, errno.EMFILE):
             raise
-        print(f"error: cannot write {exc.filename or 'a file'} ({exc.strerror}): free disk space there or choose "
-              f"another folder; files are written under temporary names, so those written before are intact",
-              file=sys.stderr)
+        print(f"error: {system_limit_message(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         left = exc.args[0] if exc.args else INTERRUPTED.get(command, "files written so far are complete")
@@ -1489,6 +1487,17 @@ def printable_file_names():
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure") and stream.errors in ("strict", "surrogateescape"):
             stream.reconfigure(errors="backslashreplace")
+
+
+def system_limit_message(exc):
+    """The one line for a full disk, or the open-file limit met, where no check before had a message of its
+    own (num_workers=0 checks no limit: at ulimit -n 12 the image cache's np.load met it, in a traceback)."""
+    if exc.errno == errno.EMFILE:
+        limit = raise_open_files_limit()
+        return (f"too many open files{f' (the limit here is {limit}, ulimit -n)' if limit else ''}: raise it "
+                f"(ulimit -n 4096; in Docker --ulimit nofile=4096)")
+    return (f"cannot write {exc.filename or 'a file'} ({exc.strerror}): free disk space there or choose another "
+            f"folder; files are written under temporary names, so those written before are intact")
 
 
 def guard_output_streams():

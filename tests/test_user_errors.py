@@ -1520,6 +1520,20 @@ def test_a_row_of_a_benchmark_started_in_the_background_takes_the_benchmarks_ctr
     assert out.returncode == 0 and out.stdout.strip() == "True", (out.returncode, out.stderr[-500:])
 
 
+def test_the_open_file_limit_met_where_nothing_checked_it_is_one_line(monkeypatch, capsys):
+    """num_workers=0 at ulimit -n 12: the image cache's np.load met the limit, and the run ended in
+    OSError's traceback (a user's report). Any command that meets it says it in one line."""
+    import errno
+
+    def run_command(command, args):
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setattr(train_unet, "run_command", run_command)
+    assert train_unet.main(["epochs=1"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"error: too many open files( \(the limit here is \d+, ulimit -n\))?: raise it \(ulimit -n "
+                        r"4096; in Docker --ulimit nofile=4096\)\n", err), err
+
+
 def test_decide_precision_takes_amp_dtypes_short_names_as_configs_do():
     hw = train_unet.detect_hardware("cpu")
     assert train_unet.decide_precision(hw, True, "bf16", force=True).name == "bf16"
