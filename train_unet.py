@@ -501,6 +501,7 @@ def set_up_training(cfg, explicit):
     # 5. Model, optimizer, LR schedule, scaler: new, or resumed exactly; then the loss and the logger.
     steps_per_epoch = optimizer_steps_per_epoch(len(loaders[0]), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
+    notes.append(check_checkpoint_room(run, cfg) if DIST.is_main else None)
     run.class_names, run.logger, run.data_split = class_names, RunLogger.create(cfg), data_split
     run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
     # 6. Say what was decided, and why.
@@ -1071,6 +1072,32 @@ class Run:
 # What only a resume needs, which last.pt keeps and best.pt leaves out: AdamW's two moments per weight made
 # best.pt three times the model's size (172 MB for resnet18's U-Net), written again at every better epoch.
 RESUME_ONLY = ("optimizer", "scaler", "rng")
+
+
+def checkpoint_sizes(run):
+    """(best.pt, last.pt) in bytes, about: the weights and their EMA copy; last.pt adds AdamW's two moments
+    per trainable parameter (pickling adds a few KB)."""
+    weights = sum(t.nbytes for t in run.model.state_dict().values())
+    best = weights + (sum(t.nbytes for t in run.ema.model.state_dict().values()) if run.ema.model else 0)
+    return best, best + 2 * sum(p.nbytes for p in run.model.parameters() if p.requires_grad)
+
+
+def check_checkpoint_room(run, cfg):
+    """A disk too small for the run's checkpoints, found before it trains: its first epoch's best.pt and
+    last.pt that cannot fit are refused (the run trained a whole epoch, then stopped at the write); a note
+    where a later last.pt, written beside the one it replaces, would not. Files already there count."""
+    folder = Path(cfg["checkpoint_dir"])
+    best, last = checkpoint_sizes(run)
+    held = sum(p.stat().st_size for p in (folder / "best.pt", folder / "last.pt") if p.is_file())
+    free = shutil.disk_usage(folder).free + held
+    sizes = f"best.pt about {size_text(best)}, last.pt about {size_text(last)}"
+    if free < best + last:
+        raise UserError(f"checkpoint_dir={folder} has {size_text(free)} free, too little for the run's checkpoints "
+                        f"({sizes}): free disk space there or choose another checkpoint_dir")
+    if free < best + 2 * last:
+        return (f"checkpoint_dir={folder} has {size_text(free)} free: room for {sizes}, but not for a new last.pt "
+                f"written beside the one it replaces; a later epoch's write may stop the run (free disk space)")
+    return None
 
 
 def best_checkpoint(state):
@@ -6583,10 +6610,28 @@ def save_checkpoint(path, state):
     try:
         atomic_write(path, lambda tmp: torch.save(state, tmp))
     except (OSError, RuntimeError) as exc:
-        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
-            f"the write stopped short, as on a full disk: {first_line(exc, 60)}"
+        # torch's zip writer's text ("[enforce fail at inline_container.cc:672] . unexpected pos") says no more
+        short = "the write stopped short, as on a full disk"
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else short
+        if not isinstance(exc, OSError) or exc.errno in FULL_DISK:
+            why += f": it needs about {size_text(tensor_bytes(state))}, {size_text(free_bytes(Path(path).parent))} free"
         raise UserError(f"cannot write {path} ({why}): {write_fix(exc)}; the files written before it are "
                         f"intact") from None
+
+
+def tensor_bytes(value):
+    """The bytes of the tensors in a (nested) checkpoint state."""
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(tensor_bytes(v) for v in items)
+
+
+def free_bytes(folder):
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return 0
 
 
 def write_fix(exc, key=None):

@@ -619,11 +619,38 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_the_last_one_stay
         real_save({"half": torch.zeros(10)}, f)
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 98546880 vs 98546768")
     monkeypatch.setattr(train_unet.torch, "save", full_disk)
-    with pytest.raises(UserError, match=r"cannot write .*last.pt \(the write stopped short, as on a full disk: .*\): "
-                                        r"free disk space there") as err:
+    with pytest.raises(UserError, match=r"cannot write .*last.pt \(the write stopped short, as on a full disk: it "
+                                        r"needs about \d+ MB, [\d.]+ [MGT]B free\): free disk space there") as err:
         train_unet.train({**cfg, "resume": True, "epochs": 2})
-    assert "\n" not in str(err.value)
+    assert "\n" not in str(err.value) and "inline_container" not in str(err.value)  # torch's text says no more
     assert last.read_bytes() == before and not list(last.parent.glob(".last.pt.*"))
+
+
+def test_a_disk_too_small_for_the_checkpoints_is_found_before_training(make_cfg, monkeypatch, capsys):
+    """A 3 MB checkpoint_dir: the run trained its whole first epoch, then stopped at best.pt's write (a user's
+    report). Refused before training, with the sizes; a note where only a later last.pt would not fit."""
+    cfg = make_cfg(epochs=1)
+    usage = train_unet.shutil.disk_usage
+
+    def small(free):
+        monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: usage(path)._replace(free=free))
+    trained = []
+    monkeypatch.setattr(train_unet, "run_epoch", lambda *args, **kwargs: trained.append(1) or 1 / 0)
+    small(3 * 2**20)
+    with pytest.raises(UserError, match=r"checkpoint_dir=.*ckpt has 3 MB free, too little for the run's checkpoints "
+                                        r"\(best.pt about \d+ MB, last.pt about \d+ MB\): free disk space there"):
+        train_unet.train(cfg)
+    assert not trained
+    monkeypatch.undo()
+    best, last = train_unet.checkpoint_sizes(type("Run", (), {"model": train_unet.build_model(cfg),
+                                                              "ema": train_unet.WeightEMA()})())
+    assert 0 < best < last < 4 * best
+    small(best + last + 2**20)
+    train_unet.train(cfg)
+    assert "but not for a new last.pt written beside the one it replaces" in capsys.readouterr().out
+    monkeypatch.undo()
+    train_unet.train(cfg)
+    assert "free:" not in capsys.readouterr().out
 
 
 def test_a_full_disk_under_any_other_write_is_one_line(monkeypatch, capsys):
