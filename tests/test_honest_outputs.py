@@ -342,24 +342,30 @@ def test_a_predict_into_a_folder_in_use_is_refused_before_the_model_loads(checkp
     assert not train_unet.HELD_FOLDERS
 
 
-def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_scope_alone(tmp_path):
-    """The held folders were the process's: a notebook's predict in one thread into the folder a background
-    benchmark wrote in was let in, and the first scope to end let go of the other thread's locks too."""
+def held_by_a_background_thread(folder, given):
+    """(release, thread): a thread whose run_folders_held scope holds the folder until release.set()."""
     import threading
 
-    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
-    mine.mkdir(), theirs.mkdir()
     held, release = threading.Event(), threading.Event()
 
     def background():
         with train_unet.run_folders_held():
-            train_unet.hold_folder(theirs, "theirs", "a background run")
+            train_unet.hold_folder(folder, given, "a background run")
             held.set()
             release.wait(30)
     thread = threading.Thread(target=background)
     thread.start()
+    assert held.wait(30)
+    return release, thread
+
+
+def test_a_folder_one_thread_holds_is_refused_to_another_and_let_go_by_its_own_scope_alone(tmp_path):
+    """The held folders were the process's: a notebook's predict in one thread into the folder a background
+    benchmark wrote in was let in, and the first scope to end let go of the other thread's locks too."""
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir(), theirs.mkdir()
+    release, thread = held_by_a_background_thread(theirs, "theirs")
     try:
-        assert held.wait(30)
         with train_unet.run_folders_held():
             train_unet.hold_folder(mine, "mine", "a background run")
             with pytest.raises(UserError, match="^theirs is in use by a background run "):
@@ -376,20 +382,9 @@ def test_a_scope_lets_go_of_a_folder_it_took_after_another_thread_let_it_go(tmp_
     """A folder another thread held as this thread's scope began, let go there and then taken by this
     thread, stayed held after the scope (its key was among those held before): every later command into
     it was refused for the life of the kernel."""
-    import threading
-
     folder = tmp_path / "shared"
     folder.mkdir()
-    held, release = threading.Event(), threading.Event()
-
-    def background():
-        with train_unet.run_folders_held():
-            train_unet.hold_folder(folder, "shared", "a background run")
-            held.set()
-            release.wait(30)
-    thread = threading.Thread(target=background)
-    thread.start()
-    assert held.wait(30)
+    release, thread = held_by_a_background_thread(folder, "shared")
     with train_unet.run_folders_held():
         release.set()
         thread.join(30)
