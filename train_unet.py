@@ -8262,6 +8262,7 @@ BENCHMARK_FIXED = {"checkpoint_dir": "each run writes to output=<folder>/<config
                    "resume": "each run starts afresh, so the runs compare",
                    "progress": "each run logs to <config>.log in output=, without a progress bar",
                    "early_stopping_patience": "each run trains all its epochs, so the runs compare"}
+BENCHMARK_FIXED_VALUES = {"progress": False, "resume": False, "early_stopping_patience": None}  # each run's
 
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "timed_epochs", "epoch_spread", "images_per_s",
@@ -8395,9 +8396,7 @@ def parse_benchmark_args(args):
                             f"{', '.join(BENCHMARK_CONFIG)}; and any training key ({', '.join(TRAINING_KEYS)})")
     base = parse_overrides(train_args)
     check_paths_given(opts, ("output",))  # empty: results, runs and logs in the current folder
-    for key in BENCHMARK_FIXED:
-        if any(normalize_key(a.partition("=")[0]) == key for a in train_args):
-            raise UserError(f"{key} is set by the benchmark itself ({BENCHMARK_FIXED[key]}): leave it out")
+    check_benchmark_fixed(train_args, base)
     for key, least in (("probe_steps", 1), ("bare_steps", 0)):
         if opts[key] < least:
             raise UserError(f"{key}={opts[key]} must be >= {least}")
@@ -8411,6 +8410,15 @@ def parse_benchmark_args(args):
     check_once_each("configs", opts["configs"], names)  # two runs of one name would share its output folder
     check_inference_keys(opts)
     return opts, base, train_args, names
+
+
+def check_benchmark_fixed(train_args, base):
+    """The keys the benchmark sets for each run (BENCHMARK_FIXED) are left out, or given as it sets them:
+    progress=False, copied from a training command, was refused though it is the benchmark's own."""
+    for key in BENCHMARK_FIXED:
+        given = any(normalize_key(a.partition("=")[0]) == key for a in train_args)
+        if given and not (key in BENCHMARK_FIXED_VALUES and base[key] == BENCHMARK_FIXED_VALUES[key]):
+            raise UserError(f"{key} is set by the benchmark itself ({BENCHMARK_FIXED[key]}): leave it out")
 
 
 def check_once_each(key, given, names):
@@ -8520,7 +8528,7 @@ def slower_than_fp32(slowdown):
 def run_benchmark_config(name, base, train_args, out_dir):
     """Train one configuration in a fresh process; returns (row, per-epoch history)."""
     run_dir = out_dir / name
-    fixed = ["progress=False", "early_stopping_patience=None", "resume=False", f"checkpoint_dir={run_dir}"]
+    fixed = [*(f"{key}={value}" for key, value in BENCHMARK_FIXED_VALUES.items()), f"checkpoint_dir={run_dir}"]
     cmd = [sys.executable, str(Path(__file__).resolve()),
            *merge_args(train_args, benchmark_overrides(name, base), fixed)]
     print(f"[benchmark] {name}: {' '.join(cmd[2:])}", flush=True)
