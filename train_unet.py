@@ -1755,16 +1755,16 @@ def parse_overrides(args, base=None, defaults=None):
     """
     defaults = CONFIG if defaults is None else defaults
     check_argument_list(args)
-    cfg, seen = copy.deepcopy(defaults if base is None else base), set()
+    cfg, seen = copy.deepcopy(defaults if base is None else base), {}
     for arg in args:
         key, sep, text = arg.partition("=")
         if not sep:
             raise UserError(f"argument {arg!r} is not key=value, e.g. batch_size=2")
         key = normalize_key(key)
         check_known_key(key, defaults)
-        if key in seen:
-            raise UserError(f"{key} is given twice on the command line: keep one")
-        seen.add(key)
+        if key in seen:  # the arguments as given, from a command line or a notebook's list
+            raise UserError(f"{key} is given twice ({seen[key]} and {arg}): keep one")
+        seen[key] = arg
         check_not_quoted(key, text)
         cfg[key] = parse_value(key, text, defaults)
     return validate_config(cfg) if defaults is CONFIG else cfg

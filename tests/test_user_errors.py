@@ -519,6 +519,13 @@ def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
                                                "file is left")
 
 
+def test_a_key_given_twice_names_both_arguments():
+    """'data_dir is given twice on the command line' from a notebook's T.parse_overrides([...]) list, which
+    is no command line (a user's report); both arguments are named now."""
+    one_line_error(train_unet.parse_overrides, ["data_dir=a", "--data-dir=b"],
+                   match=r"^data_dir is given twice \(data_dir=a and --data-dir=b\): keep one$")
+
+
 def test_benchmark_arguments(tmp_path):
     opts, base, _, names = train_unet.parse_benchmark_args(["--configs=fp32,bf16", "batch_size=4"])
     assert names == ["fp32", "bf16"] and base["batch_size"] == 4
