@@ -935,7 +935,8 @@ def set_aside_edited_history(ckpt_dir, state):
     with open(path, newline="", errors="replace") as f:
         lines = f.read().splitlines()
     own = history_text(state["history"]).splitlines()
-    if (lines and own[:len(lines)] == lines) or (lines[:len(own)] == own and later_epochs(lines[len(own):], state)):
+    if (lines and own[:len(lines)] == lines) or (lines[:len(own)] == own and
+                                                 later_epochs(lines[len(own):], own[0], state["epoch"])):
         return None
     moved = archive_previous_run(ckpt_dir, ["history.csv"])
     write_history(path, state["history"])  # now: a resume stopped before its first epoch leaves one too
@@ -943,12 +944,11 @@ def set_aside_edited_history(ckpt_dir, state):
             f"to {moved}, and history.csv is written again from last.pt's")
 
 
-def later_epochs(lines, state):
-    """Whether history.csv's lines past last.pt's history are rows of the epochs after it (last.pt restored
-    from an older copy), not a line the user added (a summary)."""
-    rows = list(csv.reader(lines))
-    width = len(history_text(state["history"]).splitlines()[0].split(","))
-    return all(len(row) == width and row[0] == str(state["epoch"] + 1 + i) for i, row in enumerate(rows))
+def later_epochs(lines, header, epoch):
+    """Whether history.csv's lines past last.pt's history (up to `epoch`, under `header`) are rows of the
+    epochs after it (last.pt restored from an older copy), not a line the user added (a summary)."""
+    width = len(header.split(","))
+    return all(len(row) == width and row[0] == str(epoch + 1 + i) for i, row in enumerate(csv.reader(lines)))
 
 
 def other_clipping(state, cfg):
