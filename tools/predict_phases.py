@@ -86,7 +86,7 @@ def one_batch(model, paths, cfg, prec, hw, out, r, passed):
         return result
     with torch.inference_mode():
         images = [timed("read", T.read_image, p, cfg["in_channels"], cfg["intensity_range"]) for p in paths]
-        x = timed("stack", torch.stack, [timed("preprocess", T.fit_input, image, cfg) for image in images])
+        x = timed("stack", T.stacked_inputs, [timed("preprocess", T.fit_input, image, cfg) for image in images], hw)
         logits = timed("forward", T.eval_forward, model, x, cfg, prec, hw)
         masks = timed("masks", T.fit_masks, logits, [image.shape[:2] for image in images], cfg)
     masks, ready = timed("to numpy", T.on_host, masks, hw)  # CUDA: the batch's copies, waited for (timed)

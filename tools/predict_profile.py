@@ -116,8 +116,8 @@ def forwards_alone(run, mode, hw):
     prec = T.Precision.of(T.DTYPES[dtype], "predict_profile")
     paths = T.list_images(run["input"])
     size = run["batch_size"]
-    batches = [torch.stack([T.fit_input(T.read_image(p, cfg["in_channels"], cfg["intensity_range"]), cfg)
-                            for p in paths[i:i + size]]) for i in range(0, len(paths), size)]
+    batches = [T.stacked_inputs([T.fit_input(T.read_image(p, cfg["in_channels"], cfg["intensity_range"]), cfg)
+                                 for p in paths[i:i + size]], hw) for i in range(0, len(paths), size)]
     with torch.inference_mode():
         T.eval_forward(model, batches[0], cfg, prec, hw)  # first-call costs
         T.synchronize(hw)
