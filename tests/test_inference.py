@@ -684,3 +684,34 @@ def test_predicts_fit_batch_is_stacked_by_numpy_into_page_locked_memory(kind, mo
     assert pinned == ([(5, 3, 32, 32)] if kind == "cuda" else []) and len(masks) == 5
     assert torch.equal(seen[0], torch.stack(inputs))
 
+
+def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path, capsys):
+    """tools/predict_threads.py: one row per (switch interval, readers), each predict against the forwards
+    alone; Python's switch interval and PREDICT_READERS are as they were afterwards; a bad value is one line."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import predict_threads
+
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=3, size=32)
+    before = sys.getswitchinterval(), train_unet.PREDICT_READERS
+    found = predict_threads.measure({**predict_threads.TOOL_CONFIG, "input": str(data / "images"), "mode": "fp32",
+                                     "batch_size": 2, "rounds": 1}, [(5.0, 4), (0.2, 1)], tmp_path / "work")
+    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS) == before
+    assert found["images"] == 3 and found["forward_s"] > 0 and [r[:2] for r in found["rows"]] == [(5.0, 4), (0.2, 1)]
+    lines = predict_threads.report(found).splitlines()
+    assert lines[0].startswith("fp32, 3 images, 1 alternating rounds") and "| 0.2 ms " in lines[-1]
+    assert predict_threads.main([f"input={data / 'images'}", "readers=two"]) == 2
+    assert "give comma-separated numbers, e.g. switch_ms=5,0.2 readers=4,1" in capsys.readouterr().err
+
+
+def test_gpu_check_skips_the_checks_named(capsys):
+    """gpu-check skip=compile,bare leaves out the checks whose names hold those words (a short lease); a word
+    that names no check, or another key, is a one-line error (exit 2), before any GPU is looked for."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_check
+
+    names = [name for name, _ in gpu_check.selected_checks("compile,bare")]
+    assert "torch.compile (bf16/auto)" not in names and "bare loop" not in names and "inference table" in names
+    assert [name for name, _ in gpu_check.selected_checks("")] == [name for name, _ in gpu_check.CHECKS]
+    assert gpu_check.main(["skip=compile,nonsense"]) == 2
+    assert "nonsense names no check" in capsys.readouterr().err
+    assert gpu_check.main(["skpi=compile"]) == 2

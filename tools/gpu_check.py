@@ -12,7 +12,8 @@ torchrun. Tiny synthetic data, but for the inference table (the shapes set and o
 On an H100 (2026-11-26) the checks but the inference table took 2.6 minutes (torch.compile 68 s of it); the
 table's rows, run apart at 3 rounds, took 2.8 minutes, so with its 5 rounds and its training run expect 4
 or more: give it 10 minutes. Each check's line is printed as it ends.
-Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible.
+`python tools/gpu_check.py skip=compile,bare` leaves out the checks whose names hold those words.
+Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible, 2 a wrong argument.
 """
 import contextlib
 import io
@@ -214,8 +215,25 @@ CHECKS = [("capability check", check_capability),
           ("bare loop", check_bare_loop), ("DDP (nccl)", check_ddp)]
 
 
-def main():
+def selected_checks(skip):
+    """CHECKS but those whose names hold a word of skip ('compile,bare'); a word that names none is an error."""
+    words = [w.strip() for w in str(skip).split(",") if w.strip()]
+    unknown = [w for w in words if not any(w in name for name, _ in CHECKS)]
+    if unknown:
+        raise T.UserError(f"skip={skip!r}: {', '.join(unknown)} names no check; the checks: "
+                          f"{', '.join(name for name, _ in CHECKS)}")
+    return [(name, check) for name, check in CHECKS if not any(w in name for w in words)]
+
+
+def main(argv=None):
+    """skip=compile,bare: leave out the checks whose names hold those words (a short lease, a rerun)."""
     T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
+    try:
+        checks = selected_checks(T.parse_overrides(sys.argv[1:] if argv is None else argv,
+                                                   defaults={"skip": ""})["skip"])
+    except T.UserError as exc:
+        print(f"gpu-check: {T.user_message(exc)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print(f"gpu-check: no CUDA GPU visible to PyTorch {torch.__version__} (CUDA build: "
               f"{torch.version.cuda or 'none'}): run it on a machine with an NVIDIA GPU", file=sys.stderr)
@@ -227,7 +245,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         T.generate_shapes_dataset(tmp / "data", count=24, size=64)
-        for name, check in CHECKS:
+        for name, check in checks:
             start = time.perf_counter()
             try:
                 status, detail = "ok", check(hw, tmp)
