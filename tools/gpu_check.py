@@ -9,7 +9,7 @@ steps timed one by one (tools/predict_phases.py) and its main thread's time in a
 forwards alone per precision and layout, as BENCHMARKS.md gives it for CPUs), a bare-loop timing
 (strict fp32, TF32, bf16, NCHW/NHWC), torch.compile and, with 2+ GPUs visible, DDP over nccl under
 torchrun. Tiny synthetic data, but for the inference table (the shapes set and one 4000² image).
-On an H100 (2026-11-26) the checks but the inference table took 2.6 minutes (torch.compile 68 s of it); the
+On an H100 the checks but the inference table took 2.6-3.1 minutes (torch.compile 68-80 s of it); the
 table's rows, run apart at 3 rounds, took 2.8 minutes, so with its 5 rounds and its training run expect 4
 or more: give it 10 minutes. Each check's line is printed as it ends.
 `python tools/gpu_check.py skip=compile,bare` leaves out the checks whose names hold those words.
