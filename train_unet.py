@@ -5216,9 +5216,9 @@ def tile_batches(image, ys, xs, cfg, hw):
 
 def normalise_on_device(image, hw):
     """Whether tile_batches normalises on the device: on CUDA, for 8-bit images (a lookup of 256 values per
-    channel; float images keep albumentations' arithmetic on the host). Measured on an H100 before this
-    (BENCHMARKS.md "GPU: H100"): the window's host work, mostly this normalising, about 0.22 s per 16 Mpx,
-    added to the forwards' time, as the one thread that launches the model's kernels did it in between."""
+    channel; float images keep albumentations' arithmetic on the host). On an H100, side by side (BENCHMARKS.md
+    "GPU: H100 (2026-11-28)"): the window's host work 0.18 s per 16 Mpx with the tiles normalised on the host by
+    the thread that launches the model's kernels, 0.10 s with this."""
     return hw.kind == "cuda" and image.dtype == np.uint8
 
 
