@@ -686,19 +686,24 @@ def test_predicts_fit_batch_is_stacked_by_numpy_into_page_locked_memory(kind, mo
 
 
 def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path, capsys):
-    """tools/predict_threads.py: one row per (switch interval, readers), each predict against the forwards
-    alone; Python's switch interval and PREDICT_READERS are as they were afterwards; a bad value is one line."""
+    """tools/predict_threads.py: one row per (switch interval, readers, torch threads), each predict against the
+    forwards alone; Python's switch interval, PREDICT_READERS and torch's threads are as they were afterwards;
+    a bad value is one line."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import predict_threads
 
     data = train_unet.generate_shapes_dataset(tmp_path / "data", count=3, size=32)
-    before = sys.getswitchinterval(), train_unet.PREDICT_READERS
+    before = sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads()
     found = predict_threads.measure({**predict_threads.TOOL_CONFIG, "input": str(data / "images"), "mode": "fp32",
-                                     "batch_size": 2, "rounds": 1}, [(5.0, 4), (0.2, 1)], tmp_path / "work")
-    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS) == before
-    assert found["images"] == 3 and found["forward_s"] > 0 and [r[:2] for r in found["rows"]] == [(5.0, 4), (0.2, 1)]
+                                     "batch_size": 2, "rounds": 1}, [(5.0, 4, 0), (0.2, 1, 2)], tmp_path / "work")
+    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads()) == before
+    assert found["images"] == 3 and found["forward_s"] > 0
+    assert [r[:3] for r in found["rows"]] == [(5.0, 4, 0), (0.2, 1, 2)]
     lines = predict_threads.report(found).splitlines()
     assert lines[0].startswith("fp32, 3 images, 1 alternating rounds") and "| 0.2 ms " in lines[-1]
+    assert "(its own)" in lines[-2] and "| 2 " in lines[-1]
+    assert predict_threads.settings_of({"switch_ms": "5", "readers": "4", "torch_threads": "0,1"}) == \
+        [(5.0, 4, 0), (5.0, 4, 1)]
     assert predict_threads.main([f"input={data / 'images'}", "readers=two"]) == 2
     assert "give comma-separated numbers, e.g. switch_ms=5,0.2 readers=4,1" in capsys.readouterr().err
 
@@ -715,3 +720,17 @@ def test_gpu_check_skips_the_checks_named(capsys):
     assert gpu_check.main(["skip=compile,nonsense"]) == 2
     assert "nonsense names no check" in capsys.readouterr().err
     assert gpu_check.main(["skpi=compile"]) == 2
+
+
+def test_gpu_check_times_fit_predict_with_torchs_threads_and_one(tmp_path):
+    """gpu-check's threads lines (run here on the CPU, on a tiny copy of the shapes set it would make): two
+    rows, torch's own thread count and 1, before the long inference table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_check
+
+    train_unet.generate_shapes_dataset(tmp_path / "shapes", count=3, size=32)
+    lines = gpu_check.check_threads(train_unet.detect_hardware("cpu"), tmp_path).splitlines()
+    assert ", 3 images, 3 alternating rounds" in lines[0] and len(lines) == 5
+    assert "(its own)" in lines[3] and lines[4].split("|")[3].strip() == "1"
+    names = [name for name, _ in gpu_check.CHECKS]
+    assert names.index("predict threads (fit)") < names.index("inference table")
