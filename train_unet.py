@@ -7482,9 +7482,10 @@ def load_model(checkpoint, hw):
              **{k: v for k, v in state["config"].items() if k in CONFIG}}
     ema = state.get("ema")
     cfg = validate_config({**CONFIG, **saved, "ema_decay": ema["decay"] if ema else None})
-    model = build_model({**cfg, "encoder_weights": None})  # the weights come from the checkpoint
+    with torch.device("meta"):  # no memory and no random initialisation for weights the checkpoint replaces
+        model = build_model({**cfg, "encoder_weights": None})  # (resnet18: 146 -> 31 ms on a 2-core Xeon)
     try:
-        model.load_state_dict(ema["model"] if ema else state["model"])
+        model.load_state_dict(ema["model"] if ema else state["model"], assign=True)
     except RuntimeError as exc:
         raise UserError(f"{checkpoint} does not match the model its config describes ({state_dict_mismatch(exc)}): "
                         f"it was changed after training; use the checkpoint as training wrote it") from None
