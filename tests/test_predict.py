@@ -179,6 +179,28 @@ def test_loading_a_model_draws_no_random_weights(binary_model, hw):
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
 
 
+@pytest.mark.parametrize("trouble", ["cannot be built on meta", "keeps a tensor of its own"])
+def test_a_model_that_meta_cannot_hold_is_loaded_as_usual(binary_model, hw, monkeypatch, trouble):
+    """An encoder that reads a value while built (mit_b*: Tensor.item() on the meta device), or a model with a
+    tensor the checkpoint does not hold (a non-persistent buffer, left on meta), is built as usual and the
+    checkpoint's weights copied in: the same model, no meta tensor left."""
+    ckpt, _ = binary_model
+    build = train_unet.build_model
+
+    def troubled(cfg):
+        if trouble == "cannot be built on meta" and torch.empty(0).is_meta:
+            raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+        model = build(cfg)
+        model.register_buffer("table", torch.arange(3.0), persistent=False)
+        return model
+    monkeypatch.setattr(train_unet, "build_model", troubled)
+    model, _ = train_unet.load_model(ckpt, hw)
+    state = train_unet.load_checkpoint(ckpt)["model"]
+    assert all(torch.equal(model.state_dict()[k], state[k]) for k in state)
+    assert torch.equal(model.table, torch.arange(3.0))
+    assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
+
+
 def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp32):
     """A notebook user's own arrays: a gray or RGBA image for an RGB model ended in a convolution's
     "expected input[1, 1, 64, 64] to have 3 channels"; an empty list in torch.stack's error."""
