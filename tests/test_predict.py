@@ -201,6 +201,18 @@ def test_a_model_that_meta_cannot_hold_is_loaded_as_usual(binary_model, hw, monk
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
 
 
+def test_weights_saved_in_another_dtype_are_cast_into_the_models(binary_model, hw, tmp_path):
+    """A checkpoint whose weights were saved in bf16 (by a user's own code) loads into the model's fp32
+    parameters, cast, as load_state_dict copies them: assigning would have made a bf16 model."""
+    ckpt, _ = binary_model
+    state = train_unet.load_checkpoint(ckpt)
+    halved = {k: v.bfloat16() if v.is_floating_point() else v for k, v in state["model"].items()}
+    train_unet.save_checkpoint(tmp_path / "bf16.pt", {**state, "model": halved})
+    model, _ = train_unet.load_model(tmp_path / "bf16.pt", hw)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.equal(model.state_dict()[k], v.to(model.state_dict()[k].dtype)) for k, v in halved.items())
+
+
 def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp32):
     """A notebook user's own arrays: a gray or RGBA image for an RGB model ended in a convolution's
     "expected input[1, 1, 64, 64] to have 3 channels"; an empty list in torch.stack's error."""
