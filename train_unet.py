@@ -7492,11 +7492,13 @@ def load_model(checkpoint, hw):
 
 
 def model_with_weights(cfg, weights):
-    """build_model's model holding a checkpoint's weights. Built on the meta device, with the checkpoint's
-    tensors taken as its own (assign): no memory and no random initialisation for weights replaced at once
-    (resnet18: 146 -> 31 ms on a 2-core Xeon). Where an encoder cannot be built there (mit_b* reads a value
-    while built), keeps a tensor the checkpoint does not hold, or the checkpoint holds weights in another
-    dtype than the model's (assign would keep it), built as usual and the weights copied (cast) in."""
+    """build_model's model holding a checkpoint's weights, as copying them into a fresh model gives them (in
+    the model's dtypes, NCHW). Built on the meta device, with the checkpoint's tensors taken as its own
+    (assign): no memory and no random initialisation for weights replaced at once (resnet18: 146 -> 31 ms
+    on a 2-core Xeon). A checkpoint saved from a channels_last model keeps that layout: put back to NCHW,
+    which predict_layout changes where it chooses NHWC. Where an encoder cannot be built there (mit_b* reads
+    a value while built), keeps a tensor the checkpoint does not hold, or the checkpoint holds weights in
+    another dtype than the model's (assign would keep it), built as usual and the weights copied (cast) in."""
     try:
         with torch.device("meta"):
             model = build_model(cfg)
@@ -7505,12 +7507,18 @@ def model_with_weights(cfg, weights):
     if model is not None:
         dtypes = {name: t.dtype for name, t in model.state_dict().items()}
         model.load_state_dict(weights, assign=True)
-        tensors = model.state_dict().items()
-        if not any(t.is_meta for t in model.buffers()) and all(t.dtype == dtypes[name] for name, t in tensors):
-            return model
+        if not holds_meta_tensors(model) and all(t.dtype == dtypes[k] for k, t in model.state_dict().items()):
+            return model.to(memory_format=torch.contiguous_format)
     model = build_model(cfg)
     model.load_state_dict(weights)
     return model
+
+
+def holds_meta_tensors(model):
+    """Whether a tensor of the model is still on the meta device after its weights were assigned: a buffer
+    the checkpoint does not hold (non-persistent), or a plain tensor attribute an encoder made when built."""
+    return any(isinstance(value, torch.Tensor) and value.is_meta
+               for module in model.modules() for value in itertools.chain(module.__dict__.values(), module.buffers()))
 
 
 def trained_data_dir(checkpoint):

@@ -179,11 +179,11 @@ def test_loading_a_model_draws_no_random_weights(binary_model, hw):
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
 
 
-@pytest.mark.parametrize("trouble", ["cannot be built on meta", "keeps a tensor of its own"])
+@pytest.mark.parametrize("trouble", ["cannot be built on meta", "keeps a buffer of its own", "keeps a tensor"])
 def test_a_model_that_meta_cannot_hold_is_loaded_as_usual(binary_model, hw, monkeypatch, trouble):
     """An encoder that reads a value while built (mit_b*: Tensor.item() on the meta device), or a model with a
-    tensor the checkpoint does not hold (a non-persistent buffer, left on meta), is built as usual and the
-    checkpoint's weights copied in: the same model, no meta tensor left."""
+    tensor the checkpoint does not hold (a non-persistent buffer, a plain tensor attribute: left on meta), is
+    built as usual and the checkpoint's weights copied in: the same model, no meta tensor left."""
     ckpt, _ = binary_model
     build = train_unet.build_model
 
@@ -191,14 +191,32 @@ def test_a_model_that_meta_cannot_hold_is_loaded_as_usual(binary_model, hw, monk
         if trouble == "cannot be built on meta" and torch.empty(0).is_meta:
             raise RuntimeError("Tensor.item() cannot be called on meta tensors")
         model = build(cfg)
-        model.register_buffer("table", torch.arange(3.0), persistent=False)
+        if trouble == "keeps a tensor":
+            model.encoder.table = torch.arange(3.0)
+        else:
+            model.register_buffer("table", torch.arange(3.0), persistent=False)
         return model
     monkeypatch.setattr(train_unet, "build_model", troubled)
     model, _ = train_unet.load_model(ckpt, hw)
     state = train_unet.load_checkpoint(ckpt)["model"]
     assert all(torch.equal(model.state_dict()[k], state[k]) for k in state)
-    assert torch.equal(model.table, torch.arange(3.0))
+    table = model.encoder.table if trouble == "keeps a tensor" else model.table
+    assert torch.equal(table, torch.arange(3.0))
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"cpu"}
+
+
+def test_a_checkpoint_of_a_channels_last_model_loads_in_nchw(binary_model, hw, tmp_path):
+    """torch.save keeps a tensor's strides: a run trained channels_last saved NHWC weights, and assigning them
+    kept that layout, so an NCHW predict (the probe's or the user's choice) ran a mixed layout (logits up to
+    2e-5 off the NCHW model's). Loaded, the weights are NCHW, as a copy into a fresh model gave them."""
+    ckpt, _ = binary_model
+    state = train_unet.load_checkpoint(ckpt)
+    nhwc = {k: v.contiguous(memory_format=torch.channels_last) if v.dim() == 4 else v for k, v in state["model"].items()}
+    assert not all(v.is_contiguous() for v in nhwc.values())
+    train_unet.save_checkpoint(tmp_path / "nhwc.pt", {**state, "model": nhwc})
+    model, _ = train_unet.load_model(tmp_path / "nhwc.pt", hw)
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in nhwc.items())
 
 
 def test_weights_saved_in_another_dtype_are_cast_into_the_models(binary_model, hw, tmp_path):
