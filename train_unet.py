@@ -7729,8 +7729,8 @@ def stacked_inputs(inputs, hw):
     """fit_input's tensors as one batch, copied by numpy on this thread into host memory that is page-locked
     for CUDA, so that the copy to the GPU waits for nothing (from pageable memory it waits for the kernels
     queued before it). torch.stack copies in parallel on torch's threads: on an H100's 16-core host, beside
-    predict's reader threads decoding, its thread team took 9 ms a batch of 8 images of 128², half of a fit
-    predict's time (BENCHMARKS.md "GPU: H100")."""
+    predict's reader threads decoding, its thread team took 9 ms a batch of 8 images of 128², a third to a half
+    of a fit predict's time (BENCHMARKS.md "GPU: H100")."""
     arrays = [x.numpy() for x in inputs]
     tensor, memory = host_memory((len(arrays), *arrays[0].shape), arrays[0].dtype, hw.kind == "cuda")
     np.stack(arrays, out=memory)

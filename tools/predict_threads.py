@@ -4,13 +4,13 @@ of reader threads and torch's own threads, side by side in one process, alternat
     python tools/predict_threads.py                                   # 200 shapes images, bf16_cl (else fp32)
     python tools/predict_threads.py device=cuda switch_ms=5 readers=4,1 torch_threads=0,1 rounds=3
 
-Why: on an H100 (BENCHMARKS.md "GPU: H100") fit predict took 6-7x its forwards alone. predict's main
+Why: on an H100 (BENCHMARKS.md "GPU: H100") fit predict took 5-8x its forwards alone. predict's main
 thread launches the model's kernels and needs the GIL for each op; its reader threads (read_image,
 fit_input) and its writer hold the GIL for their Python work, and a thread waiting for the GIL waits up to
 the switch interval (sys.getswitchinterval(), 5 ms by default) before the holder is asked to let it go.
 Measured there (2026-11-28): 0.2 and 0.05 ms were no faster than 5 ms, and 1 reader was slower than 4, so
-predict keeps Python's interval; half the time went to torch.stack's thread team (see stacked_inputs), which
-torch on 1 thread (torch_threads=1) had shown: after stacked_inputs, 1 thread and torch's own count should tie.
+predict keeps Python's interval. A third to a half of the time went to torch.stack's thread team (see
+stacked_inputs), as torch on 1 thread (torch_threads=1) showed: after stacked_inputs the two should tie.
 Each setting's predict writes into a fresh folder; one predict before the rounds is untimed.
 Keys: input (a folder of images; default: 200 of the embedded shapes set), checkpoint (default: a fresh
 resnet18, CONFIG's), mode (fp32, fp32_cl, bf16, bf16_cl; default: bf16_cl where bf16 is native, else fp32),
@@ -59,6 +59,8 @@ def settings_of(opts):
         raise T.UserError(f"switch_ms={opts['switch_ms']!r}, readers={opts['readers']!r}, torch_threads="
                           f"{opts['torch_threads']!r}: give comma-separated numbers, e.g. switch_ms=5,0.2 readers=4,1 "
                           f"torch_threads=0,1") from None
+    if int(opts["rounds"]) < 1:
+        raise T.UserError(f"rounds={opts['rounds']} must be 1 or more")
     if not (switches and readers and threads) or min(switches) <= 0 or min(readers) < 1 or min(threads) < 0:
         raise T.UserError("switch_ms takes intervals above 0, readers counts of 1 or more, torch_threads 0 (torch's "
                           "own count) or more, e.g. switch_ms=5,0.2 readers=4,1 torch_threads=0,1")
