@@ -703,7 +703,7 @@ def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path,
     lines = predict_threads.report(found).splitlines()
     assert lines[0].startswith("fp32, 3 images, 1 alternating rounds") and "| 0.2 ms " in lines[-1]
     assert "(its own)" in lines[-2] and "| 2 " in lines[-1]
-    assert predict_threads.settings_of({"switch_ms": "5", "readers": "4", "torch_threads": "0,1"}) == \
+    assert predict_threads.settings_of({"switch_ms": "5", "readers": "4", "torch_threads": "0,1", "rounds": 1}) == \
         [(5.0, 4, 0), (5.0, 4, 1)]
     assert predict_threads.main([f"input={data / 'images'}", "readers=two"]) == 2
     assert "give comma-separated numbers, e.g. switch_ms=5,0.2 readers=4,1" in capsys.readouterr().err
