@@ -18,8 +18,8 @@ train: setup            ## train on the embedded data set (or: make train ARGS="
 test: setup             ## the test suite (what CI runs)
 	$(PY) -m pytest -q tests $(ARGS)
 
-gpu-check: setup        ## every CUDA path on this machine's GPU(s), a short report (needs a GPU)
-	$(PY) tools/gpu_check.py
+gpu-check: setup        ## every CUDA path on this machine's GPU(s), a short report (needs a GPU; ARGS="skip=compile")
+	$(PY) tools/gpu_check.py $(ARGS)
 
 benchmark: setup        ## the FP32-vs-BF16 matrix (or: make benchmark ARGS="configs=fp32,bf16 epochs=4")
 	$(PY) train_unet.py benchmark $(ARGS)

@@ -167,8 +167,9 @@ def test_predict_batch_runs_under_inference_mode(binary_model, hw, fp32):
 
 def test_loading_a_model_draws_no_random_weights(binary_model, hw):
     """load_model builds the model on the meta device and takes the checkpoint's tensors as its weights: no
-    random initialisation (resnet18: 146 -> 31 ms on a 2-core Xeon), so the caller's random stream is as it
-    was, and every parameter and buffer is the checkpoint's, on the device, none left on meta."""
+    random initialisation (resnet18: 146 -> 31 ms on a 2-core Xeon), so for this RGB model the caller's random
+    stream is as it was (smp's first-conv patch for other channel counts still draws numbers on the CPU, where
+    meta does not reach), and every parameter and buffer is the checkpoint's, on the device, none on meta."""
     ckpt, _ = binary_model
     state = train_unet.load_checkpoint(ckpt)["model"]
     before = torch.get_rng_state()

@@ -237,12 +237,11 @@ def selected_checks(skip):
     return [(name, check) for name, check in CHECKS if not any(w in name for w in words)]
 
 
-def main(argv=None):
+def main(argv):
     """skip=compile,bare: leave out the checks whose names hold those words (a short lease, a rerun)."""
     T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
     try:
-        checks = selected_checks(T.parse_overrides(sys.argv[1:] if argv is None else argv,
-                                                   defaults={"skip": ""})["skip"])
+        checks = selected_checks(T.parse_overrides(argv, defaults={"skip": ""})["skip"])
     except T.UserError as exc:
         print(f"gpu-check: {T.user_message(exc)}", file=sys.stderr)
         return 2
@@ -273,4 +272,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
