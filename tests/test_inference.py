@@ -8,6 +8,7 @@ import threading
 import time
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 import torch
@@ -695,19 +696,46 @@ def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path,
 
     data = train_unet.generate_shapes_dataset(tmp_path / "data", count=3, size=32)
     before = sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads()
+    before = (*before, train_unet.read_ahead)
     found = predict_threads.measure({**predict_threads.TOOL_CONFIG, "input": str(data / "images"), "mode": "fp32",
-                                     "batch_size": 2, "rounds": 1}, [(5.0, 4, 0), (0.2, 1, 2)], tmp_path / "work")
-    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads()) == before
+                                     "batch_size": 2, "rounds": 1},
+                                    [(5.0, 4, 0, "threads"), (0.2, 1, 2, "processes")], tmp_path / "work")
+    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads(), train_unet.read_ahead) \
+        == before
     assert found["images"] == 3 and found["forward_s"] > 0
-    assert [r[:3] for r in found["rows"]] == [(5.0, 4, 0), (0.2, 1, 2)]
+    assert [r[:4] for r in found["rows"]] == [(5.0, 4, 0, "threads"), (0.2, 1, 2, "processes")]
     lines = predict_threads.report(found).splitlines()
     assert lines[0].startswith("fp32, 3 images, 1 alternating rounds") and "| 0.2 ms " in lines[-1]
-    assert "(its own)" in lines[-2] and "| 2 " in lines[-1]
-    assert predict_threads.settings_of({"switch_ms": "5", "readers": "4", "torch_threads": "0,1", "rounds": 1}) == \
-        [(5.0, 4, 0), (5.0, 4, 1)]
+    assert "(its own)" in lines[-2] and "| 2 " in lines[-1] and "| processes |" in lines[-1]
+    assert predict_threads.settings_of({"switch_ms": "5", "readers": "4", "torch_threads": "0,1", "rounds": 1,
+                                        "read_in": "threads"}) == [(5.0, 4, 0, "threads"), (5.0, 4, 1, "threads")]
     assert predict_threads.main([f"input={data / 'images'}", "readers=two"]) == 2
     assert "give comma-separated numbers, e.g. switch_ms=5,0.2 readers=4,1" in capsys.readouterr().err
     assert predict_threads.main(["rounds=0"]) == 2 and "rounds=0 must be 1 or more" in capsys.readouterr().err
+    assert predict_threads.main(["read_in=forks"]) == 2 and "give threads or processes" in capsys.readouterr().err
+
+
+def test_predict_reading_in_processes_writes_the_same_masks(tmp_path):
+    """predict_threads' read_in=processes (the experiment for a GPU host) reads the batches predict's threads
+    read: the same masks to the bit, an unreadable image left without one as there, and read_ahead put back."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import predict_phases
+    import predict_profile
+    import predict_threads
+
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=5, size=32)
+    (data / "images" / "broken.png").write_bytes(b"not a png")
+    run = predict_profile.predict_options({"batch_size": 2, "device": "cpu"}, "fp32",
+                                          predict_phases.fresh_checkpoint(tmp_path), data / "images")
+    outs = {k: tmp_path / k for k in predict_threads.READ_IN}
+    for read_in, out in outs.items():
+        predict_threads.one_predict(run, out, 5.0, 2, 0, read_in)
+    assert train_unet.read_ahead.__module__ == "train_unet"
+    names = sorted(p.name for p in outs["threads"].glob("*.png"))
+    assert len(names) == 5 and names == sorted(p.name for p in outs["processes"].glob("*.png"))
+    for name in names:
+        assert np.array_equal(cv2.imread(str(outs["threads"] / name), cv2.IMREAD_UNCHANGED),
+                              cv2.imread(str(outs["processes"] / name), cv2.IMREAD_UNCHANGED))
 
 
 def test_gpu_check_skips_the_checks_named(capsys):
@@ -725,14 +753,16 @@ def test_gpu_check_skips_the_checks_named(capsys):
 
 
 def test_gpu_check_times_fit_predict_with_torchs_threads_and_one(tmp_path):
-    """gpu-check's threads lines (run here on the CPU, on a tiny copy of the shapes set it would make): two
-    rows, torch's own thread count and 1, before the long inference table."""
+    """gpu-check's threads lines (run here on the CPU, on a tiny copy of the shapes set it would make): three
+    rows, torch's own thread count and 1 with reader threads, then reads in processes, before the long
+    inference table."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import gpu_check
 
     train_unet.generate_shapes_dataset(tmp_path / "shapes", count=3, size=32)
     lines = gpu_check.check_threads(train_unet.detect_hardware("cpu"), tmp_path).splitlines()
-    assert ", 3 images, 3 alternating rounds" in lines[0] and len(lines) == 5
+    assert ", 3 images, 3 alternating rounds" in lines[0] and len(lines) == 6
     assert "(its own)" in lines[3] and lines[4].split("|")[3].strip() == "1"
+    assert [line.split("|")[4].strip() for line in lines[3:]] == ["threads", "threads", "processes"]
     names = [name for name, _ in gpu_check.CHECKS]
     assert names.index("predict threads (fit)") < names.index("inference table")

@@ -5,14 +5,15 @@
 Checks: the capability check on the real device, bf16 autocast, fp16 + GradScaler, channels_last,
 max_memory_allocated, predict, the sliding window's device memory (1,000² vs 8,000²), fit predict's
 steps timed one by one (tools/predict_phases.py), its main thread's time in a whole run
-(tools/predict_profile.py), the whole run with torch's threads and with 1 (tools/predict_threads.py), the
-benchmark's inference table (predict against the forwards alone per precision and layout, as BENCHMARKS.md
-gives it for CPUs), a bare-loop timing (strict fp32, TF32, bf16, NCHW/NHWC), torch.compile and, with 2+
-GPUs visible, DDP over nccl under torchrun. Tiny synthetic data, but for the inference table (the shapes set and one 4000² image).
+(tools/predict_profile.py), the whole run with torch's threads, with 1 and with its reads in processes
+(tools/predict_threads.py), the benchmark's inference table (predict against the forwards alone per
+precision and layout, as BENCHMARKS.md gives it for CPUs), a bare-loop timing (strict fp32, TF32, bf16,
+NCHW/NHWC), torch.compile and, with 2+ GPUs visible, DDP over nccl under torchrun. Tiny synthetic data, but
+for the inference table (the shapes set and one 4000² image).
 On an H100 the checks but the inference table took 2.6-3.1 minutes (torch.compile 68-80 s of it); the
 table's rows, run apart at 3 rounds, took 2.8 minutes, so with its 5 rounds and its training run expect 4
 or more: give it 10 minutes. Each check's line is printed as it ends.
-`python tools/gpu_check.py skip=compile,bare` leaves out the checks whose names hold those words.
+`make gpu-check ARGS="skip=compile,bare"` leaves out the checks whose names hold those words.
 Exit status: 0 all passed, 1 a check failed or no CUDA GPU is visible, 2 a wrong argument.
 """
 import contextlib
@@ -172,13 +173,16 @@ def check_profile(hw, tmp):
 
 
 def check_threads(hw, tmp):
-    """Fit predict against its forwards with torch's own thread count and with 1 (tools/predict_threads.py):
-    on an H100, 1 thread was 1.5x faster while torch.stack's thread team stacked each batch (2026-11-28);
-    with stacked_inputs the two should tie, and what is left of the gap is not torch's threads."""
+    """Fit predict against its forwards with torch's own thread count and with 1, and with its reads in
+    processes (tools/predict_threads.py): on an H100, 1 thread was 1.5x faster while torch.stack's thread team
+    stacked each batch (2026-11-28); with stacked_inputs the two should tie, and what is left of the gap is not
+    torch's threads. The processes row asks whether the reader threads' Python work (the GIL) is the rest."""
     import predict_threads
 
     opts = {**predict_threads.TOOL_CONFIG, "input": str(shapes_set(tmp) / "images"), "device": hw.device}
-    found = predict_threads.measure(opts, [(5.0, T.PREDICT_READERS, 0), (5.0, T.PREDICT_READERS, 1)], tmp / "threads")
+    settings = [(5.0, T.PREDICT_READERS, threads, read_in) for threads, read_in in ((0, "threads"), (1, "threads"),
+                                                                                   (0, "processes"))]
+    found = predict_threads.measure(opts, settings, tmp / "threads")
     return predict_threads.report(found).replace("\n", "\n      ")
 
 
