@@ -143,6 +143,9 @@ _CONFIG = {}
 
 
 def _set_config(cfg):
+    """A reader process's start: its config, and torch on one thread, as DataLoader's workers set it (a
+    forked child must not use the parent's OpenMP thread team)."""
+    torch.set_num_threads(1)
     _CONFIG.update(cfg)
 
 
