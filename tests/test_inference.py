@@ -3,6 +3,7 @@ read, normalises a batch at a time and blends on the device, with no host sync p
 reads ahead and writes behind on threads. Outputs are today's to the bit. Counted, not timed."""
 import contextlib
 import io
+import os
 import sys
 import threading
 import time
@@ -717,7 +718,8 @@ def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path,
 
 def test_predict_reading_in_processes_writes_the_same_masks(tmp_path):
     """predict_threads' read_in=processes (the experiment for a GPU host) reads the batches predict's threads
-    read: the same masks to the bit, an unreadable image left without one as there, and read_ahead put back."""
+    read, in other processes: the same masks to the bit, the same unreadable image reported, and predict's
+    read_ahead put back."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import predict_phases
     import predict_profile
@@ -727,15 +729,21 @@ def test_predict_reading_in_processes_writes_the_same_masks(tmp_path):
     (data / "images" / "broken.png").write_bytes(b"not a png")
     run = predict_profile.predict_options({"batch_size": 2, "device": "cpu"}, "fp32",
                                           predict_phases.fresh_checkpoint(tmp_path), data / "images")
-    outs = {k: tmp_path / k for k in predict_threads.READ_IN}
-    for read_in, out in outs.items():
-        predict_threads.one_predict(run, out, 5.0, 2, 0, read_in)
+    processes, results = predict_threads.ReaderProcesses(2), []
+    try:
+        for name, pool in (("threads", None), ("processes", processes)):
+            predict_threads.one_predict(run, tmp_path / name, 5.0, 2, 0, pool, results)
+    finally:
+        processes.close()
     assert train_unet.read_ahead.__module__ == "train_unet"
-    names = sorted(p.name for p in outs["threads"].glob("*.png"))
-    assert len(names) == 5 and names == sorted(p.name for p in outs["processes"].glob("*.png"))
+    assert processes.pids and os.getpid() not in processes.pids
+    assert [r["predicted"] for r in results] == [5, 5]
+    assert [[Path(path).name for path, _ in r["failed"]] for r in results] == [["broken.png"]] * 2
+    names = sorted(p.name for p in (tmp_path / "threads").glob("*.png"))
+    assert len(names) == 5 and names == sorted(p.name for p in (tmp_path / "processes").glob("*.png"))
     for name in names:
-        assert np.array_equal(cv2.imread(str(outs["threads"] / name), cv2.IMREAD_UNCHANGED),
-                              cv2.imread(str(outs["processes"] / name), cv2.IMREAD_UNCHANGED))
+        assert np.array_equal(cv2.imread(str(tmp_path / "threads" / name), cv2.IMREAD_UNCHANGED),
+                              cv2.imread(str(tmp_path / "processes" / name), cv2.IMREAD_UNCHANGED))
 
 
 def test_gpu_check_skips_the_checks_named(capsys):

@@ -12,8 +12,10 @@ the switch interval (sys.getswitchinterval(), 5 ms by default) before the holder
 Measured there (2026-11-28): 0.2 and 0.05 ms were no faster than 5 ms, and 1 reader was slower than 4, so
 predict keeps Python's interval. A third to a half of the time went to torch.stack's thread team (see
 stacked_inputs), as torch on 1 thread (torch_threads=1) showed: after stacked_inputs the two should tie.
-read_in=processes reads in that many forked processes instead (process_read_ahead): their Python work
-then holds no GIL the main thread needs. An experiment, not how predict runs: the question for a GPU host.
+read_in=processes reads in that many forked processes instead (ReaderProcesses; Linux): read_image's and
+fit_input's Python work then runs under their own GILs, and predict's process only sends each path and
+unpickles what comes back (on the executor's threads). An experiment, not how predict runs: the question
+for a GPU host. The processes start before the timed rounds (a product would start them once a run).
 Each setting's predict writes into a fresh folder; one predict before the rounds is untimed.
 Keys: input (a folder of images; default: 200 of the embedded shapes set), checkpoint (default: a fresh
 resnet18, CONFIG's), mode (fp32, fp32_cl, bf16, bf16_cl; default: bf16_cl where bf16 is native, else fp32),
@@ -22,6 +24,7 @@ batch_size, device (cpu, cuda), rounds, and comma-separated values to try: switc
 """
 import itertools
 import multiprocessing
+import os
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -86,23 +89,31 @@ def measure(opts, settings, tmp):
     run = predict_profile.predict_options(opts, mode, opts["checkpoint"] or predict_phases.fresh_checkpoint(tmp), images)
     predict_profile.quietly(T.predict, {**run, "output": str(tmp / "warm-up")})
     forwards, times = [], {s: [] for s in settings}
-    for r in range(opts["rounds"]):
-        forwards.append(predict_profile.forwards_alone(run, mode, hw))
-        for k, setting in enumerate(settings):
-            times[setting].append(one_predict(run, tmp / f"out_{r}_{k}", *setting))
+    pools = {n: ReaderProcesses(n) for _, n, _, read_in in settings if read_in == "processes"}
+    try:
+        for r in range(opts["rounds"]):
+            forwards.append(predict_profile.forwards_alone(run, mode, hw))
+            for k, (switch_ms, readers, threads, read_in) in enumerate(settings):
+                times[switch_ms, readers, threads, read_in].append(one_predict(
+                    run, tmp / f"out_{r}_{k}", switch_ms, readers, threads, pools.get(readers) if read_in ==
+                    "processes" else None))
+    finally:
+        for pool in pools.values():
+            pool.close()
     rows = [(*setting, *(float(np.median(column)) for column in zip(*times[setting]))) for setting in settings]
     return {"mode": mode, "images": len(T.list_images(images)), "forward_s": float(np.median(forwards)),
             "rounds": opts["rounds"], "rows": rows}
 
 
-def one_predict(run, out, switch_ms, readers, threads, read_in="threads"):
-    """(seconds of predict's loop, seconds it waited for reads and writes) at this setting."""
+def one_predict(run, out, switch_ms, readers, threads, processes=None, results=None):
+    """(seconds of predict's loop, seconds it waited for reads and writes) at this setting, its reads on
+    `readers` threads or, given ReaderProcesses, in those; predict's result appended to `results`."""
     before = sys.getswitchinterval(), T.PREDICT_READERS, torch.get_num_threads(), T.read_ahead
     sys.setswitchinterval(switch_ms / 1e3)
     T.PREDICT_READERS = readers
     torch.set_num_threads(threads or before[2])
-    if read_in == "processes":
-        T.read_ahead = process_read_ahead(readers)
+    if processes is not None:
+        T.read_ahead = processes.read_ahead
     try:
         result, wall, _, _ = predict_profile.watched_predict({**run, "output": str(out)})
     finally:
@@ -110,52 +121,64 @@ def one_predict(run, out, switch_ms, readers, threads, read_in="threads"):
         T.PREDICT_READERS = before[1]
         torch.set_num_threads(before[2])
         T.read_ahead = before[3]
+    if results is not None:
+        results.append(result)
     return wall, sum(result["waited_s"].values())
 
 
 # ------------------------------------------------------------------------------------------------
 # read_in=processes: predict's reads in processes (the experiment, not predict's own way)
 # ------------------------------------------------------------------------------------------------
-def process_read_ahead(readers):
-    """A read_ahead for predict with read_ahead's batches, read (read_image, fit_input) in `readers` forked
-    processes instead of threads, one batch ahead as there. Fit mode only, and without its MemoryBudget and
-    InputNotes' look (0.01 ms an image): small images, the timing's question. Forked, not spawned: the
-    children start with this process's imports (torch, OpenCV) and never touch CUDA."""
-    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+class ReaderProcesses:
+    """`readers` forked processes that read predict's fit-mode images (read_image, fit_input), started here
+    and warmed, so that a timed predict pays for its reads, not for the processes' start. read_ahead is
+    train_unet.read_ahead's stand-in: its batches, one batch read ahead as there, without its MemoryBudget
+    and InputNotes' look (0.01 ms an image; small images, the timing's question). Forked: the children have
+    this process's imports (torch, OpenCV) and never touch CUDA. `pids`: the processes that read."""
 
-    def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None, look=None):
-        assert cfg["data_mode"] == "fit", "process_read_ahead reads fit-mode images"
+    def __init__(self, readers):
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise T.UserError("read_in=processes forks its readers (Linux): use read_in=threads here")
+        self.pool = ProcessPoolExecutor(readers, mp_context=multiprocessing.get_context("fork"),
+                                        initializer=_start_reader)
+        self.pids = set()
+        list(self.pool.map(_pid, range(readers)))  # forked (all at once) and started
+
+    def read_ahead(self, paths, per_batch, cfg, budget=None, settle=lambda: None, look=None):
+        assert cfg["data_mode"] == "fit", "ReaderProcesses reads fit-mode images"
+        needs = {key: cfg[key] for key in ("in_channels", "intensity_range", "image_size")}  # what a read uses
         batches = [paths[i:i + per_batch] for i in range(0, len(paths), per_batch)]
-        with ProcessPoolExecutor(min(per_batch, readers), mp_context=context, initializer=_set_config,
-                                 initargs=(cfg,)) as pool:
-            current = [pool.submit(_read_fit, p) for p in batches[0]] if batches else []
-            for k in range(len(batches)):
-                reads = [pool.submit(_read_fit, p) for p in (batches[k + 1] if k + 1 < len(batches) else [])]
-                results = [future.result() for future in current]
-                yield ([(p, image, torch.from_numpy(x)) for p, image, x, why in results if why is None],
-                       [(str(p), why) for p, _, _, why in results if why is not None])
-                current = reads
+        current = [self.pool.submit(_read_fit, p, needs) for p in batches[0]] if batches else []
+        for k in range(len(batches)):
+            reads = [self.pool.submit(_read_fit, p, needs) for p in (batches[k + 1] if k + 1 < len(batches) else [])]
+            results = [future.result() for future in current]
+            self.pids.update(pid for *_, pid in results)
+            yield ([(p, image, torch.from_numpy(x)) for p, image, x, why, _ in results if why is None],
+                   [(str(p), why) for p, _, _, why, _ in results if why is not None])
+            current = reads
 
-    return read_ahead
-
-
-_CONFIG = {}
+    def close(self):
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _set_config(cfg):
-    """A reader process's start: its config, and torch on one thread, as DataLoader's workers set it (a
-    forked child must not use the parent's OpenMP thread team)."""
+def _start_reader():
+    """A reader process's start, as the script's DataLoader workers: torch on one thread (a forked child
+    must not use the parent's OpenMP team) and OpenCV on the calling thread (one_opencv_thread)."""
     torch.set_num_threads(1)
-    _CONFIG.update(cfg)
+    T.one_opencv_thread(None)
 
 
-def _read_fit(path):
-    """(path, image, fit_input as an array, None), or (path, None, None, why) for an unreadable image."""
+def _pid(_):
+    return os.getpid()
+
+
+def _read_fit(path, cfg):
+    """(path, image, fit_input as an array, None, pid), or (path, None, None, why, pid) for an unreadable image."""
     try:
-        image = T.read_image(path, _CONFIG["in_channels"], _CONFIG["intensity_range"])
+        image = T.read_image(path, cfg["in_channels"], cfg["intensity_range"])
     except T.UserError as exc:
-        return path, None, None, str(exc)
-    return path, image, T.fit_input(image, _CONFIG).numpy(), None
+        return path, None, None, str(exc), os.getpid()
+    return path, image, T.fit_input(image, cfg).numpy(), None, os.getpid()
 
 
 def report(found):
