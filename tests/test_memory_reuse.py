@@ -85,4 +85,6 @@ def test_the_memory_reuse_tool_prints_both_sides(capsys):
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| window")]
     faults = {row[2].strip(): int(row[4].strip().replace(",", "")) for row in rows}
     assert set(faults) == {"glibc default", "kept for reuse"}
-    assert all(n > 0 for n in faults.values()), faults  # each side's forwards were counted (a parse, mostly)
+    # zero is a true reading on the kept side (its forward reused every page; one full-suite run read 0)
+    assert all(n >= 0 for n in faults.values()), faults
+    assert all(float(row[3]) > 0 and float(row[6].split()[0]) > 0 for row in rows), rows  # time and peak memory
