@@ -7086,7 +7086,8 @@ def predict_into_output(opts):
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    with MaskWriter(cfg["num_classes"], opts["overlay"]) as writer:
+    writer = MaskWriter(cfg["num_classes"], opts["overlay"])
+    with earlier_masks_back_if_none_written(moved, out_dir, writer), writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
         for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
                                                    writer, waits):
@@ -8024,6 +8025,37 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
                         "ground-truth mask? an image?): choose another output=... folder, or move them away (masks "
                         "of older versions of this script have no mark either)")
     return archive_previous_run(out_dir, names)
+
+
+@contextlib.contextmanager
+def earlier_masks_back_if_none_written(moved, out_dir, writer):
+    """A predict that fails or is stopped before its first mask is written (a full disk, Ctrl-C, a model
+    that cannot take the images) puts the earlier masks it moved to `moved` (previous/<time>/) back: the
+    folder is as it was found. Each retry on a full disk had moved them one folder further and written
+    nothing, until the output folder held only previous/. Once a mask is written, the moved ones stay there
+    (a mask never stands beside an older run's masks of the same images)."""
+    try:
+        yield
+    except BaseException:
+        if moved is not None and writer.written == 0:
+            put_back_predictions(moved, out_dir)
+        raise
+
+
+def put_back_predictions(moved, out_dir):
+    """earlier_masks_back_if_none_written's undo, said in a note; where a move back fails, the note says
+    where the earlier masks are."""
+    try:
+        for path in sorted(moved.iterdir()):
+            os.replace(path, out_dir / path.name)  # over a mask this run wrote before its overlay failed
+        moved.rmdir()
+        with contextlib.suppress(OSError):
+            moved.parent.rmdir()  # previous/, where it holds nothing else
+    except OSError as exc:
+        print(f"note: no mask was written, and the earlier masks could not all move back ({exc.strerror or exc}): "
+              f"they are in {moved}/ and {out_dir}/", flush=True)
+        return
+    print(f"note: no mask was written: the earlier masks are back in {out_dir}/", flush=True)
 
 
 def png_text_chunk(keyword, text):

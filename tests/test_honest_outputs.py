@@ -482,6 +482,52 @@ def test_a_full_disk_keeps_what_was_written_and_counts_honestly(checkpoint, data
         assert cv2.imread(str(path), cv2.IMREAD_UNCHANGED).shape == (64, 64)
 
 
+def failing_mask_writes(monkeypatch):
+    """A full disk for predict's new files (write_png's temporary file renamed into place); moves of whole
+    files, which need no room, still work."""
+    real = train_unet.os.replace
+
+    def replace(src, dst):
+        if ".tmp" in Path(src).name:
+            raise OSError(errno.ENOSPC, "No space left on device", str(src))
+        return real(src, dst)
+    monkeypatch.setattr(train_unet.os, "replace", replace)
+
+
+@pytest.mark.parametrize("stop", ["full disk", "Ctrl-C"])
+def test_a_predict_that_writes_nothing_leaves_the_earlier_masks_in_place(checkpoint, data_dir, tmp_path,
+                                                                        monkeypatch, capsys, stop):
+    """Each retry of a predict on a full disk moved the earlier masks to a new previous/<time>/ and then
+    wrote nothing: after a few, the output folder held only previous/ folders."""
+    out = tmp_path / "pred"
+    run_predict(checkpoint, data_dir, out, overlay=True)
+    before = files_in(out)
+    if stop == "full disk":
+        failing_mask_writes(monkeypatch)
+    else:
+        def interrupted(*args):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(train_unet, "predict_masks", interrupted)
+    for _ in range(2):
+        with pytest.raises(KeyboardInterrupt if stop == "Ctrl-C" else UserError):
+            run_predict(checkpoint, data_dir, out, overlay=True)
+        assert "no mask was written: the earlier masks are back in" in capsys.readouterr().out
+        assert files_in(out) == before and not (out / "previous").exists()
+
+
+def test_a_predict_that_wrote_masks_keeps_the_earlier_ones_moved(checkpoint, data_dir, tmp_path, monkeypatch, capsys):
+    """Once a mask is written, the earlier masks stay in previous/ (none stands beside a new run's)."""
+    out = tmp_path / "pred"
+    run_predict(checkpoint, data_dir, out)
+    before = files_in(out)
+    failing_replace(monkeypatch, 3)
+    with pytest.raises(UserError, match="the 2 image"):
+        run_predict(checkpoint, data_dir, out)
+    monkeypatch.undo()
+    (kept,) = (out / "previous").iterdir()
+    assert files_in(kept) == before and "back in" not in capsys.readouterr().out
+
+
 def test_predicted_count_is_the_files_written(checkpoint, data_dir, tmp_path):
     out = tmp_path / "pred"
     result = run_predict(checkpoint, data_dir, out, overlay=True)
