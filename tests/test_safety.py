@@ -12,6 +12,7 @@ import csv
 import dataclasses
 import io
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -441,6 +442,25 @@ def test_gradient_health_columns(data, tmp_path, monkeypatch):
     for column in ("grad_norm", "grad_norm_max", "zero_grad_pct"):
         assert math.isclose(float(csv_row[column]), row[column], rel_tol=1e-9)
     assert csv_row["fallback"] == "" and csv_row["precision"] == "bf16"
+
+
+@pytest.mark.parametrize("init_scale, underflow", [(1.0, False), (2.0 ** -40, True)])
+def test_the_fp16_underflow_warning_blames_fp16_only_for_zeros_fp32_does_not_have(data, tmp_path, init_scale,
+                                                                                   underflow):
+    """At 32 px resnet18's layer4 runs its 3x3 convolutions on 1x1 maps: 8 of 9 taps see only padding, so
+    about half the gradient entries are exactly zero in any precision: no warning (init_scale=1: the default
+    scale overflows this model's first steps, which then count no zeros). A loss scaled by 2^-40 (growth_interval
+    past the run) puts the gradients below fp16's smallest value: a real underflow, warned."""
+    cfg = cfg_for(data, tmp_path / "ckpt", amp_dtype="float16", force_amp_dtype=True, epochs=1,
+                  init_scale=init_scale, growth_interval=1000)
+    result, log = train_logged(cfg)
+    row = result["history"][0]
+    assert row["precision"] == "fp16" and row["zero_grad_pct"] > train_unet.FP16_UNDERFLOW_WARN_PCT
+    warned = [line for line in log.splitlines() if "fp16 underflow" in line]
+    assert bool(warned) == underflow, log
+    if underflow:
+        half, full = (float(v) for v in re.search(r"([\d.]+)% in fp16 against ([\d.]+)% in fp32", warned[0]).groups())
+        assert half > full + train_unet.FP16_UNDERFLOW_WARN_PCT
 
 
 @pytest.mark.parametrize("by_l1", [False, True])
