@@ -495,12 +495,12 @@ def set_up_training(cfg, explicit):
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
     # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
-    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, training_samples(train_pairs, cfg),
-                                                     notes)
+    samples = training_samples(train_pairs, cfg)
+    cfg, prec, layout, auto_batch = effective_config(cfg, hw, prec, state, samples, notes)
     loaders = build_loaders(train_pairs, val_pairs, cfg, hw)
     # 5. Model, optimizer, LR schedule, scaler: new, or resumed exactly; then the loss and the logger.
     steps_per_epoch = optimizer_steps_per_epoch(len(loaders[0]), cfg["accumulation_steps"])
-    run = setup_run(cfg, hw, prec, steps_per_epoch, state, notes)
+    run = setup_run(cfg, hw, prec, (samples, steps_per_epoch), state, notes)
     notes.append(check_checkpoint_room(run, cfg) if DIST.is_main else None)
     run.class_names, run.logger, run.data_split = class_names, RunLogger.create(cfg), data_split
     run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
@@ -872,7 +872,10 @@ def ranks_agree(prec, layout, hw, notes):
     return prec, layout
 
 
-def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
+def setup_run(cfg, hw, prec, sizes, state, notes):
+    """Model, optimizer, LR schedule and scaler: new, or resumed exactly from `state`. `sizes`: (training
+    samples, optimizer steps) per epoch."""
+    samples, steps_per_epoch = sizes
     model = prepare_model(cfg, hw)
     if cfg["sync_batchnorm"] and DIST.enabled:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -887,7 +890,7 @@ def setup_run(cfg, hw, prec, steps_per_epoch, state, notes):
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
-                     + other_world_size(state, cfg) + other_clipping(state, cfg) + other_modes(state, cfg, prec))
+                     + other_world_size(state, cfg, samples) + other_clipping(state, cfg) + other_modes(state, cfg, prec))
         notes.append(set_aside_other_runs_files(cfg["checkpoint_dir"], state) if DIST.is_main else None)
         notes.append(set_aside_edited_history(cfg["checkpoint_dir"], state) if DIST.is_main else None)
     else:
@@ -974,15 +977,25 @@ def other_modes(state, cfg, prec):
     return "".join(f"; {text}" for text in said)
 
 
-def other_world_size(state, cfg):
-    """What the resume note adds where the run trained on another number of processes: the effective
-    batch and the data order change (the LR curve does not: resumed_schedule)."""
+def other_world_size(state, cfg, samples):
+    """What the resume note adds where the run trained on another number of processes: the data order
+    changes, and the effective batch where the processes' batches differ (the LR curve does not:
+    resumed_schedule). `samples`: training samples per epoch, the run's (same_split_as_resumed)."""
     was = state.get("world_size", DIST.world)
     if was == DIST.world:
         return ""
-    per = cfg["batch_size"] * cfg["accumulation_steps"]
-    return (f", trained on {was} process(es), now {DIST.world}: the effective batch is {per * DIST.world} "
-            f"instead of {per * was}, and the data order changes; the LR curve does not")
+    before, now = effective_batch(cfg, samples, was), effective_batch(cfg, samples, DIST.world)
+    batch = f"the effective batch is {now} instead of {before}, and" if now != before else \
+        f"the effective batch is the same ({now}), but"
+    return f", trained on {was} process(es), now {DIST.world}: {batch} the data order changes; the LR curve does not"
+
+
+def effective_batch(cfg, samples, world):
+    """Images per optimizer step, all processes together: batch_size x accumulation_steps x world, where an
+    epoch has fewer batches than accumulation_steps, x those (each process takes samples // world of the
+    epoch's samples, in whole batches: build_loaders)."""
+    batches = samples // world // cfg["batch_size"]
+    return cfg["batch_size"] * max(1, min(cfg["accumulation_steps"], batches)) * world
 
 
 def resumed_schedule(state, cfg, steps_per_epoch, notes):

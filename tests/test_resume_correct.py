@@ -272,14 +272,23 @@ def test_a_resume_on_a_cpu_keeps_its_runs_probed_precision_and_layout(make_cfg, 
 
 
 def test_a_resume_on_another_number_of_processes_says_what_changes(monkeypatch):
-    """Resumed from 2 processes to 1, the banner said only "resumed from ...": the effective batch halved."""
+    """Resumed from 2 processes to 1, the banner said only "resumed from ...": the effective batch halved.
+    Where an epoch has fewer batches than accumulation_steps, its one step averages those it has: 16 images, batch 8
+    and accumulation 2 on 2 processes is one batch each, 8 x 1 x 2 = 16 as on 1 process (8 x 2), which the note
+    said was "16 instead of 32"."""
     cfg = {"batch_size": 2, "accumulation_steps": 3}
     monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=1))
-    assert train_unet.other_world_size({"world_size": 2}, cfg) == (
+    assert train_unet.other_world_size({"world_size": 2}, cfg, 100) == (
         ", trained on 2 process(es), now 1: the effective batch is 6 instead of 12, and the data order changes; "
         "the LR curve does not")
-    assert train_unet.other_world_size({"world_size": 1}, cfg) == ""
-    assert train_unet.other_world_size({}, cfg) == ""  # a checkpoint from before world_size was saved
+    assert train_unet.other_world_size({"world_size": 1}, cfg, 100) == ""
+    assert train_unet.other_world_size({}, cfg, 100) == ""  # a checkpoint from before world_size was saved
+    capped = {"batch_size": 8, "accumulation_steps": 2}
+    assert train_unet.other_world_size({"world_size": 2}, capped, 16) == (
+        ", trained on 2 process(es), now 1: the effective batch is the same (16), but the data order changes; "
+        "the LR curve does not")
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=4))  # one batch each: 8 x 1 x 4
+    assert "the effective batch is 32 instead of 16," in train_unet.other_world_size({"world_size": 1}, capped, 32)
 
 
 def test_a_resume_keeps_only_a_precision_its_run_chose_by_auto(make_cfg):
