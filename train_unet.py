@@ -726,27 +726,35 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
     """This run's split_record; a resumed run's must be its checkpoint's. Images added to or removed from
     data_dir reshuffle the seeded split: images the model trained on would be validated (leakage), and
     best.pt would compare IoUs over two different validation sets. Files of the same names with other
-    sizes: in another folder, another data set (refused); in the run's own folder, edited (a note). A
-    checkpoint from before the record (or before its sizes): not checked (or not by size)."""
+    sizes: in another folder while the run's own still holds its data, another data set (refused); in the
+    run's own folder, or in another where its own holds its data no more (moved, then edited), edited (a
+    note). A checkpoint from before the record (or before its sizes): not checked (or not by size)."""
     record, saved = split_record(train_pairs, val_pairs, cfg["data_dir"]), (state or {}).get("data_split")
     if not saved:
         return record
     was = cli_value(run_data_dir(state) or cfg["data_dir"])
-    elsewhere = saved.get("folder", os.path.realpath(state["config"].get("data_dir", cfg["data_dir"]))) != \
-        record["folder"]
+    folder = saved.get("folder", os.path.realpath(state["config"].get("data_dir", cfg["data_dir"])))
+    elsewhere = folder != record["folder"]
+    # the folder it began on holds its data still (a choice to make), or no more (gone, emptied, reused: moved)
+    holds = elsewhere and still_holds_the_split({**saved, "folder": folder}, cfg)
+    moved = elsewhere and not holds
     if [saved[k] for k in ("train", "val", "digest")] != [record[k] for k in ("train", "val", "digest")]:
-        fix = f"give data_dir={was}" if elsewhere else "put the folder back as it was"
+        fix = "put the folder back as it was" if not elsewhere else f"give data_dir={was}" if not moved else \
+            f"give data_dir= the folder that holds the data it began on in {folder}"
         raise UserError(f"cannot resume exactly: {cfg['data_dir']} is not the data set this run started on "
                         f"({saved['train']} train / {saved['val']} val images then, {record['train']} / "
                         f"{record['val']} now, or other files): {fix}, or start a new run in another checkpoint_dir")
     if saved.get("sizes", record["sizes"]) != record["sizes"]:
-        if elsewhere:
+        if elsewhere and not moved:
             raise UserError(f"cannot resume exactly: {cfg['data_dir']} holds files named as those this run trained "
                             f"on in {was}, with other contents: give data_dir={was}, or start a new run in another "
                             f"checkpoint_dir")
-        notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other sizes): the "
-                     f"resume trains and validates on them as they are now")
-    elif elsewhere and saved.get("folder") and still_holds_the_split(saved, cfg):
+        notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other sizes)"
+                     + (f"; it began in {folder}, which no longer holds them" if moved else "")
+                     + ": the resume trains and validates on them as they are now" + (
+                         " (if they are another data set, not the run's edited, start a new run in another "
+                         "checkpoint_dir)" if moved else ""))
+    elif holds and saved.get("folder"):
         # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
         notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "
                      f"{cfg['data_dir']}, whose files have the same names and sizes: if that is not a copy of the "

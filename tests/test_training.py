@@ -414,6 +414,32 @@ def test_resume_on_another_data_set_with_the_same_file_names_is_refused(make_cfg
     assert "changed since this run began (same names, other sizes)" in capsys.readouterr().out
 
 
+def test_resume_of_a_data_set_moved_and_then_edited_goes_on_with_a_note(make_cfg, data_dir, tmp_path, capsys):
+    """A data folder moved and a label fixed in it: the refusal said to give data_dir= the folder it was moved
+    from, which no longer existed (the same edit unmoved was a note). Images added after the move stay refused,
+    naming the folder the run began on."""
+    import shutil
+
+    train(make_cfg(epochs=1))
+    shutil.move(str(data_dir), str(tmp_path / "moved"))
+    mask = sorted((tmp_path / "moved" / "masks").iterdir())[0]
+    fixed = cv2.imread(str(mask), cv2.IMREAD_GRAYSCALE)
+    fixed[5:20, 7:30] = fixed.max()  # a label fixed
+    cv2.imwrite(str(mask), fixed)
+    capsys.readouterr()
+    assert len(train(make_cfg(epochs=2, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 2
+    assert re.search(rf"changed since this run began \(same names, other sizes\); it began in "
+                     rf"{re.escape(os.path.realpath(data_dir))}, which no longer holds them: the resume trains",
+                     capsys.readouterr().out)
+    shutil.move(str(tmp_path / "moved"), str(tmp_path / "again"))  # last.pt now records "moved"
+    for sub in ("images", "masks"):
+        first = sorted((tmp_path / "again" / sub).iterdir())[0]
+        shutil.copy(first, first.with_name("added" + first.suffix))
+    with pytest.raises(UserError, match=rf"give data_dir= the folder that holds the data it began on in "
+                                        rf"{re.escape(os.path.realpath(tmp_path / 'moved'))}, or start a new run"):
+        train(make_cfg(epochs=3, resume=True, data_dir=str(tmp_path / "again")))
+
+
 def test_resume_with_data_dir_left_out_names_the_runs_folder_and_writes_nothing(make_cfg, tmp_path, monkeypatch):
     """Left out, data_dir is the embedded set's folder: the 300 shapes pairs were written there before the
     split told the user, in words that pointed at that folder, to put it back as it was."""
