@@ -626,9 +626,7 @@ def resume_state(cfg, ckpt_dir, typed=()):
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
                         + ": resume with the same values (" + " ".join(f"{k}={cli_value(v)}" for k, v in saved.items())
                         + "), or start a new run in another checkpoint_dir")
-    if state["epoch"] >= cfg["epochs"]:
-        raise UserError(f"{path} has already trained {state['epoch']} epoch(s) and epochs={cfg['epochs']}: "
-                        f"raise epochs to continue, e.g. epochs={state['epoch'] + 5}")
+    refuse_no_epochs_left(state, cfg, path)
     refuse_early_stopped(state, cfg, path)
     return state
 
@@ -678,6 +676,17 @@ def check_resumable(state, path):
         raise UserError(f"{path} lacks {', '.join(missing)}, which a resume continues from: it is not a last.pt as "
                         f"training writes it (saved another way?): put back the last.pt training wrote, or start "
                         f"a new run")
+
+
+def refuse_no_epochs_left(state, cfg, path):
+    """A resume with epochs at or below those trained has nothing to do: refused, with the epochs that finish
+    the run's schedule where it was stopped before its end (the plan, not a made-up extension)."""
+    done, planned = state["epoch"], state["config"].get("epochs", 0)
+    if done < cfg["epochs"]:
+        return
+    fix = f"give epochs={planned} to finish its schedule (it stopped after {done} of {planned})" if planned > done \
+        else f"raise epochs to continue, e.g. epochs={done + 5}"
+    raise UserError(f"{path} has already trained {done} epoch(s) and epochs={cfg['epochs']}: {fix}")
 
 
 def refuse_early_stopped(state, cfg, path):

@@ -336,6 +336,23 @@ def test_a_resume_without_the_runs_preset_names_the_preset(make_data, make_cfg):
     one_line_error(train_unet.train, {**cfg, "resume": True}, match="already trained 1 epoch.*raise epochs")
 
 
+def test_a_resume_with_no_epochs_left_suggests_the_runs_own_plan_where_it_stopped_early(tmp_path):
+    """A run planned for 4 epochs, stopped after 2, resumed with epochs=2: the refusal suggested epochs=7, an
+    extension the user never planned, instead of the 4 that finish its schedule."""
+    path = tmp_path / "last.pt"
+    stopped = {"epoch": 2, "config": {"epochs": 4}}
+    for epochs in (1, 2):
+        with pytest.raises(train_unet.UserError) as info:
+            train_unet.refuse_no_epochs_left(stopped, {"epochs": epochs}, path)
+        assert str(info.value) == (f"{path} has already trained 2 epoch(s) and epochs={epochs}: give epochs=4 to "
+                                   f"finish its schedule (it stopped after 2 of 4)")
+    train_unet.refuse_no_epochs_left(stopped, {"epochs": 3}, path)  # epochs left: no refusal
+    finished = {"epoch": 4, "config": {"epochs": 4}}
+    with pytest.raises(train_unet.UserError, match=r"trained 4 epoch\(s\) and epochs=4: raise epochs to continue, "
+                                                   r"e\.g\. epochs=9$"):
+        train_unet.refuse_no_epochs_left(finished, {"epochs": 4}, path)
+
+
 def test_a_resume_with_a_preset_the_run_had_not_names_the_preset(make_data, make_cfg):
     """The other way round: the refusal named max_train_images=8, which the user never typed (user report)."""
     cfg = make_cfg(data_dir=str(make_data(count=8, size=32)), image_size=32, epochs=1)
