@@ -611,6 +611,7 @@ def resume_state(cfg, ckpt_dir, typed=()):
     state = load_checkpoint(path, fix=f"restore it from a copy to resume, or train without resume=True (a new run "
                                       f"moves it to {ckpt_dir / 'previous'}/)")
     check_resumable(state, path)
+    refuse_missing_data_dir(state, cfg, path)
     changed = changed_resume_keys(state, cfg)
     changed += [key for key in data_dir_left_out(state, cfg, typed) if key not in changed]
     if changed:
@@ -676,6 +677,21 @@ def check_resumable(state, path):
         raise UserError(f"{path} lacks {', '.join(missing)}, which a resume continues from: it is not a last.pt as "
                         f"training writes it (saved another way?): put back the last.pt training wrote, or start "
                         f"a new run")
+
+
+def refuse_missing_data_dir(state, cfg, path):
+    """A resume whose data_dir is not there: split_pairs' error would offer the embedded data set, which is
+    another data set (refused later). The fix names the run's folder, or says to put its data back. The
+    embedded set's folder is written again as it was (data_pairs)."""
+    data_dir = Path(cfg["data_dir"])
+    if data_dir.exists() or data_dir == Path(EMBEDDED_DATA_DIR):
+        return
+    was = run_data_dir(state)
+    if was and os.path.isdir(was) and os.path.realpath(was) != os.path.realpath(data_dir):
+        fix = f"{was}, which is still there: give data_dir={cli_value(was)}"
+    else:
+        fix = f"{was or data_dir}: put that data set back there, or give data_dir= the folder it moved to"
+    raise UserError(f"resume=True but data_dir {data_dir} does not exist: {path} trained on {fix}")
 
 
 def refuse_no_epochs_left(state, cfg, path):

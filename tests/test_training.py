@@ -451,6 +451,26 @@ def test_resume_with_data_dir_left_out_names_the_runs_folder_and_writes_nothing(
     assert not (tmp_path / "data" / "shapes").exists()
 
 
+def test_a_resume_whose_data_dir_is_missing_names_the_runs_data_not_the_embedded_set(make_cfg, data_dir, tmp_path):
+    """data_dir not found on a resume: the error offered data_dir=data/shapes, the embedded set, which the resume
+    then refuses as another data set. It names the run's folder where that is there, else says to put it back."""
+    import shutil
+
+    cfg = make_cfg(epochs=1)
+    train(cfg)
+    typo = str(tmp_path / "dta")
+    with pytest.raises(UserError, match=rf"^resume=True but data_dir {re.escape(typo)} does not exist: .*last.pt "
+                                        rf"trained on {re.escape(os.path.realpath(data_dir))}, which is still there: "
+                                        rf"give data_dir={re.escape(os.path.realpath(data_dir))}$"):
+        train({**cfg, "epochs": 2, "resume": True, "data_dir": typo})
+    shutil.move(str(data_dir), str(tmp_path / "elsewhere"))
+    with pytest.raises(UserError, match=rf"does not exist: .*last.pt trained on {re.escape(str(data_dir))}: put that "
+                                        rf"data set back there, or give data_dir= the folder it moved to$") as info:
+        train({**cfg, "epochs": 2, "resume": True})
+    assert "shapes" not in str(info.value)
+    assert len(train({**cfg, "epochs": 2, "resume": True, "data_dir": str(tmp_path / "elsewhere")})["history"]) == 2
+
+
 def test_a_resume_refusal_from_another_folder_names_the_runs_data_as_a_path_that_leads_there(make_cfg, tmp_path,
                                                                                              monkeypatch):
     """A run trained with data_dir=d in its project folder, resumed from elsewhere: the refusal said 'resume with
