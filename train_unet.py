@@ -923,7 +923,8 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
         run.load(state)
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
-                     + other_world_size(state, cfg, samples) + other_clipping(state, cfg) + other_modes(state, cfg, prec))
+                     + other_world_size(state, cfg, samples) + other_clipping(state, cfg)
+                     + other_modes(state, cfg, prec))
         notes.append(set_aside_other_runs_files(cfg["checkpoint_dir"], state) if DIST.is_main else None)
         notes.append(set_aside_edited_history(cfg["checkpoint_dir"], state) if DIST.is_main else None)
     else:
