@@ -363,10 +363,17 @@ def train_main(cfg, explicit=()):
         resumable = (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
         moved = None if resumable else archived_since(Path(cfg["checkpoint_dir"]), started)
         raise KeyboardInterrupt(INTERRUPTED["train" if resumable else "train, no checkpoint"]
+                                .replace("resume=True", resume_words(cfg))
                                 + (f"; the earlier run is in {moved}/ (move its files back to resume it)" if moved
                                    else "")) from None
     finally:
         cleanup_distributed()
+
+
+def resume_words(cfg):
+    """What continues a stopped run: resume=True, with the run's epochs where they are not CONFIG's (left
+    out on resume, epochs is CONFIG's, which would extend or shorten the run: a note, easily missed)."""
+    return "resume=True" + (f" epochs={cfg['epochs']}" if cfg["epochs"] != CONFIG["epochs"] else "")
 
 
 @contextlib.contextmanager
@@ -428,7 +435,8 @@ def worker_death(exc, cfg):
         return None
     signal_name = (re.search(r"killed by signal: ([^.\n]+)", text) or [None, ""])[1].strip()
     why = {"Killed": ", as the out-of-memory killer ends a process", "Bus error": ": shared memory (/dev/shm) full?"}
-    kept = ("last.pt is intact: resume=True continues from it" if (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
+    kept = (f"last.pt is intact: {resume_words(cfg)} continues from it" if (Path(cfg["checkpoint_dir"]) /
+                                                                               "last.pt").is_file()
             else "no checkpoint was written yet")
     how = f" (signal {signal_name}{why.get(signal_name, '')})" if signal_name else ""
     return UserError(f"a data loader worker died{how}; {kept}{little_shared_memory()}; to need less memory, use "

@@ -492,6 +492,19 @@ def test_an_interrupted_training_says_whether_resume_can_continue(epochs_done, m
         "no epoch had finished, so there is no checkpoint to resume: train again")
 
 
+def test_an_interrupted_run_with_its_own_epochs_names_them_for_the_resume(monkeypatch, capsys, tmp_path):
+    """A run with epochs=4 stopped after 3: 'resume=True continues', and resume=True took CONFIG's 10 epochs,
+    extending the run to 10 with a note. The line names the epochs that finish the run as planned."""
+    def interrupted(cfg, explicit=()):
+        (tmp_path / "last.pt").write_bytes(b"")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "train", interrupted)
+    assert train_unet.CONFIG["epochs"] != 4
+    assert train_unet.main([f"checkpoint_dir={tmp_path}", "epochs=4"]) == 130
+    assert capsys.readouterr().err.strip() == ("interrupted: checkpoints written so far are intact; resume=True "
+                                               "epochs=4 continues")
+
+
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(rank, monkeypatch, capsys, tmp_path):
     """Each process printed the interrupt's line: one per GPU, where the README says rank 0 alone prints."""
@@ -1172,7 +1185,7 @@ def test_a_killed_loader_worker_is_one_line_with_what_to_do(make_cfg, monkeypatc
     monkeypatch.setattr(train_unet, "run_epoch", die)
     with pytest.raises(UserError) as err:
         train_unet.train_main(make_cfg(epochs=2))
-    assert said in str(err.value) and "resume=True continues from it" in str(err.value)
+    assert said in str(err.value) and "resume=True epochs=2 continues from it" in str(err.value)
     assert "use fewer num_workers" in str(err.value) and "\n" not in str(err.value)
     monkeypatch.setattr(train_unet, "run_epoch", lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: x")))
     with pytest.raises(RuntimeError, match="CUDA error"):  # any other RuntimeError is a bug: raised as it is
