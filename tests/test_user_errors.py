@@ -1274,7 +1274,7 @@ def test_a_stop_sent_to_the_whole_process_group_exits_130_without_a_traceback(ma
     # "stopped by SIGTERM" once the main process's handler has run; where the workers' end was reported
     # first (stopped_with_its_workers), the stop is named as an interruption
     assert re.search(r"(interrupted|stopped by SIGTERM): checkpoints written so far are intact; resume=True "
-                     r"continues$", err.strip()), err[-2000:]
+                     r"epochs=500 continues$", err.strip()), err[-2000:]
 
 
 @pytest.mark.parametrize("both", [False, True], ids=["stdout", "2>&1"])
