@@ -3430,12 +3430,13 @@ def read_tiff(path, mask=False):
             series = tif.series[0]
             if plane_of(series) is None or not all(series.shape):  # a damaged file's series without an image
                 return None
-            planar = series.axes == "SYX" and series.shape[0] <= 4  # RGB stored plane by plane
+            shape, axes = squeezed(series)
+            planar = axes == "SYX" and shape[0] <= 4  # RGB stored plane by plane
             check_single_image(path, tif, series, planar, "mask" if mask else "image")
             if series.keyframe.photometric in OPENCV_PHOTOMETRICS and not mask:
                 return None
             try:
-                image = series.asarray()  # level 0
+                image = series.asarray().reshape(shape)  # level 0
             except (ValueError, NotImplementedError, KeyError) as exc:
                 if "imagecodecs" in str(exc):  # OpenCV would read it turned by its Orientation tag, a palette as colours
                     raise UserError(f"cannot read {'mask' if mask else 'image'} {path}: tifffile says "
@@ -3458,7 +3459,8 @@ OPENCV_PHOTOMETRICS = (3, 5)
 def check_single_image(path, tif, series, planar, kind):
     """One image per file: level 0 of the first series holds one (gray, RGB or planar RGB) image, and no
     other series is a second full-size image (smaller ones, a slide's thumbnail or label, are ignored)."""
-    extra = len(series.shape) > 3 or (len(series.shape) == 3 and series.axes[-1] != "S" and not planar)
+    shape, axes = squeezed(series)
+    extra = len(shape) > 3 or (len(shape) == 3 and axes[-1] != "S" and not planar)
     twins = [other for other in tif.series[1:] if plane_size(other) == plane_size(series)]
     if len(series.pages) > 1 or extra or twins:
         raise UserError(f"{kind} {path} is a stack ({len(tif.pages)} page(s), first image shape "
@@ -3468,7 +3470,15 @@ def check_single_image(path, tif, series, planar, kind):
 
 def plane_size(series):
     """(height, width) of a tifffile series' level 0."""
-    return tuple(series.shape[-3:-1] if series.axes.endswith("S") else series.shape[-2:])
+    shape, axes = squeezed(series)
+    return tuple(shape[-3:-1] if axes.endswith("S") else shape[-2:])
+
+
+def squeezed(series):
+    """(shape, axes) of a tifffile series without its length-1 axes other than Y, X and S: a grey image saved
+    from numpy as (H, W, 1) or (1, H, W), or RGB as (1, H, W, 3), is one image (tifffile names the extra axis Q)."""
+    kept = [(n, a) for n, a in zip(series.shape, series.axes) if n != 1 or a in "YXS"]
+    return tuple(n for n, _ in kept), "".join(a for _, a in kept)
 
 
 def plane_of(series):

@@ -161,6 +161,22 @@ def test_a_slides_smaller_extra_images_are_ignored(tmp_path):
     np.testing.assert_array_equal(train_unet.read_image(path, 1), image)
 
 
+@pytest.mark.parametrize("shape", [(24, 32, 1), (1, 24, 32), (1, 24, 32, 3)], ids=["HW1", "1HW", "1HW3"])
+def test_a_single_image_saved_with_a_length_1_axis_is_one_image_not_a_stack(tmp_path, shape):
+    """tifffile.imwrite(path, gray[..., None]) writes one page, one image (axes YXQ); OpenCV and PIL open it. It was
+    refused as a stack, with the fix 'save one image per file', which it already was. Images and masks."""
+    gray = np.arange(24 * 32, dtype=np.uint8).reshape(24, 32)
+    image = gray.reshape(shape) if shape[-1] != 3 else np.stack([gray, gray // 2, gray // 3], -1)[None]
+    tifffile.imwrite(tmp_path / "i.tif", image)
+    expected = image.reshape(image.shape[-3:] if shape[-1] == 3 else (24, 32))
+    np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "i.tif"), expected)
+    read = train_unet.read_image(tmp_path / "i.tif", 3)
+    assert read.shape == (24, 32, 3) and read.dtype == np.uint8
+    if shape[-1] != 3:
+        tifffile.imwrite(tmp_path / "m.tif", (gray % 3).reshape(shape))
+        np.testing.assert_array_equal(train_unet.read_mask(tmp_path / "m.tif", 3), gray % 3)
+
+
 def write_stack(path, kind, photometric="minisblack"):
     page = np.zeros((16, 16), np.uint8)
     if kind == "one series":  # (2, 16, 16): two pages of one series
