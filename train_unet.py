@@ -7789,6 +7789,9 @@ def check_model_images(images, cfg):
     arrays): one channel (HxW) or three (HxWx3) as the model takes, else a UserError naming the fix, not a
     convolution's shape error."""
     want = cfg["in_channels"]
+    if isinstance(images, (np.ndarray, torch.Tensor)):  # iterated, its rows were taken for images
+        raise UserError(f"images is one {type(images).__name__} of shape {tuple(images.shape)}: pass a list of "
+                        f"images ([image] for one)")
     for i, image in enumerate(images):
         if not isinstance(image, np.ndarray) or image.dtype not in (np.uint8, np.float32):
             what = f"a {image.dtype} array" if isinstance(image, np.ndarray) else f"a {type(image).__name__}"
@@ -7801,6 +7804,23 @@ def check_model_images(images, cfg):
             raise UserError(f"image {i} has shape {image.shape}, but the model takes {want} channel(s) "
                             f"({'HxW' if want == 1 else 'HxWx3'}): read it with read_image(path, {want}, "
                             f"cfg['intensity_range']), which converts it")
+        check_scaled_floats(image, i, want)
+
+
+def check_scaled_floats(image, i, want):
+    """A float32 image as read_image scales it: finite (one NaN pixel made the whole mask background), and not
+    8- or 16-bit values cast to float unscaled (cv2.imread(...).astype(np.float32): half the pixels wrong).
+    Scaled values may leave [0, 1] a little (an intensity_range narrower than an image), so only whole
+    numbers above 1 are taken as unscaled."""
+    if image.dtype != np.float32:
+        return
+    if not np.isfinite(image).all():
+        raise UserError(f"image {i} holds NaN or inf pixels: replace them (e.g. by 0) first")
+    top = float(image.max())
+    if top > 1 and np.array_equal(image, np.round(image)):
+        raise UserError(f"image {i} is float32 with whole-number values up to {top:g}: unscaled pixels, where the "
+                        f"model takes them in [0, 1]: pass the uint8 array, or read it with read_image(path, {want}, "
+                        f"cfg['intensity_range']), which scales it")
 
 
 @torch.inference_mode()

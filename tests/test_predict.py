@@ -249,6 +249,26 @@ def test_predict_batch_names_an_image_the_model_cannot_take(binary_model, hw, fp
     for empty in (np.zeros((0, 10, 3), np.uint8), np.zeros((10, 0), np.uint8)):  # was OpenCV's resize assertion
         with pytest.raises(train_unet.UserError, match=r"image 0 has shape \(.*\): no pixels to predict"):
             train_unet.predict_batch(model, [empty], cfg, fp32, hw)
+    with pytest.raises(train_unet.UserError, match=r"^images is one ndarray of shape \(64, 64, 3\): pass a list of "
+                                                   r"images \(\[image\] for one\)$"):  # its rows were the images
+        train_unet.predict_batch(model, np.zeros((64, 64, 3), np.uint8), cfg, fp32, hw)
+
+
+def test_predict_batch_refuses_float_images_it_would_get_wrong(binary_model, hw, fp32):
+    """float32 in 0..255 (cv2.imread(...).astype(np.float32)) gave half the mask wrong; one NaN pixel made the
+    whole mask background; neither said a word. read_image's own floats (16-bit data, a little past
+    intensity_range) still go through."""
+    ckpt, _ = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 40, 3)).astype(np.uint8)
+    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with whole-number values up to 255: unscaled "):
+        train_unet.predict_batch(model, [pixels.astype(np.float32)], cfg, fp32, hw)
+    nan = pixels.astype(np.float32) / 255
+    nan[3, 4, 0] = np.nan
+    with pytest.raises(train_unet.UserError, match=r"^image 1 holds NaN or inf pixels"):
+        train_unet.predict_batch(model, [pixels, nan], cfg, fp32, hw)
+    past = pixels.astype(np.float32) / 200  # scaled, up to 1.275: beyond the range, not unscaled
+    assert train_unet.predict_batch(model, [past, np.ones((8, 8, 3), np.float32)], cfg, fp32, hw)[0].shape == (40, 40)
 
 
 def test_predict_batch_refuses_a_config_that_is_not_the_models(binary_model, hw, fp32):
