@@ -1864,6 +1864,17 @@ def check_config_dict(cfg):
     return {**CONFIG, **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in cfg.items()}}  # Path
 
 
+def check_command_dict(opts, defaults):
+    """predict's or export's options in a library call, as a dict of that command's keys (the command line's
+    parse_overrides checks its own): a typo such as backed=onnxruntime ran without it, silently, and export
+    ended in a KeyError."""
+    if not isinstance(opts, dict):
+        raise UserError(f"the options are {type(opts).__name__}: pass a dict of the command's keys")
+    for key in opts:
+        check_known_key(key, defaults)
+    return opts
+
+
 def check_known_key(key, defaults=CONFIG):
     known = shipped_keys(defaults)
     if key in known:
@@ -7149,7 +7160,7 @@ def predict(opts):
 
 def predict_into_output(opts):
     """predict, its output folder held."""
-    opts = validate_predict({**PREDICT_CONFIG, **opts})
+    opts = validate_predict({**PREDICT_CONFIG, **check_command_dict(opts, PREDICT_CONFIG)})
     out_dir = hold_output(Path(opts["output"]), at_start=True)
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
@@ -9222,7 +9233,7 @@ LOGIT_RTOL = 1e-4
 def export(opts):
     """The `export` command: a checkpoint -> <output>.onnx and its sidecar <output>.json, written only
     if onnxruntime's logits match PyTorch's (check_export). Returns {'onnx', 'sidecar', 'check'}."""
-    check_types(opts, EXPORT_CONFIG)
+    check_types(check_command_dict(opts, EXPORT_CONFIG), EXPORT_CONFIG)
     check_paths_given(opts, EXPORT_CONFIG)
     onnx_modules("onnxruntime", "onnx")
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides

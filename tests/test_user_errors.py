@@ -1476,10 +1476,18 @@ def test_more_workers_than_cores_get_the_scripts_note_not_torchs_warning(monkeyp
     ("run_benchmark", "configs=fp32", "'configs=fp32': pass the settings as a list of key=value strings"),
     ("train", None, "the config is NoneType: pass a dict such as dict(train_unet.CONFIG, data_dir=...)"),
     ("prepare_data", {"data_dir": "x", "batchsize": 2}, "unknown key 'batchsize': did you mean 'batch_size'?"),
+    ("predict", {"checkpoint": "c.pt", "input": "i", "output": "o", "backed": "onnxruntime"},
+     "unknown key 'backed': did you mean 'backend'?"),
+    ("predict", {"checkpoint": "c.pt", "input": "i", "output": "o", "overlays": True},
+     "unknown key 'overlays': did you mean 'overlay'?"),
+    ("predict", ["input=i"], "the options are list: pass a dict of the command's keys"),
+    ("export", {"checkpoint": "c.pt", "output": "d", "opset": 18}, "unknown key 'opset': known keys: checkpoint"),
 ])
 def test_the_librarys_documented_calls_say_a_wrong_argument_in_one_line(call, arg, said):
     """A string where a list goes was iterated a character at a time ("argument 'e' is not key=value"),
-    train(None) was Python's TypeError, and prepare_data took a typo silently (and a partial dict: KeyError)."""
+    train(None) was Python's TypeError, and prepare_data took a typo silently (and a partial dict: KeyError);
+    predict ran without backed=onnxruntime, took overlays=True for a string key's bad value, and export's
+    opset=18 was a KeyError."""
     one_line_error(getattr(train_unet, call), arg, match=re.escape(said))
 
 
