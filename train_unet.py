@@ -3456,10 +3456,22 @@ def read_tiff(path, mask=False):
             except Exception as exc:  # noqa: BLE001 - damaged data: zlib.error, imagecodecs' errors, EOFError
                 raise UserError(f"cannot read {'mask' if mask else 'image'} {path} (corrupt TIFF data: "
                                 f"{first_line(exc)}): fix or remove it") from None
+            if series.keyframe.photometric == 0 and not mask:  # MINISWHITE: 0 is white
+                image = as_shown(image)
             return np.moveaxis(image, 0, -1) if planar else image
     except (tifffile.TiffFileError, OSError, IndexError, ValueError, TypeError, struct.error):
         # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then says it cannot read it
         return None
+
+
+def as_shown(image):
+    """A MinIsWhite TIFF image as viewers, OpenCV and PIL show it (tifffile returns the stored values, 0 for
+    white): a data set mixing such TIFFs with PNGs, or a model trained on PNG exports of them, saw them
+    inverted, silently. Unsigned integers and bilevel images are inverted within their type's range; a float
+    or signed one has no such range and is read as stored."""
+    if image.dtype == bool:
+        return ~image
+    return np.iinfo(image.dtype).max - image if np.issubdtype(image.dtype, np.unsignedinteger) else image
 
 
 # TIFF colour spaces read_tiff leaves to OpenCV (libtiff's conversion to RGB): palette colours (3) and
@@ -3871,13 +3883,13 @@ def mask_hint(path, dtype, values, at_least=0):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 9  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 10  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
                          # LZW TIFFs by tifffile, as stored (imagecodecs); a TIFF's extra channel that is
                          # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour);
-                         # 9: a TIFF mask's lossy codec (tiff_codec)
+                         # 9: a TIFF mask's lossy codec (tiff_codec); 10: MinIsWhite images as shown (as_shown)
 
 
 def check_pairs(pairs, cfg):

@@ -177,6 +177,21 @@ def test_a_single_image_saved_with_a_length_1_axis_is_one_image_not_a_stack(tmp_
         np.testing.assert_array_equal(train_unet.read_mask(tmp_path / "m.tif", 3), gray % 3)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, bool])
+def test_a_miniswhite_tiff_image_is_read_as_viewers_show_it(tmp_path, dtype):
+    """tifffile returns a MinIsWhite image's stored values, 0 for white: OpenCV and PIL show the 8-bit one the
+    other way round, and a data set mixing such TIFFs with PNGs trained on them inverted, with no word."""
+    ramp = np.tile(np.arange(64, dtype=np.uint16) * 4, (48, 1))
+    shown = ramp > 100 if dtype is bool else (ramp * (1 if dtype is np.uint8 else 257)).astype(dtype)
+    stored = ~shown if dtype is bool else np.iinfo(dtype).max - shown
+    tifffile.imwrite(tmp_path / "mw.tif", stored, photometric="miniswhite")
+    np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif"), shown)
+    if dtype is np.uint8:
+        np.testing.assert_array_equal(train_unet.read_image(tmp_path / "mw.tif", 1), cv2.imread(str(tmp_path / "mw.tif"), -1))
+        np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "mw.tif")), shown)
+    np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif", mask=True), stored)  # masks: as stored
+
+
 def write_stack(path, kind, photometric="minisblack"):
     page = np.zeros((16, 16), np.uint8)
     if kind == "one series":  # (2, 16, 16): two pages of one series
