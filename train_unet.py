@@ -9475,8 +9475,9 @@ def preprocessing(cfg):
     read_image and normalizer."""
     normalize = normalizer(cfg).by_dtype[np.dtype(np.uint8)]
     size = cfg["image_size"]
-    geometry = ({"mode": "fit", "resize": f"longest side to {size} (bilinear), then pad bottom and right with "
-                                          f"{PAD_WORDS} to {size}x{size}",
+    geometry = ({"mode": "fit", "resize": f"longest side to {size} (bilinear; an 8-bit image as uint8, rounded, "
+                                          f"and to_unit_range after; a wider or float one after to_unit_range, in "
+                                          f"float32), then pad bottom and right with {PAD_WORDS} to {size}x{size}",
                  "back": "crop the image's area from the logits, resize them bilinearly to the image's size"}
                 if cfg["data_mode"] == "fit" else
                 {"mode": "patch", "resize": f"by patch_scale ({cfg['patch_scale']:g})",

@@ -236,6 +236,21 @@ def sidecar_input(image, spec):
     return ((unit - np.array(spec["normalize"]["mean"])) / np.array(spec["normalize"]["std"])).astype(np.float32)
 
 
+def test_the_sidecar_says_an_8_bit_image_is_resized_as_uint8_as_predict_does(make_cfg):
+    """Done as the sidecar read ([0, 1] first, then the resize, in float32), a user's runtime matched predict on
+    none of 12 images (99.4 % of pixels at worst): predict resizes 8-bit images as uint8, rounded."""
+    cfg = make_cfg(image_size=64)
+    spec = train_unet.preprocessing(cfg)
+    assert "an 8-bit image as uint8, rounded, and to_unit_range after" in spec["geometry"]["resize"]
+    image = np.random.default_rng(1).integers(0, 256, (40, 120, 3)).astype(np.uint8)  # 64 x 21 resized
+    got = np.asarray(train_unet.fit_input(train_unet.scale_image(image), cfg))[:, :21, :]
+    mean, std = (np.array(spec["normalize"][k], np.float32)[:, None, None] for k in ("mean", "std"))
+    resized = cv2.resize(image, (64, 21), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1)
+    assert np.allclose(got, (resized / np.float32(255) - mean) / std, atol=1e-5)
+    float_first = cv2.resize(image.astype(np.float32) / 255, (64, 21), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1)
+    assert not np.allclose(got, (float_first - mean) / std, atol=1e-5)
+
+
 def test_the_sidecar_says_what_pads_a_fit_image_and_predict_pads_so(make_cfg):
     """"pad ... with 0" was read as 0 after normalising by a user's own runtime, which then agreed with
     predict on 98.6 % of a 120x40 image's mask pixels: the padding is 0 in [0, 1], then normalised."""
