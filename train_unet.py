@@ -3924,8 +3924,9 @@ def check_pair_facts(pairs, facts, cfg):
             raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "
                             f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size{fix}")
     if all(v <= {0} for v in values):
-        raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 0 whatever the "
-                        f"model does; check that the masks were saved with their labels")
+        raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 1.0 for a model "
+                        f"that predicts none, less for any that does (it cannot rank models); check that the masks "
+                        f"were saved with their labels")
     if cfg["num_classes"] == 1 and not any(0 in v for v in values):
         raise UserError(f"no mask holds a 0 (background): every pixel is foreground, so there is nothing to tell "
                         f"apart, and IoU would be 1 whatever the model does; check that the masks were saved with "

@@ -1412,8 +1412,14 @@ def test_masks_with_no_foreground_at_all_are_refused(make_cfg, data_dir, num_cla
     'every mask holds only 0 and 255', which they do not)."""
     for path in (data_dir / "masks").iterdir():
         cv2.imwrite(str(path), np.zeros_like(cv2.imread(str(path), cv2.IMREAD_UNCHANGED)))
-    with pytest.raises(UserError, match="every mask is all 0: there is no foreground to learn"):
+    with pytest.raises(UserError, match=r"every mask is all 0: there is no foreground to learn, and IoU would be "
+                                        r"1\.0 for a model that predicts none"):  # it said 0 whatever the model did
         train_unet.train(make_cfg(num_classes=num_classes))
+    logits = torch.full((2, num_classes, 8, 8), -5.0)  # a model predicting no foreground: the metric's IoU
+    logits[:, 0] = 5.0 if num_classes > 1 else -5.0
+    metric = train_unet.SegMetric(num_classes, "cpu")
+    metric.update(logits, torch.zeros(2, 8, 8, dtype=torch.long))
+    assert metric.compute()["iou"] == 1.0
 
 
 @pytest.mark.parametrize("kind", ["LA", "RGBA"])
