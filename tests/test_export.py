@@ -247,7 +247,8 @@ def test_the_sidecar_says_an_8_bit_image_is_resized_as_uint8_as_predict_does(mak
     mean, std = (np.array(spec["normalize"][k], np.float32)[:, None, None] for k in ("mean", "std"))
     resized = cv2.resize(image, (64, 21), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1)
     assert np.allclose(got, (resized / np.float32(255) - mean) / std, atol=1e-5)
-    float_first = cv2.resize(image.astype(np.float32) / 255, (64, 21), interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1)
+    float_first = cv2.resize(image.astype(np.float32) / 255, (64, 21),
+                             interpolation=cv2.INTER_LINEAR).transpose(2, 0, 1)
     assert not np.allclose(got, (float_first - mean) / std, atol=1e-5)
 
 

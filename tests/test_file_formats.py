@@ -187,7 +187,8 @@ def test_a_miniswhite_tiff_image_is_read_as_viewers_show_it(tmp_path, dtype):
     tifffile.imwrite(tmp_path / "mw.tif", stored, photometric="miniswhite")
     np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif"), shown)
     if dtype is np.uint8:
-        np.testing.assert_array_equal(train_unet.read_image(tmp_path / "mw.tif", 1), cv2.imread(str(tmp_path / "mw.tif"), -1))
+        np.testing.assert_array_equal(train_unet.read_image(tmp_path / "mw.tif", 1),
+                                      cv2.imread(str(tmp_path / "mw.tif"), -1))
         np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "mw.tif")), shown)
     np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif", mask=True), stored)  # masks: as stored
 

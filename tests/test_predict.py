@@ -261,7 +261,8 @@ def test_predict_batch_refuses_float_images_it_would_get_wrong(binary_model, hw,
     ckpt, _ = binary_model
     model, cfg = train_unet.load_model(ckpt, hw)
     pixels = np.random.default_rng(0).integers(0, 256, (40, 40, 3)).astype(np.uint8)
-    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with whole-number values up to 255: unscaled "):
+    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with whole-number values up to 255: "
+                                                   r"unscaled "):
         train_unet.predict_batch(model, [pixels.astype(np.float32)], cfg, fp32, hw)
     nan = pixels.astype(np.float32) / 255
     nan[3, 4, 0] = np.nan
