@@ -6517,27 +6517,28 @@ def warn_fp16_underflow(run, stats, batch):
     last batch's share in fp16 against fp32's, and a warning where fp16's is higher by as much."""
     if run.prec.name != "fp16" or stats.zero_grad_pct <= FP16_UNDERFLOW_WARN_PCT or batch is None:
         return
-    half, full = zero_grad_pct(run, batch, torch.float16), zero_grad_pct(run, batch, None)
+    x = batch[0]
+    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):  # the run's stream untouched
+        model = copy.deepcopy(run.model).train()  # training's forward (batch statistics); the run's BN untouched
+        half, full = (zero_grad_pct(run, model, batch, dtype) for dtype in (torch.float16, None))
     if half - full > FP16_UNDERFLOW_WARN_PCT:
         print(f"warning: {stats.zero_grad_pct:.1f}% of this epoch's gradient entries were exactly zero; on its last "
               f"batch {half:.1f}% in fp16 against {full:.1f}% in fp32: fp16 underflow; try amp_dtype=bfloat16 or a "
               f"larger init_scale")
 
 
-def zero_grad_pct(run, batch, dtype):
+def zero_grad_pct(run, model, batch, dtype):
     """The share of gradient entries exactly zero for one batch, under autocast in `dtype` (None: fp32), the
-    loss scaled as the run's GradScaler scales it; on a copy of the model, so the run's weights, gradients,
-    BatchNorm statistics and random state are as they were."""
+    loss scaled as the run's GradScaler scales it; `model`: a copy of the run's, whose gradients this leaves
+    alone (torch.autograd.grad)."""
     x, y = batch
-    with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-        model = copy.deepcopy(run.model).train()
-        with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            logits = model(x)
-        pixel_sum, region = run.loss_fn.parts(logits, y)
-        scale = run.scaler.get_scale() if dtype is not None and run.scaler is not None else 1.0
-        loss = (pixel_sum / valid_pixels(y).clamp(min=1) + region) * scale
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [g for g in torch.autograd.grad(loss, params, allow_unused=True) if g is not None]
+    with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        logits = model(x)
+    pixel_sum, region = run.loss_fn.parts(logits, y)
+    scale = run.scaler.get_scale() if dtype is not None and run.scaler is not None else 1.0
+    loss = (pixel_sum / valid_pixels(y).clamp(min=1) + region) * scale
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [g for g in torch.autograd.grad(loss, params, allow_unused=True) if g is not None]
     return 100.0 * float(count_zero_grads(grads)) / max(1, sum(g.numel() for g in grads))
 
 
