@@ -6534,9 +6534,8 @@ def zero_grad_pct(run, model, batch, dtype):
     x, y = batch
     with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
         logits = model(x)
-    pixel_sum, region = run.loss_fn.parts(logits, y)
     scale = run.scaler.get_scale() if dtype is not None and run.scaler is not None else 1.0
-    loss = (pixel_sum / valid_pixels(y).clamp(min=1) + region) * scale
+    loss = run.loss_fn(logits, y) * scale  # the batch's loss (SegLoss.forward)
     params = [p for p in model.parameters() if p.requires_grad]
     grads = [g for g in torch.autograd.grad(loss, params, allow_unused=True) if g is not None]
     return 100.0 * float(count_zero_grads(grads)) / max(1, sum(g.numel() for g in grads))
