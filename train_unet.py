@@ -7838,8 +7838,7 @@ def check_scaled_floats(image, i, want):
     numbers above 1 are taken as unscaled."""
     if image.dtype != np.float32:
         return
-    if not np.isfinite(image).all():
-        raise UserError(f"image {i} holds NaN or inf pixels: replace them (e.g. by 0) first")
+    check_pixels(image, i)  # scale_image's NaN/inf refusal, naming the image by its index
     top = float(image.max())
     if top > 1 and np.array_equal(image, np.round(image)):
         raise UserError(f"image {i} is float32 with whole-number values up to {top:g}: unscaled pixels, where the "
