@@ -842,8 +842,9 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
         found = cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
         if found is None:
             wide_integers_unmapped([*train_pairs, *val_pairs], cfg)
-        elif cfg["intensity_range"] is None and notes is not None:
-            notes.append(range_set_by_few(train_pairs, cfg, found))
+        elif notes is not None:
+            notes.append(range_leaves_out(train_pairs, val_pairs, cfg, found) if cfg["intensity_range"] else
+                         range_set_by_few(train_pairs, cfg, found))
         return found
     saved = state["config"].get("intensity_range")
     if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
@@ -3883,13 +3884,14 @@ def mask_hint(path, dtype, values, at_least=0):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 10  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 11  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
                          # LZW TIFFs by tifffile, as stored (imagecodecs); a TIFF's extra channel that is
                          # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour);
-                         # 9: a TIFF mask's lossy codec (tiff_codec); 10: MinIsWhite images as shown (as_shown)
+                         # 9: a TIFF mask's lossy codec (tiff_codec); 10: MinIsWhite images as shown (as_shown);
+                         # 11: wide images' span without their outer 1% each side (range_leaves_out)
 
 
 def check_pairs(pairs, cfg):
@@ -4061,14 +4063,19 @@ def mixed_binary_masks(pairs, values, cfg):
     """A note where, with classes, some masks hold only 0 and 255 while others hold classes: the two binary
     conventions (0/1, 0/255) mixed in one set, or a binary set given num_classes > 1 for one odd mask. 255
     is void there, so those masks' foreground is ignored."""
-    void_only = [mask for (_, mask), v in zip(pairs, values) if IGNORE_INDEX in v and v <= {0, IGNORE_INDEX}]
+    void_only = sorted((str(mask), 0 in v) for (_, mask), v in zip(pairs, values)
+                       if IGNORE_INDEX in v and v <= {0, IGNORE_INDEX})  # the first by name is named
     classes = sorted(set().union(*values) - {0, IGNORE_INDEX})
     if cfg["num_classes"] < 2 or not void_only or not classes:
         return None
-    return (f"note: {len(void_only)} of {len(values)} mask(s) hold only 0 and {IGNORE_INDEX} (e.g. "
-            f"{Path(void_only[0]).name}) while others hold class(es) {format_values(classes, 3)}: with num_classes="
-            f"{cfg['num_classes']} {IGNORE_INDEX} is void, so their foreground is ignored; if {IGNORE_INDEX} is "
-            f"their foreground, save them with its class index (binary: num_classes=1, the masks 0/1 or 0/255)")
+    kinds = {with_zero for _, with_zero in void_only}  # all void (every pixel 255) says nothing of 0s
+    what = {frozenset({True}): f"only 0 and {IGNORE_INDEX}", frozenset({False}): f"only {IGNORE_INDEX}",
+            frozenset({True, False}): f"only 0 and {IGNORE_INDEX}, or only {IGNORE_INDEX}"}[frozenset(kinds)]
+    ignored = "their foreground is ignored" if True in kinds else "those images are ignored whole"
+    return (f"note: {len(void_only)} of {len(values)} mask(s) hold {what} (e.g. {Path(void_only[0][0]).name}) while "
+            f"others hold class(es) {format_values(classes, 3)}: with num_classes={cfg['num_classes']} {IGNORE_INDEX} "
+            f"is void, so {ignored}; if {IGNORE_INDEX} is their foreground, save them with its class index (binary: "
+            f"num_classes=1, the masks 0/1 or 0/255)")
 
 
 def exif_turn(path, hw):
@@ -4143,8 +4150,9 @@ CHECKED_HERE = {}
 
 def image_facts(path, channels):
     """What the data check keeps of an image: its size and, for integers wider than 8 bits, their
-    [min, max] (learnt_intensity_range). Checked as read_image would check it, on the decoded pixels
-    only: no scaled float copy (4 bytes a value, in each of the check's threads) just to learn a size."""
+    [min, max] (learnt_intensity_range) and their bulk_span (range_leaves_out). Checked as read_image would
+    check it, on the decoded pixels only: no scaled float copy (4 bytes a value, in each of the check's
+    threads) just to learn a size."""
     image = decode_image(path, channels)
     check_pixels(image, path)
     values = without_alpha(image)  # what the network sees: an opaque 16-bit alpha is not data
@@ -4152,6 +4160,7 @@ def image_facts(path, channels):
     facts = {"hw": list(image.shape[:2]), "dtype": str(image.dtype), "channels": channels}  # dtype: cache_bytes' depth
     if np.issubdtype(image.dtype, np.integer) and image.dtype != np.uint8:
         facts["range"] = [int(values.min()), int(values.max())]
+        facts["bulk"] = bulk_span(values)
     orientation = exif_orientation(path)
     if orientation:
         facts["orientation"] = orientation
@@ -4160,6 +4169,24 @@ def image_facts(path, channels):
     if extra_channel_not_alpha(path, image):
         facts["extra"] = True  # dropped all the same (without_alpha): extra_channels_dropped
     return facts
+
+
+def bulk_span(values):
+    """[low, high] of integer pixels: the least value with over OUTSIDE_RANGE_SHARE of them at or below it, and
+    the least with 1 - OUTSIDE_RANGE_SHARE at or below it, so a range that starts above low or ends below high
+    leaves more than that share outside it, and only such a range (range_leaves_out). Up to 16 bits from a
+    histogram counted in bands of rows: np.quantile sorts a copy of the whole image (2x its bytes at the peak)."""
+    if values.dtype.itemsize > 2:
+        return [int(v) for v in np.quantile(values, [OUTSIDE_RANGE_SHARE, 1 - OUTSIDE_RANGE_SHARE], method="lower")]
+    offset = -int(np.iinfo(values.dtype).min)
+    counts = np.zeros(2 ** (8 * values.dtype.itemsize), np.int64)
+    rows = max(1, 2 ** 17 // max(1, values[:1].size))  # bands of about 1 MB as bincount's intp
+    for top in range(0, values.shape[0], rows):
+        counts += np.bincount((values[top:top + rows].astype(np.intp) + offset).ravel(), minlength=counts.size)
+    cumulative = np.cumsum(counts)
+    low = np.searchsorted(cumulative, OUTSIDE_RANGE_SHARE * cumulative[-1], side="right")
+    high = np.searchsorted(cumulative, (1 - OUTSIDE_RANGE_SHARE) * cumulative[-1], side="left")
+    return [int(low) - offset, int(high) - offset]
 
 
 def extra_channel_not_alpha(path, image):
@@ -4301,6 +4328,29 @@ def range_set_by_few(pairs, cfg, found):
             f"{low}-{high} is the data's range (a hot pixel, a saturated frame?), set intensity_range={low},{high}")
 
 
+def range_leaves_out(train_pairs, val_pairs, cfg, given):
+    """A note where a given intensity_range leaves over OUTSIDE_RANGE_SHARE of an image's pixels below its low
+    or above its high (by image_facts' bulk): scale_image maps them outside 0-1, unclipped, as predict's note
+    on such images says (InputNotes), while RandomBrightnessContrast clips a float image to 0-1 (albumentations
+    2.0.8, measured) in the share of training samples it is applied to. Else None."""
+    pairs = [*train_pairs, *val_pairs]
+    facts = start_up_facts(pairs, cfg)
+    entries = [(Path(image).name, facts[os.path.abspath(image)]) for image, _ in pairs]
+    ranged = [(name, entry) for name, entry in entries if entry.get("bulk") is not None]
+    low, high = given
+    out = [(name, entry["range"]) for name, entry in ranged if entry["bulk"][0] < low or entry["bulk"][1] > high]
+    if not out:
+        return None
+    (name, (least, most)), scale = out[0], lambda v: (v - low) / (high - low)  # noqa: E731 - scale_image's map
+    learnt = learnt_intensity_range(train_pairs, cfg)
+    return (f"{len(out)} of {len(ranged)} image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of their "
+            f"pixels outside intensity_range={low:g},{high:g} (e.g. {name}, whose values span {least}-{most}): they "
+            f"are mapped outside 0-1 (there {scale(least):.3g} to {scale(most):.3g}), clipped to 0-1 only by the "
+            f"brightness augmentation, in half the training samples, not in validation or predict; check the range"
+            + (f", or leave intensity_range=None to learn it from the training images ({learnt[0]},{learnt[1]} here)"
+               if learnt else ""))
+
+
 def class_pixel_counts(pairs, cfg):
     """Pixels of each class in the training masks, void left out (binary: [background, foreground]):
     class_weights=auto's frequencies. From the data check's facts: no decoding."""
@@ -4341,6 +4391,11 @@ def known_facts(caches, path, stamp, mask, channels):
     return None
 
 
+def valid_span(span):
+    """A value span as image_facts writes it: a pair of whole numbers, low <= high."""
+    return isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span) and span[0] <= span[1]
+
+
 def entry_valid(entry, mask):
     """A whole entry, as checked_facts writes it: a damaged or hand-edited one counts as unchecked."""
     if not (isinstance(entry, dict) and isinstance(entry.get("stamp"), list) and len(entry["stamp"]) == 3
@@ -4350,12 +4405,13 @@ def entry_valid(entry, mask):
     if not valid_dtype(entry.get("dtype")):
         return False
     if not mask:  # an image: a value range (image_facts) is a pair of whole numbers, low <= high
-        span = entry.get("range")
+        span, bulk = entry.get("range"), entry.get("bulk")
+        if (span is None) != (bulk is None) or not (bulk is None or valid_span(bulk)):
+            return False
         if entry.get("orientation") not in (None, *EXIF_TURNS) or entry.get("colour") not in (None, True) \
                 or entry.get("extra") not in (None, True):
             return False
-        return span is None or (isinstance(span, list) and len(span) == 2 and all(isinstance(n, int) for n in span)
-                                and span[0] <= span[1])
+        return span is None or valid_span(span)
     values, counts = entry.get("values"), entry.get("counts")
     if entry.get("codec") not in (None, "JPEG", *MAYBE_LOSSY_TIFF_COMPRESSIONS.values()):
         return False
@@ -6102,6 +6158,7 @@ def load_class_names(cfg):
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path} ({type(exc).__name__}): save it as UTF-8 text, one class "
                         f"name per line") from None
+    names = without_indices(names)
     allowed = (1, 2) if n == 1 else (n,)
     if len(names) not in allowed:
         want = "1 (the foreground) or 2 (background, foreground)" if n == 1 else str(n)
@@ -6112,6 +6169,18 @@ def load_class_names(cfg):
         raise UserError(f"{path}: every line needs a name of its own once spaces and punctuation become _ "
                         f"(as in history.csv's columns: {', '.join(map(repr, slugs))}), got {names}")
     return names[-1:] if n == 1 else names
+
+
+def without_indices(names):
+    """Lines that start with their class index ('0 background', '1: road', as some label tools write them):
+    the names alone, where every line starts with its own index, in order (a binary file's one line: 1);
+    else the lines as they are."""
+    found = [re.fullmatch(r"(\d+)(?:\s*[:,;=]\s*|\s+)(\S.*)", name) for name in names]
+    if not names or not all(found):
+        return names
+    indices = [int(match.group(1)) for match in found]
+    numbered = indices == list(range(len(names))) or indices == [1]
+    return [match.group(2) for match in found] if numbered else names
 
 
 def class_slug(name):
@@ -6142,7 +6211,8 @@ def per_class_table(row, names, absent=()):
         if i in absent and not math.isnan(iou):
             cells += "  absent from the val set but predicted: 0 in the mean"
         lines.append(f"  {name:<{width}}  {cells}")
-    lines.append(f"  {'mean':<{width}}  {row['val_iou']:.4f}  {row['val_dice']:.4f}")
+    mean = "(mean)" if "mean" in (name.lower() for name in names) else "mean"  # not a second row of a class
+    lines.append(f"  {mean:<{width}}  {row['val_iou']:.4f}  {row['val_dice']:.4f}")
     return "\n".join(lines)
 
 
@@ -7972,10 +8042,11 @@ def predict_intensity_range(cfg, opts):
 
 
 class InputNotes:
-    """Notes on predict's images, each said once, at the end: a 16-bit image scaled from 0-65535 for want of
-    a range, an 8-bit or float image that a given intensity_range= does not touch (divided by 255, or mapped
-    by its own min and max, whatever the range, as in training: scale_image), and an image whose pixels lie
-    outside the range, given or the checkpoint's (outside_range); as the data check notes in training, colour
+    """Notes on predict's images, each said once, at the end, with how many images it concerns: a 16-bit
+    image scaled from 0-65535 for want of a range, an 8-bit or float image that a given intensity_range= does
+    not touch (divided by 255, or mapped by its own min and max, whatever the range, as in training:
+    scale_image), and an image whose pixels lie outside the range, given or the checkpoint's (outside_range,
+    as range_leaves_out notes in training); as the data check notes in training, colour
     read as grey (of the first PREDICT_COLOUR_LOOKS images: one not grey by its header is decoded again to look)
     and a TIFF channel dropped that is not alpha (extra_channel_not_alpha). Each image is looked at on the
     reader thread that decoded it (read_image's look), by its decoded type, which decides its scaling: no
@@ -7984,7 +8055,7 @@ class InputNotes:
     def __init__(self, cfg, opts):
         self.cfg, self.opts, self.sixteen_bit, self.eight_bit, self.outside = cfg, opts, [], None, None
         self.colour, self.extra, self.thin, self.looked, self.lock = None, None, None, 0, threading.Lock()
-        self.colours = 0  # of the images looked at for colour (PREDICT_COLOUR_LOOKS)
+        self.counts = collections.Counter()  # images found of each kind; colour: of those looked at for it
 
     def look(self, path, decoded, scaled):
         """An image as decoded and as scale_image mapped it, on a reader thread: of each kind the first by name
@@ -8004,7 +8075,7 @@ class InputNotes:
         with self.lock:
             if not ranged and wide and decoded.dtype.itemsize == 2:  # scaled by the type's range
                 self.sixteen_bit.append((path, kind == "i", int(values.max())))  # its top: 12-bit data?
-            self.colours += bool(found["colour"])
+            self.counts.update(key for key, value in found.items() if value)
             for key, value in found.items():
                 kept = getattr(self, key)
                 if value and (kept is None or str(path) < str(kept[0] if isinstance(kept, tuple) else kept)):
@@ -8024,10 +8095,10 @@ class InputNotes:
             raw = [f"{low + v * (high - low):.0f}" for v in (least, most)]
             whose = "" if self.opts["intensity_range"] is not None else \
                 f" ({self.opts['checkpoint']}'s, learnt from its training images)"
-            print(f"note: {share:.0%} of {Path(path).name}'s pixels lie outside intensity_range={low:g},{high:g}"
-                  f"{whose} (its values span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training "
-                  f"images were mapped to; check the range" + (", or predict with intensity_range=low,high" if whose
-                                                                else ""))
+            print(f"note: {self.of_looked('outside')} have over {OUTSIDE_RANGE_SHARE:.0%} of their pixels outside "
+                  f"intensity_range={low:g},{high:g}{whose} (e.g. {share:.0%} of {Path(path).name}'s, whose values "
+                  f"span {raw[0]}-{raw[1]}): the model sees them outside the 0-1 its training images were mapped to; "
+                  f"check the range" + (", or predict with intensity_range=low,high" if whose else ""))
 
     def print_sixteen_bit(self):
         """The note on 16-bit images scaled from their type's range for want of one: each image's top value
@@ -8057,18 +8128,23 @@ class InputNotes:
         checkpoint = self.opts["checkpoint"]
         if self.colour is not None:
             looked = min(self.looked, PREDICT_COLOUR_LOOKS)  # not every image: a second decode each
-            print(f"note: {self.colours} of {'the first ' if self.looked > looked else ''}{looked} image(s) hold "
+            shown = f"{'the first ' if self.looked > looked else ''}{looked}"
+            print(f"note: {self.counts['colour']} of {shown} image(s) hold "
                   f"colour (e.g. {Path(self.colour).name}), read as grey (their luminance): {checkpoint} takes "
                   f"in_channels=1; if colour tells the classes apart, train with in_channels=3")
         if self.extra is not None:
-            print(f"note: {Path(self.extra).name} holds a channel that is not alpha beside its grey or RGB (a TIFF "
-                  f"extra sample such as near-infrared), and it is dropped: {checkpoint} takes "
-                  f"in_channels={self.cfg['in_channels']}")
+            print(f"note: {self.of_looked('extra')} hold a channel that is not alpha beside their grey or RGB (e.g. "
+                  f"{Path(self.extra).name}: a TIFF extra sample such as near-infrared), and it is dropped: "
+                  f"{checkpoint} takes in_channels={self.cfg['in_channels']}")
         if self.thin is not None:
             path, (h, w), (fh, fw) = self.thin
-            print(f"note: {Path(path).name} ({w}x{h}) went to the model as {fw}x{fh} (fit mode: longest side to "
-                  f"{self.cfg['image_size']} px), under {FIT_THIN_SIDE} px across: its detail across is lost; a model "
-                  f"trained with data_mode=patch predicts such images at full resolution")
+            print(f"note: {self.of_looked('thin')} went to the model under {FIT_THIN_SIDE} px across (fit mode: "
+                  f"longest side to {self.cfg['image_size']} px; e.g. {Path(path).name}: {w}x{h} -> {fw}x{fh}): their "
+                  f"detail across is lost; a model trained with data_mode=patch predicts such images at full resolution")
+
+    def of_looked(self, key):
+        """'2 of 5 image(s)': how many of the images predicted were found of a kind, as training's notes count."""
+        return f"{self.counts[key]} of {self.looked} image(s)"
 
 
 # A given intensity_range that leaves more than this share of an image's pixels outside it gets a note.
@@ -9424,7 +9500,7 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
     import onnxruntime
 
     return {"format": EXPORT_FORMAT[0], "version": EXPORT_FORMAT[1], "onnx": name,
-            "onnx_sha256": file_sha256(onnx_file),
+            "onnx_sha256": file_sha256(onnx_file), "onnx_bytes": Path(onnx_file).stat().st_size,
             "input": {"name": "image", "dtype": "float32", "shape": ["batch", cfg["in_channels"], "height", "width"],
                       "height_width": input_sides(cfg)},
             "output": {"name": "logits", "dtype": "float32", "shape": ["batch", cfg["num_classes"], "height", "width"]},
@@ -9625,9 +9701,29 @@ def read_sidecar(path):
         raise UserError(f"exported model {onnx_path} not found (its name in {sidecar_path.name})"
                         + (f": give checkpoint={twin}" if path != twin and twin.is_file() else ""))
     if file_sha256(onnx_path) != meta.get("onnx_sha256"):
-        raise UserError(f"{sidecar_path} belongs to another {onnx_path.name} (its SHA-256 differs): keep the "
-                        f"two files of one export together, or export again")
+        raise onnx_not_its_sidecars(onnx_path, sidecar_path, meta)
     return onnx_path, meta
+
+
+def onnx_not_its_sidecars(onnx_path, sidecar_path, meta):
+    """The UserError for an .onnx whose SHA-256 is not the one its sidecar records: cut short (fewer bytes
+    than export wrote: an interrupted copy), damaged (onnxruntime cannot read it: a sidecar from before
+    onnx_bytes), else another export's .onnx beside this sidecar."""
+    size, wrote = onnx_path.stat().st_size, meta.get("onnx_bytes")
+    if isinstance(wrote, int) and size < wrote:
+        return UserError(f"{onnx_path} is cut short: {size} of the {wrote} bytes export wrote (an interrupted "
+                         f"copy?): copy it again from where it was exported, or export again")
+    ort, = onnx_modules("onnxruntime")
+    quiet = ort.SessionOptions()
+    quiet.log_severity_level = 3  # errors only: a damaged graph's warnings would come before the one line
+    try:
+        ort.InferenceSession(str(onnx_path), quiet, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's load errors share no base class (onnx_session)
+        return UserError(f"{onnx_path} is damaged ({type(exc).__name__}: {first_line(exc)}), and its SHA-256 is not "
+                         f"the one {sidecar_path.name} records: copy it again from where it was exported, or export "
+                         f"again")
+    return UserError(f"{sidecar_path} belongs to another {onnx_path.name} (its SHA-256 differs): keep the two files "
+                     f"of one export together, or export again")
 
 
 def onnx_session(path, hw):

@@ -345,8 +345,9 @@ def test_an_architecture_the_exporter_cannot_trace_is_one_line(tmp_path, make_cf
     assert "graph" not in capfd.readouterr().out
 
 
-@pytest.mark.parametrize("case", ["no_sidecar", "not_json", "other_format", "other_model", "a_pt_file", "a_typo"])
-def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
+@pytest.mark.parametrize("case", ["no_sidecar", "not_json", "other_format", "other_model", "a_pt_file", "a_typo",
+                                  "cut_short", "cut_short_old_sidecar", "damaged"])
+def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path, capfd):
     folder = tmp_path / "export"
     folder.mkdir()
     onnx, sidecar = (shutil.copy(p, folder / p.name) for p in (binary["onnx"], binary["sidecar"]))
@@ -358,18 +359,30 @@ def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path):
         sidecar.write_text("{ not json")
     elif case == "other_format":
         sidecar.write_text(json.dumps({**meta, "version": 99}))
-    elif case == "other_model":
+    elif case == "other_model":  # the sidecar of another export of the same model: all but its SHA-256 alike
+        sidecar.write_text(json.dumps({**meta, "onnx_sha256": "0" * 64}))
+    elif case == "damaged":  # it was said to belong to another export
         onnx.write_bytes(onnx.read_bytes()[:-1] + b"\x00")
+    elif case.startswith("cut_short"):  # an interrupted copy: it was said to belong to another export
+        onnx.write_bytes(onnx.read_bytes()[:4000])
+        if case == "cut_short_old_sidecar":  # from before onnx_bytes: onnxruntime cannot read it
+            sidecar.write_text(json.dumps({k: v for k, v in meta.items() if k != "onnx_bytes"}))
     elif case == "a_typo":  # it was said to lack its .json sidecar
         given = folder / "modle.onnx"
     else:
         given = binary["ckpt"]
     match = {"no_sidecar": "model.json not found: export writes it", "not_json": "not readable JSON",
              "other_format": "not a sidecar", "other_model": "belongs to another", "a_pt_file": "runs an exported model",
-             "a_typo": "checkpoint=.*modle.onnx not found: give the .onnx"}[case]
+             "a_typo": "checkpoint=.*modle.onnx not found: give the .onnx",
+             "cut_short": f"model.onnx is cut short: 4000 of the {binary['onnx'].stat().st_size} bytes export wrote "
+                          r"\(an interrupted copy\?\): copy it again",
+             "cut_short_old_sidecar": r"model.onnx is damaged \(\w+: .*\), and its SHA-256 is not the one model.json "
+                                      r"records: copy it again",
+             "damaged": r"model.onnx is damaged \(\w+: .*\), and its SHA-256 is not the one"}[case]
     with pytest.raises(train_unet.UserError, match=match) as info:
         train_unet.predict(predict_opts(given, binary["data"] / "images", tmp_path / "out", backend="onnxruntime"))
     assert "\n" not in str(info.value)
+    assert "onnxruntime" not in capfd.readouterr().err  # none of its C++ log lines before the one line
 
 
 @pytest.mark.parametrize("edit, match", [

@@ -163,6 +163,49 @@ def test_the_range_is_saved_in_the_checkpoint_and_predict_uses_it(make_cfg, dept
     assert np.mean([(m == e * 255).mean() for m, e in zip(masks, expected)]) > 0.999
 
 
+def test_a_given_range_that_leaves_pixels_outside_gets_a_note_in_training(make_cfg, depths):
+    """Full-range 16-bit images trained with intensity_range=0,4095 reached the model at up to 16 (clipped to 1 by
+    the brightness augmentation in half the samples only) without a word, where predict had a note for them. A
+    range that holds the data, or leaves out only a hot pixel, gets none."""
+    cfg = make_cfg(data_dir=str(depths[16]), intensity_range=[0, 4095])
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    notes = []
+    assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) == [0, 4095]
+    images = [cv2.imread(str(image), cv2.IMREAD_UNCHANGED) for image, _ in [*train_pairs, *val_pairs]]
+    out = [Path(image).name for (image, _), pixels in zip([*train_pairs, *val_pairs], images)
+           if (pixels > 4095).mean() > 0.01]
+    first = images[[Path(image).name for image, _ in [*train_pairs, *val_pairs]].index(out[0])]
+    assert notes == [f"{len(out)} of {len(images)} image(s) wider than 8 bits have over 1% of their pixels outside "
+                     f"intensity_range=0,4095 (e.g. {out[0]}, whose values span {first.min()}-{first.max()}): they are "
+                     f"mapped outside 0-1 (there {first.min() / 4095:.3g} to {first.max() / 4095:.3g}), clipped to 0-1 "
+                     f"only by the brightness augmentation, in half the training samples, not in validation or "
+                     f"predict; check the range, or leave intensity_range=None to learn it from the training images "
+                     f"(0,65535 here)"]
+    hot = depths[12] / "images" / Path(train_pairs[0][0]).name
+    pixels = cv2.imread(str(hot), cv2.IMREAD_UNCHANGED)
+    pixels[0, 0] = 65535
+    cv2.imwrite(str(hot), pixels)
+    for given in ([0, 4095], [0, 65535]):
+        cfg = make_cfg(data_dir=str(depths[12]), intensity_range=given)
+        train_pairs, val_pairs = train_unet.prepare_data(cfg)
+        notes = []
+        assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) == given and notes == [None]
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int16, np.int8])
+def test_the_bulk_span_says_exactly_which_ranges_leave_over_1_percent_outside(dtype):
+    """range_leaves_out's rule: a range whose low lies above bulk[0], or whose high lies below bulk[1], leaves
+    more than 1% of the pixels below or above it, and no other range does."""
+    rng = np.random.default_rng(1)
+    info = np.iinfo(dtype)
+    low, high = max(info.min, -3000), min(info.max, 3000)
+    values = rng.integers(low, high, (333, 77, 3)).astype(dtype)
+    bulk = train_unet.bulk_span(values)
+    for given in rng.integers(low, high, 300):
+        assert ((values < given).mean() > 0.01) == (bulk[0] < given)
+        assert ((values > given).mean() > 0.01) == (bulk[1] > given)
+
+
 def test_images_outside_the_checkpoints_own_range_get_a_note(make_cfg, depths, tmp_path, capsys):
     """Full-range 16-bit images predicted with a model that learnt 0-4095 from 12-bit data reach it at up to
     16x its training scale: the note a given range gets was not said for the checkpoint's own."""
@@ -172,7 +215,9 @@ def test_images_outside_the_checkpoints_own_range_get_a_note(make_cfg, depths, t
     assert "outside intensity_range" not in capsys.readouterr().out
     predict_masks(ckpt, depths[16], tmp_path / "p16")
     note = [line for line in capsys.readouterr().out.splitlines() if "outside intensity_range" in line]
-    assert len(note) == 1 and "pixels lie outside intensity_range=0,4095 (" in note[0], note
+    n = len(list((depths[16] / "images").iterdir()))
+    assert len(note) == 1 and f"{n} of {n} image(s) have over 1% of their pixels outside intensity_range=0,4095 (" \
+        in note[0], note
     assert f"{ckpt}'s, learnt from its training images)" in note[0] and "predict with intensity_range=" in note[0]
 
 

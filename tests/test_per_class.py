@@ -93,6 +93,33 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     assert load_class_names({"data_dir": str(tmp_path), "num_classes": 3}) == ["bg", "cellA", "cellB"]
 
 
+@pytest.mark.parametrize("text, names", [
+    ("0 background\n1 road\n2 sky\n", ["background", "road", "sky"]),
+    ("0: background\n1:road\n2,  road sign\n", ["background", "road", "road sign"]),
+    ("0\tbg\n1\tcell\n2\tdebris\n", ["bg", "cell", "debris"]),
+    ("2 bg\n1 cell\n0 debris\n", ["2 bg", "1 cell", "0 debris"]),  # not each line's own index: names as written
+    ("bg\n1 cell\n2 debris\n", ["bg", "1 cell", "2 debris"]),
+])
+def test_lines_numbered_with_their_class_index_are_read_as_the_names(tmp_path, text, names):
+    """'0 background' (as some label tools write their lists) became the name '0 background', its column
+    val_iou_0_background."""
+    (tmp_path / "class_names.txt").write_text(text)
+    assert load_class_names({"data_dir": str(tmp_path), "num_classes": 3}) == names
+    (tmp_path / "class_names.txt").write_text("1 road\n")
+    assert load_class_names({"data_dir": str(tmp_path), "num_classes": 1}) == ["road"]
+
+
+def test_a_class_named_mean_is_not_taken_for_the_mean_row():
+    """A class named 'mean' printed a second 'mean' row above the mean of all classes."""
+    names = ["bg", "mean", "cell"]
+    row = {"val_iou": 0.5, "val_dice": 0.6, **{f"val_iou_{n}": 0.1 * i for i, n in enumerate(names)},
+           **{f"val_dice_{n}": 0.2 * i for i, n in enumerate(names)}}
+    lines = [line.split() for line in train_unet.per_class_table(row, names).splitlines()[1:]]
+    assert [line[0] for line in lines] == ["bg", "mean", "cell", "(mean)"] and lines[-1][1:] == ["0.5000", "0.6000"]
+    assert train_unet.per_class_table(row | {"val_iou_mean": 0, "val_dice_mean": 0, "val_iou_x": 0.1, "val_dice_x": 0},
+                                      ["bg", "x", "cell"]).splitlines()[-1].split()[0] == "mean"
+
+
 @pytest.mark.parametrize("text, match", [
     ("background\nbox\n", r"has 2 line\(s\) but num_classes=3 needs 3: one class name per line"),
     ("background\n\nbox\n", r"a name of its own once spaces and punctuation become _ .*'background', '', 'box'"),

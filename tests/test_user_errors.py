@@ -208,6 +208,18 @@ def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, mak
         r"them with its class index \(binary: num_classes=1, the masks 0/1 or 0/255\)", notes[0])
     train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=1, batch_size=2))  # binary: both read as 0/1
     assert "hold only 0 and 255" not in capsys.readouterr().out
+    # a mask that is all 255 (all void) was said to hold 0s
+    masks = sorted((root / "masks").iterdir())
+    for mask in masks[4:]:
+        cv2.imwrite(str(mask), np.full((32, 32), 255, np.uint8))
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=2, batch_size=2))
+    notes = [line for line in capsys.readouterr().out.splitlines() if "mask(s) hold only" in line]
+    assert notes == [f"note: 4 of 8 mask(s) hold only 255 (e.g. {masks[4].name}) while others hold class(es) [1]: "
+                     f"with num_classes=2 255 is void, so those images are ignored whole; if 255 is their foreground, "
+                     f"save them with its class index (binary: num_classes=1, the masks 0/1 or 0/255)"]
+    cv2.imwrite(str(masks[4]), (cv2.imread(str(masks[0]), cv2.IMREAD_UNCHANGED) * 255).astype(np.uint8))
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=2, batch_size=2))
+    assert "4 of 8 mask(s) hold only 0 and 255, or only 255 (e.g." in capsys.readouterr().out
 
 
 def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, make_cfg):
@@ -865,8 +877,8 @@ def test_predict_notes_colour_read_as_grey_and_a_dropped_channel_that_is_not_alp
     capsys.readouterr()
     colour = "note: 2 of 3 image(s) hold colour (e.g. colour.png), read as grey (their luminance): {} takes " \
              "in_channels=1; if colour tells the classes apart, train with in_channels=3"  # colour.png and nir.tif
-    nir = "note: nir.tif holds a channel that is not alpha beside its grey or RGB (a TIFF extra sample such as " \
-          "near-infrared), and it is dropped: {} takes in_channels={}"
+    nir = "note: 1 of 3 image(s) hold a channel that is not alpha beside their grey or RGB (e.g. nir.tif: a TIFF " \
+          "extra sample such as near-infrared), and it is dropped: {} takes in_channels={}"
     for ckpt, channels in ((Path(grey_cfg["checkpoint_dir"]) / "best.pt", 1), (Path(cfg["checkpoint_dir"]) / "best.pt", 3)):
         train_unet.predict({"checkpoint": str(ckpt), "input": str(inp), "progress": False, "use_amp": False,
                             "output": str(tmp_path / ckpt.parent.name)})
@@ -907,9 +919,10 @@ def test_an_image_fit_mode_squeezes_under_16_px_across_gets_a_note_in_training_a
             "progress": False, "use_amp": False}
     train_unet.predict({**opts, "output": str(tmp_path / "out")})
     notes = [line for line in capsys.readouterr().out.splitlines() if "across" in line]
-    assert notes == ["note: strip.png (1000x40) went to the model as 32x1 (fit mode: longest side to 32 px), under 16 px "
-                     "across: its detail across is lost; a model trained with data_mode=patch predicts such images at "
-                     "full resolution"]
+    # at the checkpoint's 32 px the 400x100 image (32x8) is under 16 px across too: counted, as training counts
+    assert notes == ["note: 2 of 3 image(s) went to the model under 16 px across (fit mode: longest side to 32 px; e.g. "
+                     "strip.png: 1000x40 -> 32x1): their detail across is lost; a model trained with data_mode=patch "
+                     "predicts such images at full resolution"]
 
 
 def test_the_16_bit_note_names_the_image_holding_12_bit_data_not_the_first_16_bit_one(trained, tmp_path, capsys):
@@ -966,7 +979,8 @@ def test_16_bit_images_with_a_checkpoint_that_has_no_intensity_range_get_a_note_
     cv2.imwrite(str(inp / "full.png"), cv2.imread(str(first)).astype(np.uint16) * 256)
     train_unet.predict({**opts, "output": str(tmp_path / "b3"), "intensity_range": [0, 4095]})
     note = [line for line in capsys.readouterr().out.splitlines() if "outside intensity_range" in line]
-    assert len(note) == 1 and "of full.png's pixels lie outside intensity_range=0,4095" in note[0], note
+    assert len(note) == 1 and note[0].startswith("note: 1 of 2 image(s) have over 1% of their pixels outside "
+                                                 "intensity_range=0,4095 (e.g. ") and "of full.png's, whose" in note[0]
     read = lambda folder, name: cv2.imread(str(tmp_path / folder / name), cv2.IMREAD_UNCHANGED)  # noqa: E731
     assert (read("b", "twelve.png") == read("b", "eight.png")).mean() > 0.99  # 0-4095 = the 8-bit 0-255
     seen = train_unet.predict_intensity_range({"intensity_range": None}, {"intensity_range": [0, 4095]})
