@@ -5631,20 +5631,63 @@ def model_runs_on_cpu(cfg, side):
 def build_model(cfg):
     import segmentation_models_pytorch as smp
 
+    hub = None if cfg["encoder_weights"] is None else unreachable_hub()
     try:
-        return getattr(smp, cfg["arch"])(encoder_name=cfg["encoder_name"],
-                                         encoder_weights=cfg["encoder_weights"],
-                                         in_channels=cfg["in_channels"], classes=cfg["num_classes"])
+        with hub_cache_only(hub):
+            return getattr(smp, cfg["arch"])(encoder_name=cfg["encoder_name"],
+                                             encoder_weights=cfg["encoder_weights"],
+                                             in_channels=cfg["in_channels"], classes=cfg["num_classes"])
     except (OSError, ConnectionError, RuntimeError) as exc:
         if cfg["encoder_weights"] is None:
             raise
-        raise UserError(f"could not get encoder_weights={cfg['encoder_weights']!r} for "
-                        f"{cfg['encoder_name']} ({type(exc).__name__}: {str(exc)[:120]}): to run "
-                        f"offline use encoder_weights=None, or place the weights in the torch/HF "
+        why = (f"{hub} cannot be reached from here, and they are not in the local Hugging Face cache" if hub else
+               f"{type(exc).__name__}: {str(exc)[:120]}")
+        raise UserError(f"could not get encoder_weights={cfg['encoder_weights']!r} for {cfg['encoder_name']} "
+                        f"({why}): to run offline use encoder_weights=None, or place the weights in the torch/HF "
                         f"cache first") from None
     except (KeyError, ValueError) as exc:
         raise UserError(f"cannot build {cfg['arch']}({cfg['encoder_name']}, encoder_weights="
                         f"{cfg['encoder_weights']!r}): {str(exc)[:200]}") from None
+
+
+# Pretrained weights come from the Hugging Face hub (smp-hub/<encoder>.imagenet; timm's too). Where it cannot
+# be reached, huggingface_hub retries each request 5 times over 23 s, a log line each, before the one line
+# build_model says: so the hub is asked first, and where it does not answer the weights come from its cache only.
+HUB_PROBE_TIMEOUT_S = 3
+
+
+def unreachable_hub():
+    """The hub's host where a TCP connection to it fails within HUB_PROBE_TIMEOUT_S, else None. Behind a proxy
+    (HTTPS_PROXY, ALL_PROXY) a direct connection says nothing: the download is left to try."""
+    if any(os.environ.get(key) for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    import socket
+    from urllib.parse import urlparse
+
+    import huggingface_hub.constants
+
+    url = urlparse(huggingface_hub.constants.ENDPOINT)  # HF_ENDPOINT: a mirror
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError:
+        return url.hostname
+    return None
+
+
+@contextlib.contextmanager
+def hub_cache_only(unreachable):
+    """huggingface_hub's offline mode (HF_HUB_OFFLINE, read at each request) while the hub is unreachable:
+    cached weights load, missing ones fail at once. Nothing where it answers."""
+    if not unreachable:
+        yield
+        return
+    import huggingface_hub.constants as hub
+
+    saved, hub.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE, True
+    try:
+        yield
+    finally:
+        hub.HF_HUB_OFFLINE = saved
 
 
 # The loss terms (loss="focal+dice", ...): smp's own implementations, summed with equal weights.

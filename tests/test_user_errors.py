@@ -1875,3 +1875,34 @@ def test_predicts_notes_on_its_images_read_no_header_on_the_main_thread(trained,
                         "progress": False, "output": str(tmp_path / "out"), "batch_size": 1})
     assert main == []
     assert "note: z_ct.tif has signed 16-bit pixels" in capsys.readouterr().out  # its type, as decoded
+
+
+def test_pretrained_weights_with_the_hub_out_of_reach_come_from_the_cache_or_one_line_at_once(
+        tmp_path, monkeypatch, caplog):
+    """encoder_weights=imagenet offline: huggingface_hub retried each request 5 times over 23 s, a log line each,
+    before the one-line error. Now an unreachable hub means its cache alone: weights found there load; missing
+    ones are the one line, with no retry. (The hub is made unreachable here whatever this machine's network.)"""
+    import huggingface_hub.constants
+    import segmentation_models_pytorch as smp
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(train_unet, "unreachable_hub", lambda: "huggingface.co")
+    cfg = {**train_unet.CONFIG, "encoder_name": "resnet18", "encoder_weights": "imagenet", "num_classes": 1}
+    with caplog.at_level("DEBUG"):
+        one_line_error(train_unet.build_model, cfg,
+                       match=r"could not get encoder_weights='imagenet' for resnet18 \(huggingface.co cannot be "
+                             r"reached from here, and they are not in the local Hugging Face cache\): to run offline")
+    assert not any("Retrying" in record.getMessage() for record in caplog.records)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE is False or os.environ.get("HF_HUB_OFFLINE")  # put back
+    settings = smp.encoders.encoders["resnet18"]["pretrained_settings"]["imagenet"]
+    repo = f"models--{settings['repo_id'].replace('/', '--')}"
+    snapshot = tmp_path / "hub" / repo / "snapshots" / settings["revision"]
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    weights = smp.encoders.get_encoder("resnet18", weights=None).state_dict()
+    weights = {key: torch.full_like(value, 0.5) if value.is_floating_point() else value
+               for key, value in weights.items()}
+    save_file(weights, str(snapshot / "model.safetensors"))
+    model = train_unet.build_model(cfg)
+    assert torch.equal(model.encoder.layer1[0].conv1.weight, torch.full_like(model.encoder.layer1[0].conv1.weight, 0.5))
