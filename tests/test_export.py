@@ -567,16 +567,25 @@ def test_the_trainer_imports_and_trains_without_onnx_packages(tmp_path, make_cfg
 def test_the_numpy_deployment_example_gives_predicts_masks_without_torch(binary, tmp_path):
     """tools/onnx_predict.py (numpy, OpenCV, onnxruntime; torch unimportable) reads only the sidecar and
     the graph, and writes the masks predict backend=onnxruntime writes: 8-bit RGB, gray and 16-bit images."""
+    import tifffile
+
     images = write_odd_images(tmp_path / "in", binary["data"], [(45, 77), (100, 50), (131, 33), (7, 10)])
     eight_bit = cv2.imread(str(images[0][0]))
     gray = cv2.cvtColor(cv2.resize(eight_bit, (40, 60)), cv2.COLOR_BGR2GRAY)
     cv2.imwrite(str(tmp_path / "in" / "gray_60x40.png"), gray)
     cv2.imwrite(str(tmp_path / "in" / "deep_50x90.png"), cv2.resize(eight_bit, (90, 50)).astype(np.uint16) * 257)
+    # MinIsWhite TIFFs (0 for white): OpenCV shows an 8-bit one inverted, as viewers do, but not a 16-bit one,
+    # which the tool predicted from the stored values, its masks unlike predict's; BigTIFF too
+    for name, depth, big in (("white8.tif", 1, False), ("white16.tif", 257, False), ("white16big.tif", 257, True)):
+        tifffile.imwrite(tmp_path / "in" / name, (255 - gray).astype(np.uint8 if depth == 1 else np.uint16) * depth,
+                         photometric="miniswhite", bigtiff=big)
     train_unet.predict(predict_opts(binary["onnx"], tmp_path / "in", tmp_path / "predict", backend="onnxruntime"))
     done = run_tool(binary["sidecar"], tmp_path / "in", tmp_path / "numpy")
     assert done.returncode == 0, done.stderr[-2000:]
     want, got = read_masks(tmp_path / "predict"), read_masks(tmp_path / "numpy")
-    assert set(got) == set(want) and len(want) == 6
+    assert set(got) == set(want) and len(want) == 9
+    assert np.array_equal(want["white8.png"], want["gray_60x40.png"]) and (want["gray_60x40.png"] > 0).any()
+    assert (want["white16.png"] == want["gray_60x40.png"]).mean() > 0.98  # resized in float, not as uint8
     for name in want:
         assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
 

@@ -6,12 +6,14 @@ runtime: every number comes from the sidecar. tests/test_export.py checks that i
     python tools/onnx_predict.py model.json photos/ masks/     # or a single image instead of photos/
 
 Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" says for 8-bit, wider
-integer and float images, as OpenCV reads them: a file it cannot read (a multi-page TIFF stack, a TIFF
+integer and float images, as OpenCV reads them (a MinIsWhite TIFF as shown, 0 black, as train_unet.py
+reads it; OpenCV inverts only an 8-bit one): a file it cannot read (a multi-page TIFF stack, a TIFF
 layout it refuses) is skipped and named, the others are predicted, and the exit status is 1. For those
 files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 """
 import json
+import struct
 import sys
 from pathlib import Path
 
@@ -52,7 +54,33 @@ def read(path, gray):
         raise ValueError(str(exc).strip().splitlines()[-1]) from None
     if image is None:
         raise ValueError("OpenCV cannot read it (corrupt, or a layout it refuses)")
+    if image.dtype.kind == "u" and image.dtype != np.uint8 and min_is_white(path):
+        image = np.iinfo(image.dtype).max - image  # as shown; OpenCV inverts an 8-bit one itself
     return image if gray else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def min_is_white(path):
+    """Whether a TIFF's first image is stored MinIsWhite (PhotometricInterpretation 0, 0 for white): OpenCV
+    returns a 16-bit one's stored values, where viewers, and train_unet.py, show it inverted. From the file's
+    first directory (TIFF or BigTIFF), read here with struct: no TIFF library needed."""
+    if path.suffix.lower() not in (".tif", ".tiff"):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(16)
+        order = {b"II": "<", b"MM": ">"}.get(head[:2])
+        if order is None or len(head) < 16:
+            return False
+        big = struct.unpack(order + "H", head[2:4])[0] == 43  # BigTIFF: 8-byte offsets and counts
+        count_fmt, entry_size, offset = ("Q", 20, head[8:16]) if big else ("H", 12, head[4:8])
+        f.seek(struct.unpack(order + ("Q" if big else "I"), offset)[0])
+        count = struct.unpack(order + count_fmt, f.read(struct.calcsize(count_fmt)))[0]
+        for _ in range(min(count, 4096)):
+            entry = f.read(entry_size)
+            if len(entry) < entry_size:
+                return False
+            if struct.unpack(order + "H", entry[:2])[0] == 262:  # PhotometricInterpretation: a SHORT, in place
+                return struct.unpack(order + "H", entry[12 if big else 8:][:2])[0] == 0
+    return False
 
 
 def predict(session, meta, path):
