@@ -918,7 +918,8 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
     """Model, optimizer, LR schedule and scaler: new, or resumed exactly from `state`. `sizes`: (training
     samples, optimizer steps) per epoch."""
     samples, steps_per_epoch = sizes
-    model = prepare_model(cfg, hw)
+    # resumed: every weight comes from the checkpoint, so pretrained ones are not fetched (offline resume)
+    model = prepare_model(cfg if state is None else {**cfg, "encoder_weights": None}, hw)
     if cfg["sync_batchnorm"] and DIST.enabled:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     optimizer = build_optimizer(model, cfg)

@@ -1906,3 +1906,14 @@ def test_pretrained_weights_with_the_hub_out_of_reach_come_from_the_cache_or_one
     save_file(weights, str(snapshot / "model.safetensors"))
     model = train_unet.build_model(cfg)
     assert torch.equal(model.encoder.layer1[0].conv1.weight, torch.full_like(model.encoder.layer1[0].conv1.weight, 0.5))
+
+
+def test_a_resume_does_not_fetch_pretrained_weights_it_replaces(make_cfg, monkeypatch):
+    """A run started with encoder_weights=imagenet, resumed on a machine without the hub: the resume built the
+    model with the pretrained weights first, fetching them, and was refused for want of weights the checkpoint
+    then replaced."""
+    cfg = make_cfg(max_train_images=4, image_size=32, batch_size=2)
+    train_unet.train(cfg)
+    monkeypatch.setattr(train_unet, "unreachable_hub", lambda: pytest.fail("the hub was asked on a resume"))
+    result = train_unet.train({**cfg, "encoder_weights": "imagenet", "resume": True, "epochs": 2})
+    assert [row["epoch"] for row in result["history"]] == [1, 2]
