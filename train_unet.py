@@ -275,6 +275,8 @@ COMMAND_KEYS = {"predict": lambda: PREDICT_CONFIG, "export": lambda: EXPORT_CONF
 INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True continues",
                "train, no checkpoint": "no epoch had finished, so there is no checkpoint to resume: train again",
                "train, at start": "stopped while the config was checked: nothing was written",
+               "train, in set-up": "stopped before training began: nothing of this run was written, and the run "
+                                   "already in {folder} is untouched",
                "predict": "the masks written so far are complete; no partial file is left",
                "benchmark": "the benchmark did not finish (its benchmark.json, where written, says \"complete\": "
                             "false); the runs and files written so far are intact: run it again for the whole table"}
@@ -360,14 +362,24 @@ def train_main(cfg, explicit=()):
             # the run is over: torch's handler would report the other loader's stopped workers as they are
             # shut down at exit ("Exception ignored in ... RuntimeError: DataLoader worker ... Terminated")
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        resumable = (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()
-        moved = None if resumable else archived_since(Path(cfg["checkpoint_dir"]), started)
-        raise KeyboardInterrupt(INTERRUPTED["train" if resumable else "train, no checkpoint"]
-                                .replace("resume=True", resume_words(cfg))
-                                + (f"; the earlier run is in {moved}/ (move its files back to resume it)" if moved
-                                   else "")) from None
+        raise KeyboardInterrupt(interrupted_run_words(cfg, started)) from None
     finally:
         cleanup_distributed()
+
+
+def interrupted_run_words(cfg, started):
+    """The line a run stopped by Ctrl-C (or SIGTERM) ends with. Its last.pt is the run's own where it resumed
+    or wrote it since `started`; one older in a fresh run's folder is the earlier run's, not yet moved to
+    previous/ (set-up stopped first), which resume=True with this run's settings would refuse."""
+    folder = Path(cfg["checkpoint_dir"])
+    last = folder / "last.pt"
+    if last.is_file() and (cfg["resume"] or last.stat().st_mtime >= started - 1):
+        return INTERRUPTED["train"].replace("resume=True", resume_words(cfg))
+    if last.is_file():
+        return INTERRUPTED["train, in set-up"].format(folder=folder)
+    moved = archived_since(folder, started)
+    return INTERRUPTED["train, no checkpoint"] + (
+        f"; the earlier run is in {moved}/ (move its files back to resume it)" if moved else "")
 
 
 def resume_words(cfg):

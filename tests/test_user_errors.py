@@ -552,6 +552,28 @@ def test_a_run_interrupted_in_epoch_1_says_where_the_earlier_run_it_moved_aside_
     assert capsys.readouterr().err.strip().endswith("no checkpoint to resume: train again")
 
 
+def test_a_fresh_run_stopped_in_set_up_does_not_offer_to_resume_the_earlier_run(monkeypatch, capsys, tmp_path):
+    """Ctrl-C in a fresh run's set-up, before the earlier run was moved to previous/: the line said
+    'checkpoints written so far are intact; resume=True continues', and resume=True was then refused, the last.pt
+    there being the earlier run's (trained with other settings). A resumed run's own last.pt still resumes."""
+    (tmp_path / "last.pt").write_bytes(b"earlier")
+    old = train_unet.time.time() - 3600
+    train_unet.os.utime(tmp_path / "last.pt", (old, old))
+
+    def interrupted(cfg, explicit=()):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "train", interrupted)
+    assert train_unet.main([f"checkpoint_dir={tmp_path}", "image_size=64"]) == 130
+    assert capsys.readouterr().err.strip() == (f"interrupted: stopped before training began: nothing of this run was "
+                                               f"written, and the run already in {tmp_path} is untouched")
+    assert (tmp_path / "last.pt").read_bytes() == b"earlier"
+    assert train_unet.main([f"checkpoint_dir={tmp_path}", "resume=True", "epochs=12"]) == 130
+    assert capsys.readouterr().err.strip().endswith("intact; resume=True epochs=12 continues")
+    train_unet.os.utime(tmp_path / "last.pt")  # written by this fresh run's first epoch
+    assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
+    assert capsys.readouterr().err.strip().endswith("intact; resume=True continues")
+
+
 def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
     def interrupted(opts):
         raise KeyboardInterrupt
