@@ -478,6 +478,7 @@ def train(cfg, explicit=()):
     `explicit`: keys the user gave on the command line; with keys whose value differs from CONFIG they
     win over the preset (apply_preset).
     """
+    explicit = set(explicit) | getattr(cfg, "typed", set())  # parse_overrides' keys (TypedConfig)
     cfg = check_config_dict(cfg)
     with run_folders_held():  # no other run writes into this run's checkpoint folder meanwhile
         try:
@@ -1837,7 +1838,17 @@ def parse_overrides(args, base=None, defaults=None):
         seen[key] = arg
         check_not_quoted(key, text)
         cfg[key] = parse_value(key, text, defaults)
-    return validate_config(cfg) if defaults is CONFIG else cfg
+    return TypedConfig(validate_config(cfg), seen) if defaults is CONFIG else cfg
+
+
+class TypedConfig(dict):
+    """A training config parse_overrides made, which remembers the keys typed: train(parse_overrides([...]))
+    keeps them over a preset, as the command line does (preset=debug batch_size=8 trained at the preset's 2,
+    8 being CONFIG's value). A copy ({**cfg}) is a plain dict: then only values away from CONFIG's count."""
+
+    def __init__(self, values, typed):
+        super().__init__(values)
+        self.typed = frozenset(typed)
 
 
 def check_not_quoted(key, text):
@@ -1863,7 +1874,7 @@ def explicit_keys(args):
 def check_argument_list(args):
     """A library call's key=value arguments as a list: a string was iterated a character at a time
     ("argument 'e' is not key=value" for "epochs=2")."""
-    if isinstance(args, (str, bytes)) or not all(isinstance(arg, str) for arg in args):
+    if not isinstance(args, (list, tuple)) or not all(isinstance(arg, str) for arg in args):
         raise UserError(f"{args!r}: pass the settings as a list of key=value strings, e.g. ['epochs=2']")
 
 
@@ -1886,7 +1897,8 @@ def check_command_dict(opts, defaults):
         raise UserError(f"the options are {type(opts).__name__}: pass a dict of the command's keys")
     for key in opts:
         check_known_key(key, defaults)
-    return opts
+    # keys left out take the command's defaults, as on the command line; a pathlib.Path is a path, as in train()
+    return {**defaults, **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in opts.items()}}
 
 
 def check_known_key(key, defaults=CONFIG):
@@ -6159,6 +6171,10 @@ class SegMetric:
 def score_masks(pred, truth, num_classes):
     """SegMetric's result for one predicted mask (class indices, as predict writes them) against its truth
     (read_mask's; void left out): a mask scored as validation scores logits (the notebook's per-image IoU)."""
+    if np.shape(pred) != np.shape(truth) or np.ndim(pred) != 2:
+        raise UserError(f"the predicted mask is {'x'.join(map(str, np.shape(pred)))} and its truth "
+                        f"{'x'.join(map(str, np.shape(truth)))}: score masks of one image, both H x W class "
+                        f"indices (a mask predicted at another size: predict writes each at its image's size)")
     metric, pred = SegMetric(num_classes), torch.as_tensor(np.asarray(pred)).long()
     logits = (pred > 0).float()[None, None] * 2 - 1 if num_classes == 1 else \
         nn.functional.one_hot(pred, num_classes).permute(2, 0, 1)[None].float()  # argmax gives pred back
@@ -7299,7 +7315,7 @@ def predict(opts):
 
 def predict_into_output(opts):
     """predict, its output folder held."""
-    opts = validate_predict({**PREDICT_CONFIG, **check_command_dict(opts, PREDICT_CONFIG)})
+    opts = validate_predict(check_command_dict(opts, PREDICT_CONFIG))
     out_dir = hold_output(Path(opts["output"]), at_start=True)
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
@@ -7718,7 +7734,8 @@ def load_predictor(opts, hw):
 def load_model(checkpoint, hw):
     """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg).
     The weights are the EMA's where the checkpoint has them (cfg["ema_decay"] then says its decay; else
-    None), as validation judged them."""
+    None), as validation judged them. `hw`: detect_hardware's, or a device name for it ("cpu", "auto")."""
+    hw = detect_hardware(hw) if isinstance(hw, str) else hw
     state = load_checkpoint(checkpoint)
     # intensity_range, class_weights: a checkpoint from before them trained on the dtype's range and
     # without weights (None), whatever the edited CONFIG says now.
@@ -8595,15 +8612,21 @@ BENCHMARK_SETTINGS = {
     "bf16_compile": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": True},
     "bf16_2x": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "batch_size": "2x"},
     "fp16": {"use_amp": True, "amp_dtype": "float16", "channels_last": False},
-}  # use_amp=True set: a use_amp=False or a preset (stable, debug) given to the benchmark made its bf16 rows fp32
+}  # use_amp=True set: a use_amp=False given to the benchmark made its bf16 rows fp32
 
 
 # Training keys every benchmark run sets itself.
 BENCHMARK_FIXED = {"checkpoint_dir": "each run writes to output=<folder>/<config>",
                    "resume": "each run starts afresh, so the runs compare",
                    "progress": "each run logs to <config>.log in output=, without a progress bar",
-                   "early_stopping_patience": "each run trains all its epochs, so the runs compare"}
+                   "early_stopping_patience": "each run trains all its epochs, so the runs compare",
+                   # a preset's precision, layout and compile are each row's own (configs=); its other keys
+                   # (debug's batch 2, 8 images, anomaly detection) ran unsaid, the header stating CONFIG's
+                   "preset": "each row sets its own precision, layout and compile; give the preset's other keys, "
+                             "such as batch_size= or epochs=, directly",
+                   "detect_anomaly": "anomaly detection slows every step several-fold: the times would measure it"}
 BENCHMARK_FIXED_VALUES = {"progress": False, "resume": False, "early_stopping_patience": None}  # each run's
+BENCHMARK_UNUSED_VALUES = {"preset": None, "detect_anomaly": False}  # taken only as CONFIG's, which they are
 
 BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "compile",
                     "time_per_epoch_s", "first_epoch_s", "timed_epochs", "epoch_spread", "images_per_s",
@@ -8626,15 +8649,16 @@ def benchmark_in(opts, base, train_args, names, args):
     check_writable(out_dir)
     data_pairs(base)  # the data checked (the embedded set written) before an earlier benchmark's files move
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
+    threads = fit_cpu_threads()  # each training row's own process fits its threads the same way (train)
     result = started_benchmark(hw, base, args)
     write_json(out_dir / "benchmark.json", result)
     setup_cudnn(hw)
     # The bare loop's and the probes' fp32 is strict, as in the fp32 row (TF32 off on CUDA Ampere+);
     # every training row runs in its own process with its own setting.
     apply_tf32(STRICT_FP32["tf32_matmul_precision"], Precision.of(torch.float32, "benchmark"))
-    print(f"[benchmark] {describe(hw)}; {base['arch']}({base['encoder_name']}) at {base['image_size']}px, "
-          f"batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/", flush=True)
-    threads = fit_cpu_threads()  # each training row's own process fits its threads the same way (train)
+    print(f"[benchmark] {describe(hw)}, {thread_words()}; {base['arch']}({base['encoder_name']}) at "
+          f"{base['image_size']}px, batch {base['batch_size']}, {base['epochs']} epochs; results in {out_dir}/",
+          flush=True)
     if threads:
         print(f"[benchmark] note: {threads}", flush=True)
     bare, bare_spread = bare_loop_speedups(base, hw, opts["bare_steps"], opts["probe_steps"])
@@ -8698,10 +8722,19 @@ def benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times):
 
 def benchmark_machine(hw, args):
     """What a figure needs beside it to be compared later (BENCHMARKS.md gives each its machine, date and
-    command): when and where it ran, with which torch, and how it was called."""
+    command): when and where it ran, with which torch and how many of its threads (this process's, fitted
+    as each row's process fits its own: fit_cpu_threads), and how it was called."""
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
             "python": platform.python_version(), "cores": os.cpu_count(), "cpu": cpu_name(),
+            "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
             "cpu_bf16": hw.bf16_feature, "command": shlex.join(["python", "train_unet.py", "benchmark", *args])}
+
+
+def thread_words():
+    """'2 cores, 1 torch thread (OMP_NUM_THREADS=1)': a figure from one thread does not read as the machine's."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    return (f"{os.cpu_count()} cores, {threads} torch thread{'s' * (threads != 1)}"
+            + (f" (OMP_NUM_THREADS={omp})" if omp else ""))
 
 
 def print_benchmark_summary(rows, bare, hw, bare_spread=None, eval_amp=False):
@@ -8758,8 +8791,10 @@ def check_benchmark_fixed(train_args, base):
     progress=False, copied from a training command, was refused though it is the benchmark's own."""
     for key in BENCHMARK_FIXED:
         given = any(normalize_key(a.partition("=")[0]) == key for a in train_args)
-        if given and not (key in BENCHMARK_FIXED_VALUES and base[key] == BENCHMARK_FIXED_VALUES[key]):
-            raise UserError(f"{key} is set by the benchmark itself ({BENCHMARK_FIXED[key]}): leave it out")
+        allowed = {**BENCHMARK_FIXED_VALUES, **BENCHMARK_UNUSED_VALUES}
+        if given and (key not in allowed or base[key] != allowed[key]):
+            what = "is not for the benchmark" if key in BENCHMARK_UNUSED_VALUES else "is set by the benchmark itself"
+            raise UserError(f"{key} {what} ({BENCHMARK_FIXED[key]}): leave it out")
 
 
 def check_once_each(key, given, names):
@@ -9377,7 +9412,8 @@ LOGIT_RTOL = 1e-4
 def export(opts):
     """The `export` command: a checkpoint -> <output>.onnx and its sidecar <output>.json, written only
     if onnxruntime's logits match PyTorch's (check_export). Returns {'onnx', 'sidecar', 'check'}."""
-    check_types(check_command_dict(opts, EXPORT_CONFIG), EXPORT_CONFIG)
+    opts = check_command_dict(opts, EXPORT_CONFIG)
+    check_types(opts, EXPORT_CONFIG)
     check_paths_given(opts, EXPORT_CONFIG)
     onnx_modules("onnxruntime", "onnx")
     hw = detect_hardware("cpu")  # the check compares strict fp32 on the CPU, both sides

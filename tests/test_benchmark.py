@@ -42,6 +42,9 @@ def test_benchmark_rows_files_and_table(bench, capsys):
     assert machine["torch"] == torch.__version__ and machine["cores"] == os.cpu_count()
     assert machine["command"].startswith("python train_unet.py benchmark configs=fp32,bf16,fp16 epochs=2")
     assert machine["date"].endswith("UTC") and machine["cpu_bf16"]
+    # a 1-thread figure read as the 2-core machine's: the threads and OMP_NUM_THREADS are recorded
+    assert machine["torch_threads"] == torch.get_num_threads()
+    assert machine["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS")
     if native:  # a full run, like fp32
         assert rows["bf16"]["status"] == "ok" and rows["bf16"]["precision"] == "bf16"
         assert rows["bf16"]["speedup_vs_fp32"] == pytest.approx(rows["bf16"]["images_per_s"]
@@ -186,10 +189,10 @@ def test_strict_fp32_and_tf32_rows_set_tf32_explicitly():
     assert "channels_last=False" in train_unet.benchmark_overrides("bf16", base)
 
 
-@pytest.mark.parametrize("given", [["use_amp=False"], ["preset=stable"], ["preset=debug"]])
+@pytest.mark.parametrize("given", [["use_amp=False"], ["use_amp=False", "amp_dtype=float16"]])
 def test_bf16_rows_train_in_bf16_whatever_precision_the_benchmark_is_given(given):
-    """The bf16 rows set amp_dtype only: with use_amp=False or a preset that sets it (stable, debug) they
-    trained in fp32, with the fp32 row's IoU, and the table said bf16 (user report)."""
+    """The bf16 rows set amp_dtype only: with use_amp=False they trained in fp32, with the fp32 row's IoU, and
+    the table said bf16 (user report). (A preset, which set it too, is refused: check_benchmark_fixed.)"""
     base = train_unet.validate_config(dict(train_unet.CONFIG))
     for name, amp in (("bf16", True), ("bf16_cl", True), ("bf16_2x", True), ("fp16", True), ("fp32", False)):
         args = train_unet.merge_args(given, train_unet.benchmark_overrides(name, base), ["progress=False"])
@@ -584,3 +587,13 @@ def test_the_memory_check_counts_what_the_inference_table_will_run(tmp_path):
         train_unet.check_inference_memory({**opts, "inference": "fp32,bf16"}, base, emulated, free)
     with pytest.raises(train_unet.UserError, match=r"and 0 MB is free: use inference= for no inference table$"):
         train_unet.check_inference_memory(opts, base, hw, 3)
+
+
+def test_the_benchmark_header_names_the_torch_threads(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert train_unet.thread_words() == f"{os.cpu_count()} cores, 1 torch thread (OMP_NUM_THREADS=1)"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    assert train_unet.thread_words() == f"{os.cpu_count()} cores, {threads + 1} torch threads"

@@ -26,6 +26,22 @@ def test_every_preset_sets_valid_values_of_known_keys(name):
     assert all(cfg[k] == CONFIG[k] for k in untouched)
 
 
+def test_train_of_parse_overrides_keeps_the_typed_keys_over_a_preset(make_cfg, capsys):
+    """A library call, train(parse_overrides([...])): batch_size=8, typed but CONFIG's value, lost to debug's 2,
+    where the command line keeps it. A copy of the dict is a plain config: values away from CONFIG's count."""
+    base = make_cfg()
+    args = ["preset=debug", "batch_size=8", "use_amp=True", "image_size=32", "epochs=1", "progress=False",
+            "max_train_images=8", f"data_dir={base['data_dir']}", f"checkpoint_dir={base['checkpoint_dir']}",
+            "encoder_name=resnet18", "device=cpu"]
+    cfg = parse_overrides(args)
+    assert cfg.typed == explicit_keys(args)
+    train_unet.train(cfg)
+    line = next(line for line in capsys.readouterr().out.splitlines() if "preset" in line and "debug:" in line)
+    assert "kept yours: " in line and "batch_size=8" in line.split("kept yours: ")[1] and "use_amp=True" in line
+    assert json.loads((Path(base["checkpoint_dir"]) / "config.json").read_text())["config"]["batch_size"] == 8
+    assert not hasattr({**cfg}, "typed")
+
+
 def test_no_preset_changes_nothing():
     for args in ([], ["preset=None"], ["preset="]):
         cfg, line = resolve(args)

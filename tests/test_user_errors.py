@@ -605,6 +605,14 @@ def test_benchmark_arguments(tmp_path):
     assert train_unet.parse_benchmark_args(["progress=False", "--resume=false", "early_stopping_patience=None"])[1][
         "progress"] is False
     assert train_unet.merge_args(["batch_size=4", "epochs=2"], ["batch_size=8"]) == ["batch_size=8", "epochs=2"]
+    # preset=debug ran batch 2 on 8 images with anomaly detection, the header and benchmark.json saying CONFIG's
+    one_line_error(train_unet.parse_benchmark_args, ["preset=debug", "image_size=32"],
+                   match=r"^preset is not for the benchmark \(each row sets its own precision, layout and compile; "
+                         r"give the preset's other keys, such as batch_size= or epochs=, directly\): leave it out$")
+    one_line_error(train_unet.parse_benchmark_args, ["detect_anomaly=True"],
+                   match=r"^detect_anomaly is not for the benchmark \(anomaly detection slows every step")
+    assert train_unet.parse_benchmark_args(["preset=None", "detect_anomaly=False"])[1]["preset"] is None
+    one_line_error(train_unet.parse_benchmark_args, ["checkpoint_dir=checkpoints"], match="set by the benchmark itself")
 
 
 def test_earlier_results_are_archived_not_overwritten(tmp_path):
@@ -1939,3 +1947,25 @@ def test_a_resume_does_not_fetch_pretrained_weights_it_replaces(make_cfg, monkey
     monkeypatch.setattr(train_unet, "unreachable_hub", lambda: pytest.fail("the hub was asked on a resume"))
     result = train_unet.train({**cfg, "encoder_weights": "imagenet", "resume": True, "epochs": 2})
     assert [row["epoch"] for row in result["history"]] == [1, 2]
+
+
+def test_library_calls_take_paths_and_left_out_keys_and_say_one_line_for_wrong_arguments(trained, tmp_path,
+                                                                                         monkeypatch):
+    """From a notebook: export() without output ended in KeyError 'output'; predict() refused a pathlib.Path
+    that train() and load_model() take; load_model(path, "cpu") ended in AttributeError; run_benchmark(None) in
+    TypeError and run_benchmark({...}) in "argument 'configs' is not key=value"; score_masks of two sizes in a
+    RuntimeError from inside torch."""
+    cfg, data = trained
+    ckpt = Path(cfg["checkpoint_dir"]) / "best.pt"
+    done = train_unet.predict({"checkpoint": ckpt, "input": data / "images", "output": tmp_path / "masks",
+                               "progress": False})
+    assert done["predicted"] == len(list((data / "images").iterdir())) and not done["failed"]
+    monkeypatch.chdir(tmp_path)
+    exported = train_unet.export({"checkpoint": ckpt})  # output: EXPORT_CONFIG's, as on the command line
+    assert Path(tmp_path / exported["onnx"]).is_file() and Path(exported["onnx"]).name == "model.onnx"
+    model, loaded = train_unet.load_model(ckpt, "cpu")
+    assert loaded["image_size"] == 32
+    for args in (None, {"configs": "fp32"}, "configs=fp32"):
+        one_line_error(train_unet.run_benchmark, args, match=r"pass the settings as a list of key=value strings")
+    one_line_error(train_unet.score_masks, np.zeros((4, 4)), np.zeros((4, 5)), 1,
+                   match=r"^the predicted mask is 4x4 and its truth 4x5: score masks of one image")
