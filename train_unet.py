@@ -558,19 +558,19 @@ def checked_config_and_resume_state(cfg, explicit):
     return cfg, preset_line, state
 
 
-def check_not_in_a_data_set(checkpoint_dir):
-    """checkpoint_dir= a data set's images/ or masks/ folder (the other beside it), or a folder inside one:
-    best.pt, logs and tensorboard/ went among its files, and every later run over that data set noted them
-    as entries not read. A folder above it counts only where it holds images itself: ~/images/projects/run1,
-    with a ~/masks of other uses beside ~/images, is no data set's."""
+def check_not_in_a_data_set(checkpoint_dir, key="checkpoint_dir"):
+    """checkpoint_dir= (or the benchmark's output=) a data set's images/ or masks/ folder (the other beside it),
+    or a folder inside one: best.pt, logs and tensorboard/ went among its files, and every later run over that
+    data set noted them as entries not read. A folder above it counts only where it holds images itself:
+    ~/images/projects/run1, with a ~/masks of other uses beside ~/images, is no data set's."""
     folder = Path(checkpoint_dir).resolve()
     part = next((p for p in (folder, *folder.parents) if data_set_part(p) and p.is_dir()
                  and (p == folder or holds_images(p))), None)
     if part is not None:
         where = "is" if part == folder else f"is inside {part}, which is"
         data_set = part.parent.parent if part.parent.name in ("train", "val") else part.parent
-        raise UserError(f"checkpoint_dir={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
-                        f"logs would go among its files; choose another checkpoint_dir (e.g. "
+        raise UserError(f"{key}={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
+                        f"logs would go among its files; choose another {key} (e.g. "
                         f"{cli_value(data_set.parent / 'checkpoints' / data_set.name)})")
 
 
@@ -8646,6 +8646,8 @@ def benchmark_in(opts, base, train_args, names, args):
     hw = detect_hardware(base["device"])
     check_inference_memory(opts, base, hw, available_memory())
     out_dir = Path(opts["output"])
+    check_not_in_a_data_set(out_dir, "output")
+    check_not_a_training_run(out_dir)
     check_writable(out_dir)
     data_pairs(base)  # the data checked (the embedded set written) before an earlier benchmark's files move
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
@@ -8680,6 +8682,16 @@ def started_benchmark(hw, base, args):
             "settings": {k: base[k] for k in ("arch", "encoder_name", "image_size", "batch_size", "epochs",
                                               "data_dir", "max_train_images", "seed", "eval_amp")},
             "rows": [], "histories": {}, "complete": False}
+
+
+def check_not_a_training_run(out_dir):
+    """output= a training run's folder (its best.pt or last.pt there): the benchmark's rows, logs and table
+    went among the run's files, as training refuses a data set's folders (check_not_in_a_data_set)."""
+    held = [name for name in ("best.pt", "last.pt") if (out_dir / name).is_file()]
+    if held:
+        raise UserError(f"output={out_dir} holds a training run ({', '.join(held)}): the benchmark's runs, logs "
+                        f"and table would go among its files; choose another output (e.g. "
+                        f"{cli_value(out_dir / 'benchmark')})")
 
 
 def claim_output_folder(out_dir, writes):

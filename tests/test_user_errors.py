@@ -1969,3 +1969,18 @@ def test_library_calls_take_paths_and_left_out_keys_and_say_one_line_for_wrong_a
         one_line_error(train_unet.run_benchmark, args, match=r"pass the settings as a list of key=value strings")
     one_line_error(train_unet.score_masks, np.zeros((4, 4)), np.zeros((4, 5)), 1,
                    match=r"^the predicted mask is 4x4 and its truth 4x5: score masks of one image")
+
+
+def test_the_benchmark_refuses_an_output_among_a_data_sets_or_a_training_runs_files(trained, tmp_path):
+    """output= a data set's images/ folder or a training run's folder: the benchmark wrote its rows, logs and
+    table among their files, where training refuses such a checkpoint_dir."""
+    cfg, data = trained
+    one_line_error(train_unet.run_benchmark, [f"data_dir={data}", f"output={data / 'images'}", "configs=fp32"],
+                   match=rf"^output={re.escape(str(data / 'images'))} is a data set's images folder: checkpoints and "
+                         r"logs would go among its files; choose another output \(e.g. ")
+    run = Path(cfg["checkpoint_dir"])
+    one_line_error(train_unet.run_benchmark, [f"data_dir={data}", f"output={run}", "configs=fp32"],
+                   match=rf"^output={re.escape(str(run))} holds a training run \(best.pt, last.pt\): the benchmark's "
+                         rf"runs, logs and table would go among its files; choose another output \(e.g. "
+                         rf"{re.escape(str(run / 'benchmark'))}\)$")
+    assert not (run / "benchmark.json").exists() and not (data / "images" / "benchmark.json").exists()
