@@ -164,6 +164,26 @@ def test_benchmark_notebook_refuses_a_benchmark_stopped_before_its_inference_tab
         execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
 
 
+def test_benchmark_notebook_plots_the_rows_an_interrupted_benchmark_finished(tmp_path, tiny_run):
+    """Stopped in its inference table, after both training rows were done: the notebook refused the whole
+    benchmark and plotted nothing. Its finished rows are shown now, with a note saying what is missing."""
+    bench = tmp_path / "bench"
+    shutil.copytree(tiny_run, bench / "fp32")
+    history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
+    row = {"config": "fp32", "status": "ok", "batch": 4, "precision": "fp32", "channels_last": False,
+           "compile": False, "time_per_epoch_s": 1.0, "first_epoch_s": 1.5, "images_per_s": 10.0,
+           "speedup_vs_fp32": 1.0, "peak_mem_mb": 100.0, "peak_mem_kind": "process_peak_rss",
+           "final_val_iou": 0.5, "final_val_dice": 0.6}
+    command = "python train_unet.py benchmark configs=fp32 inference=fp32"
+    (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {}, "rows": [row],
+                                                      "histories": {"fp32": history}, "bare_loop_s_per_step": {},
+                                                      "complete": False, "machine": {"command": command}}))
+    _, text = execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    assert (f"note: the benchmark in {bench} did not finish (interrupted, or it failed): shown are the 1 row(s) it "
+            f"finished, without what came after them; run `{command}` to the end for the whole table") in text
+    assert "no inference table: the benchmark stopped before it" in text and f"model: {bench / 'fp32'}" in text
+
+
 def test_benchmark_notebook_with_no_trained_row_says_so(tmp_path):
     """Every row skipped or probed (bf16 not native here): the predictions cell raised a bare StopIteration."""
     bench = tmp_path / "bench"
