@@ -1069,8 +1069,10 @@ def resumed_schedule(state, cfg, steps_per_epoch, notes):
     elif epochs > done and lr_factor(done, schedule) <= AT_LR_FLOOR * LR_FLOOR:  # no restart: it stays down there
         notes.append(f"{change}: the run had ended its schedule, so the learning rate stays at its floor, "
                      f"{lr * lr_factor(done, schedule):.2e} ({LR_FLOOR:.0%} of learning_rate), for the {epochs - done} "
-                     f"added epochs (no restart): they change the weights little; to train longer at a higher rate, "
-                     f"start a new run with epochs={epochs} in another checkpoint_dir")
+                     f"added epochs (no restart): they change the weights little, though BatchNorm's running "
+                     f"statistics, which follow no learning rate, are estimated again (on a short run that alone can "
+                     f"move val IoU); to train longer at a higher rate, start a new run with epochs={epochs} in "
+                     f"another checkpoint_dir")
     else:
         notes.append(f"{change}: the learning rate continues from {lr * lr_factor(done, schedule):.2e} (no "
                      f"restart), cosine down to {lr * LR_FLOOR:.2e} over the remaining {epochs - done} "
