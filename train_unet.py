@@ -527,7 +527,7 @@ def set_up_training(cfg, explicit):
     run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
     # 6. Say what was decided, and why.
     print(banner(hw, run.prec, cfg, notes, layout))
-    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch),
+    announce_run(cfg, hw, run, (len(train_pairs), len(val_pairs), len(loaders[0]), steps_per_epoch, samples),
                  {"preset": preset_line, "batch_size_auto": auto_batch})
     return cfg, hw, run, loaders
 
@@ -1180,17 +1180,18 @@ def best_checkpoint(state):
 
 def announce_run(cfg, hw, run, sizes, extra):
     """Print the config and the data/distributed summary; rank 0 writes config.json."""
-    n_train, n_val, n_batches, steps_per_epoch = sizes
+    n_train, n_val, n_batches, steps_per_epoch, samples = sizes  # samples: images (fit) or patches an epoch
     print("config:\n" + format_config(cfg))
     trained = n_batches * cfg["batch_size"] * DIST.world  # samples an epoch trains, all processes together
-    # drop_last (build_loaders): a partial last batch is not trained; which images miss out changes per epoch
-    left = n_train - trained if cfg["data_mode"] == "fit" else 0
+    # drop_last (build_loaders): a partial last batch is not trained; which samples miss out changes per epoch
+    left = samples - trained
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
           f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
-          + (f"; {left} random training image(s) left out each epoch (a full last batch only)" if left else "")
+          + (f"; {left} random training image(s) left out each epoch (a full last batch only)"
+             if left and cfg["data_mode"] == "fit" else "")
           + short_accumulation(n_batches, cfg["accumulation_steps"]))
     if cfg["data_mode"] == "patch":
-        print(patch_summary(cfg, trained))
+        print(patch_summary(cfg, trained, left))
     if DIST.enabled:
         print(f"distributed: {DIST.world} processes ({'nccl' if hw.kind == 'cuda' else 'gloo'}); effective "
               f"batch {cfg['batch_size']} x {min(cfg['accumulation_steps'], n_batches)} x {DIST.world}")
@@ -5586,8 +5587,10 @@ def from_view(y, turns, mirrored):
     return y.flip(-1) if mirrored else y
 
 
-def patch_summary(cfg, patches):
-    return (f"patch mode: {patches} patches of {cfg['image_size']}x{cfg['image_size']} per epoch at scale "
+def patch_summary(cfg, patches, left=0):
+    """The banner's patch-mode line; `left`: the patches drop_last leaves out each epoch, as fit mode's images."""
+    dropped = f" ({left} more left out at random each epoch: a full last batch only)" if left else ""
+    return (f"patch mode: {patches} patches of {cfg['image_size']}x{cfg['image_size']} per epoch{dropped} at scale "
             f"{cfg['patch_scale']:g} ({cfg['patch_foreground']:.0%} centred on foreground); validation on "
             f"whole images by sliding window (overlap {cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles "
             f"per forward)")

@@ -180,7 +180,7 @@ def test_the_effective_batch_counts_the_accumulation_an_epoch_can_fill(make_cfg,
     every optimizer step covered 7 x 1 x 2 images."""
     monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=1, world=2))  # not rank 0: writes no config.json
     cfg = make_cfg(batch_size=7, accumulation_steps=3)
-    train_unet.announce_run(cfg, train_unet.detect_hardware("cpu"), None, (14, 6, 1, 1), {})
+    train_unet.announce_run(cfg, train_unet.detect_hardware("cpu"), None, (14, 6, 1, 1, 14), {})
     assert "effective batch 7 x 1 x 2" in capsys.readouterr().out
 
 

@@ -433,3 +433,21 @@ def test_scoring_large_images_in_bands_keeps_iou_and_dice_exact(make_cfg, scenes
     banded = train_unet.evaluate(model, loader, loss_fn, fp32, hw, cfg)
     assert banded["iou"] == whole["iou"] and banded["dice"] == whole["dice"]
     assert banded["loss"] == pytest.approx(whole["loss"], rel=0.5)  # Dice per band: close, not equal
+
+
+def test_patches_a_partial_last_batch_leaves_out_are_said_as_fit_modes_images_are(make_cfg, scenes, capsys):
+    """4 training images of one patch each at batch_size=3: drop_last trained 3 a epoch, one image unseen at
+    random each epoch, while the banner said '3 patches per epoch' and fit mode names the images it leaves out."""
+    cfg = patch_config(make_cfg, scenes, epochs=1, patch_scale=0.25, batch_size=3, tile_batch_size=2)
+    train, _ = train_unet.prepare_data(cfg)
+    samples = train_unet.training_samples(train, cfg)
+    assert samples == len(train) == 4  # 40x50 px after scaling: one patch each
+    capsys.readouterr()
+    train_unet.train(cfg)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("patch mode: "))
+    assert line.startswith("patch mode: 3 patches of 64x64 per epoch (1 more left out at random each epoch: a full "
+                           "last batch only) at scale 0.25"), line
+    capsys.readouterr()
+    train_unet.train({**cfg, "batch_size": 2})
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("patch mode: "))
+    assert line.startswith("patch mode: 4 patches of 64x64 per epoch at scale"), line
