@@ -1889,7 +1889,12 @@ def check_config_dict(cfg):
                         f"data_dir=...), or parse_overrides(['key=value', ...])")
     for key in cfg:
         check_known_key(key)
-    return {**CONFIG, **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in cfg.items()}}  # Path
+    return {**CONFIG, **path_strings(cfg)}
+
+
+def path_strings(values):
+    """A library call's dict with its pathlib.Path values as the strings the command line gives."""
+    return {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
 
 
 def check_command_dict(opts, defaults):
@@ -1900,8 +1905,7 @@ def check_command_dict(opts, defaults):
         raise UserError(f"the options are {type(opts).__name__}: pass a dict of the command's keys")
     for key in opts:
         check_known_key(key, defaults)
-    # keys left out take the command's defaults, as on the command line; a pathlib.Path is a path, as in train()
-    return {**defaults, **{k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in opts.items()}}
+    return {**defaults, **path_strings(opts)}  # keys left out take the command's defaults, as on the command line
 
 
 def check_known_key(key, defaults=CONFIG):
