@@ -4212,10 +4212,13 @@ def bulk_span(values):
         return [int(v) for v in np.quantile(values, [OUTSIDE_RANGE_SHARE, 1 - OUTSIDE_RANGE_SHARE], method="lower")]
     offset = -int(np.iinfo(values.dtype).min)
     counts = np.zeros(2 ** (8 * values.dtype.itemsize), np.int64)
-    rows = max(1, 2 ** 17 // max(1, values[:1].size))  # bands of about 1 MB as bincount's intp
+    rows = max(1, 2 ** 14 // max(1, values[:1].size))  # bands of about 128 kB as bincount's intp
     for top in range(0, values.shape[0], rows):
-        counts += np.bincount((values[top:top + rows].astype(np.intp) + offset).ravel(), minlength=counts.size)
-    cumulative = np.cumsum(counts)
+        band = values[top:top + rows].astype(np.intp).ravel()
+        band += offset
+        found = np.bincount(band)  # as long as the band's top value: 512 kB at most
+        counts[:found.size] += found
+    cumulative = np.cumsum(counts, out=counts)
     low = np.searchsorted(cumulative, OUTSIDE_RANGE_SHARE * cumulative[-1], side="right")
     high = np.searchsorted(cumulative, (1 - OUTSIDE_RANGE_SHARE) * cumulative[-1], side="left")
     return [int(low) - offset, int(high) - offset]
