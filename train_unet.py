@@ -5747,7 +5747,7 @@ class SegLoss(nn.Module):
     with padding and void (IGNORE_INDEX) ignored by every term. Per-pixel terms (CE, focal) are summed
     over the real pixels, region terms (Dice, Tversky, Lovasz) are batch means: parts() keeps the two
     apart, since accumulation divides them differently (forward_backward). class_weights (a list, one
-    per class; binary: [background, foreground]) weight the CE and focal terms only."""
+    per class; binary: [background, foreground]) weight each pixel of the CE and focal terms by its class."""
 
     def __init__(self, num_classes, kind="dice+ce", class_weights=None, device=None):
         super().__init__()
@@ -5812,17 +5812,38 @@ class SegLoss(nn.Module):
 
 
 def focal_term(mode, class_weights, weights):
-    """(smp's FocalLoss summed over the pixels, a factor for it or None). Class weights: multi-class,
-    smp's class_weights (the per-class one-vs-rest terms' weighted mean); binary, where smp takes none,
-    its alpha = w_fg / (w_bg + w_fg) times (w_bg + w_fg): each pixel weighted by its class's weight, as
-    in the binary CE. Equal weights are no weights in both."""
+    """(the focal term summed over the pixels, a factor for it or None), each pixel weighted by its class's
+    weight, as in CE: the weights' scale counts as their ratios do (all weights x2 double the term against
+    the region terms; ones are no weights). Binary, where smp takes no class_weights: its alpha = w_fg /
+    (w_bg + w_fg), times (w_bg + w_fg). Multi-class: PixelWeightedFocal, since smp's class_weights weigh its
+    per-class terms and divide by their sum, so 5,5,5 trained as no weights while binary 5,5 was x5."""
     import segmentation_models_pytorch as smp
 
-    if class_weights is None or mode == "multiclass":
-        return smp.losses.FocalLoss(mode, gamma=FOCAL_GAMMA, reduction="sum", class_weights=weights), None
+    if class_weights is None:
+        return smp.losses.FocalLoss(mode, gamma=FOCAL_GAMMA, reduction="sum"), None
+    if mode == "multiclass":
+        return PixelWeightedFocal(weights), None
     background, foreground = class_weights
     alpha = foreground / (background + foreground)
     return smp.losses.FocalLoss(mode, alpha=alpha, gamma=FOCAL_GAMMA, reduction="sum"), background + foreground
+
+
+class PixelWeightedFocal(nn.Module):
+    """smp's multi-class focal loss (one sigmoid focal term per class, one-vs-rest, summed over the pixels
+    and averaged over the classes) with each pixel weighted by its true class's weight. In one pass over
+    the classes, where smp loops over them."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.weights = weights
+
+    def forward(self, logits, target):
+        classes = torch.arange(logits.shape[1], device=logits.device).view(1, -1, 1, 1)
+        bce = nn.functional.binary_cross_entropy_with_logits(logits, (target.unsqueeze(1) == classes).to(logits.dtype),
+                                                             reduction="none")
+        focal = (1.0 - torch.exp(-bce)).pow(FOCAL_GAMMA) * bce  # smp's focal_loss_with_logits, per element
+        weights = self.weights.to(logits.device)  # no copy where they match (SegLoss.ce_sum)
+        return (focal.sum(1) * weights[target]).sum() / logits.shape[1]
 
 
 class LovaszTerm(nn.Module):

@@ -93,20 +93,40 @@ def test_ignored_pixels_change_nothing_and_get_no_gradient(kind, num_classes):
 @pytest.mark.parametrize("num_classes", [1, 3])
 def test_focal_masks_ignored_pixels_exactly_as_smps_ignore_index(num_classes):
     """SegLoss drops ignored pixels from focal without boolean indexing (no device sync); the sum is
-    smp's own with ignore_index, which filters them, class weights included."""
+    smp's own with ignore_index, which filters them, class weights included: each pixel weighted by its
+    class's weight (multi-class: smp's per-class one-vs-rest terms, pixel by pixel, averaged over classes)."""
     logits, target = batch(num_classes, seed=3)
     weights = [0.5, 3.0] if num_classes == 1 else [0.5, 3.0, 1.5]
     real = (target != IGNORE_INDEX).sum()
     for class_weights in (None, weights):
         ours = SegLoss(num_classes, "focal", class_weights).parts(logits, target)[0]
-        if num_classes > 1 or class_weights is None:
-            smps = smp_term("focal", num_classes, reduction="sum", class_weights=class_weights)
+        if class_weights is None:
+            smps = smp_term("focal", num_classes, reduction="sum")
             expected = smps(logits, target.unsqueeze(1) if num_classes == 1 else target)
-        else:  # binary: smp takes no class_weights; its alpha = w_fg / (w_bg + w_fg), scaled back up
+        elif num_classes == 1:  # smp takes no binary class_weights; its alpha = w_fg / (w_bg + w_fg), scaled back up
             alpha = weights[1] / sum(weights)
             expected = sum(weights) * smp_term("focal", 1, reduction="sum", alpha=alpha)(logits, target.unsqueeze(1))
+        else:
+            pixel_weights = torch.tensor(weights)[target[target != IGNORE_INDEX]]
+            expected = sum((smp_term("focal", 1, reduction="none")(
+                logits[:, c:c + 1], torch.where(target == IGNORE_INDEX, target, (target == c).long()).unsqueeze(1))
+                * pixel_weights).sum() for c in range(num_classes)) / num_classes
         torch.testing.assert_close(ours, expected)
         assert ours / real > 0
+
+
+@pytest.mark.parametrize("num_classes", [1, 3])
+@pytest.mark.parametrize("kind", ["ce", "focal"])
+def test_class_weights_follow_one_rule_in_every_weighted_term(kind, num_classes):
+    """Ones are no weights, and the weights' scale counts as their ratios do, in CE and focal, binary and
+    multi-class alike: smp's multi-class focal divided by the weights' sum, so 5,5,5 trained as no weights
+    while binary focal 5,5 and CE 2,2,2 were x5 and x2."""
+    logits, target = batch(num_classes, seed=5)
+    weights = [0.5, 3.0] if num_classes == 1 else [0.5, 3.0, 1.5]
+    pixels = lambda w: SegLoss(num_classes, kind, w).parts(logits, target)[0]  # noqa: E731
+    torch.testing.assert_close(pixels([1.0] * len(weights)), pixels(None))
+    torch.testing.assert_close(pixels([5.0 * w for w in weights]), 5 * pixels(weights))
+    torch.testing.assert_close(pixels([5.0] * len(weights)), 5 * pixels(None))
 
 
 class RecordOps(TorchDispatchMode):
