@@ -621,6 +621,33 @@ def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(bi
     assert not (tmp_path / "out2").exists()
 
 
+def test_the_numpy_tool_never_writes_over_images_or_ground_truth_and_names_a_mask_it_cannot_write(binary,
+                                                                                                   tmp_path):
+    """The tool wrote its masks over whatever had their names: output= the input folder replaced the images
+    with their own masks, output= a data set's masks/ its ground truth, and a mask it failed to write was
+    counted as written (cv2.imwrite's False ignored), exit status 0 (user report). Now those are refused
+    before anything is written, its own (and predict's) earlier masks are replaced and counted, and a mask
+    that cannot be written (a full disk) is named, no half file left, exit status 1."""
+    data = tmp_path / "set"
+    shutil.copytree(binary["data"], data)
+    before = {p: p.read_bytes() for folder in ("images", "masks") for p in (data / folder).iterdir()}
+    for output, said in ((data / "images", "holds the input images"), (data / "masks", "not written as a mask here")):
+        done = run_tool(binary["sidecar"], data / "images", output)
+        assert done.returncode != 0 and said in done.stderr and "Traceback" not in done.stderr
+    assert {p: p.read_bytes() for folder in ("images", "masks") for p in (data / folder).iterdir()} == before
+    first = run_tool(binary["sidecar"], data / "images", tmp_path / "out")
+    assert first.returncode == 0 and "earlier" not in first.stdout
+    masks = sorted((tmp_path / "out").iterdir())
+    assert masks and all(train_unet.written_by_predict(p) for p in masks)  # predict's mark: it moves them aside
+    again = run_tool(binary["sidecar"], data / "images", tmp_path / "out")
+    assert again.returncode == 0 and f"({len(masks)} earlier one(s) replaced)" in again.stdout
+    (tmp_path / "out" / f".{masks[0].name}.tmp").symlink_to("/dev/full")  # its write: no space left
+    full = run_tool(binary["sidecar"], data / "images", tmp_path / "out")
+    assert full.returncode == 1 and f"skipped {data / 'images' / masks[0].stem}" in full.stderr
+    assert "No space left on device" in full.stderr and "1 image(s) skipped" in full.stdout
+    assert sorted((tmp_path / "out").iterdir()) == masks and cv2.imread(str(masks[0])) is not None
+
+
 def test_a_lone_earlier_model_onnx_is_named_alone_when_moved(binary, tmp_path, capsys):
     """A folder holding someone's own model.onnx and no model.json: the move named a model.json too."""
     out = tmp_path / "deploy"

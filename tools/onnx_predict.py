@@ -11,10 +11,16 @@ reads it; OpenCV inverts only an 8-bit one): a file it cannot read (a multi-page
 layout it refuses) is skipped and named, the others are predicted, and the exit status is 1. For those
 files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
+
+Masks are marked PNGs, as predict's: a rerun replaces its own earlier masks (and predict's), but a file of
+a mask's name that neither wrote (a ground-truth mask), or an output folder holding the images, is refused
+before anything is written; a mask that cannot be written is named, as an unreadable image is.
 """
 import json
+import os
 import struct
 import sys
+import zlib
 from pathlib import Path
 
 import cv2
@@ -101,25 +107,71 @@ def main(sidecar, source, output):
     session = ort.InferenceSession(str(Path(sidecar).with_name(meta["onnx"])), providers=["CPUExecutionProvider"])
     source, output = Path(source), Path(output)
     paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS)
-    stems = {}
-    for path in paths:  # a.jpg and a.png would both write a.png: the second mask would replace the first
-        if path.stem in stems:
-            raise SystemExit(f"{stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
-                             f"rename one, or predict them apart")
-        stems[path.stem] = path
+    replaced = check_output(paths, output)
     output.mkdir(parents=True, exist_ok=True)
     failed = []
     for path in paths:
         try:
-            mask = predict(session, meta, path)
-        except ValueError as exc:
+            write_mask(output / f"{path.stem}.png", predict(session, meta, path))
+        except (ValueError, OSError) as exc:
             failed.append(path)
             print(f"skipped {path}: {exc}", file=sys.stderr)
-            continue
-        cv2.imwrite(str(output / f"{path.stem}.png"), mask)
-    print(f"{len(paths) - len(failed)} mask(s) -> {output}/" + (f"; {len(failed)} image(s) skipped" if failed else ""))
+    print(f"{len(paths) - len(failed)} mask(s) -> {output}/" + (f" ({replaced} earlier one(s) replaced)" if replaced
+          else "") + (f"; {len(failed)} image(s) skipped" if failed else ""))
     if failed:
         raise SystemExit(1)
+
+
+def check_output(paths, output):
+    """Refused before anything is written: an output folder that holds the images (masks would land among
+    them, over an image of the same stem), two inputs of one stem (a.jpg and a.png would both write a.png),
+    and a file of a mask's name this tool (or train_unet.py predict) did not write: a ground-truth mask.
+    Returns how many earlier masks of these images it will replace."""
+    if output.exists() and not output.is_dir():
+        raise SystemExit(f"{output} is a file: give the folder the masks go to")
+    if output.resolve() in {q for p in paths for q in (p.resolve().parent, p.absolute().parent.resolve())}:
+        raise SystemExit(f"{output} holds the input images: choose another output folder")
+    stems = {}
+    for path in paths:
+        if path.stem in stems:
+            raise SystemExit(f"{stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
+                             f"rename one, or predict them apart")
+        stems[path.stem] = path
+    there = [output / f"{stem}.png" for stem in stems if os.path.lexists(output / f"{stem}.png")]
+    foreign = [path for path in there if not (path.is_file() and marked(path))]
+    if foreign:
+        raise SystemExit(f"{output} holds {foreign[0].name}" + (f" and {len(foreign) - 1} more" if len(foreign) > 1
+                         else "") + ", not written as a mask here (a ground truth? an image?): choose another "
+                         "output folder, or move them away")
+    return len(there)
+
+
+# The PNG text chunk ("Software: unet-amp predict") train_unet.py predict puts right after the header of
+# each mask it writes, and so does this tool: a file without it is never written over.
+MARK = struct.pack(">I", 25) + b"tEXt" + b"Software\0unet-amp predict"
+MARK += struct.pack(">I", zlib.crc32(MARK[4:]))
+PNG_HEADER = 8 + 25  # the signature, then the IHDR chunk
+
+
+def marked(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(PNG_HEADER + len(MARK))[PNG_HEADER:] == MARK
+    except OSError:
+        return False
+
+
+def write_mask(path, mask):
+    """The mask as a marked PNG, or an OSError naming why not (cv2.imwrite only returns False)."""
+    ok, data = cv2.imencode(".png", mask)
+    if not ok:
+        raise OSError(f"OpenCV cannot encode {path.name}")
+    data, tmp = data.tobytes(), path.with_name(f".{path.name}.tmp")
+    try:  # whole or not at all: a full disk leaves no half mask
+        tmp.write_bytes(data[:PNG_HEADER] + MARK + data[PNG_HEADER:])
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
