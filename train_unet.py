@@ -6116,6 +6116,10 @@ class WeightEMA:
                            "beat is the EMA weights'") if saved else None
         start = ("; last.pt holds no EMA: it starts from the resumed weights, and best.pt's IoU to beat is the raw "
                  "weights'" if state is not None and not saved else "")
+        was = state["ema"].get("decay") if saved else self.decay
+        if was not in (None, self.decay):  # a changed decay had no word, where a started or dropped EMA had one
+            start = (f"; changed from {was}, last.pt's: its averaged weights go on at the new decay (the epochs "
+                     f"from here average about the last {1 / (1 - self.decay):.0f} steps, not {1 / (1 - was):.0f})")
         return ("ema", f"decay {self.decay} (warm-up: min(decay, (1+n)/({EMA_WARMUP}+n)) at update n); "
                        f"validation, best.pt and predict use the EMA weights{start}")
 

@@ -339,6 +339,21 @@ def test_resuming_with_ema_off_says_the_ema_is_dropped(ema_run, tmp_path):
     assert train_unet.load_model(tmp_path / "ckpt" / "last.pt", train_unet.detect_hardware("cpu"))[1]["ema_decay"] is None
 
 
+def test_resuming_with_another_decay_says_so_and_goes_on_from_the_averaged_weights(ema_run, tmp_path):
+    """A changed ema_decay on resume had no word (the README lists it as changed with a note): the banner
+    said only the new decay."""
+    cfg, *_ = ema_run
+    shutil.copytree(cfg["checkpoint_dir"], tmp_path / "ckpt")
+    was = load(tmp_path / "ckpt" / "last.pt")["ema"]
+    result, log = train_logged({**cfg, "checkpoint_dir": str(tmp_path / "ckpt"), "resume": True, "epochs": 3,
+                                "ema_decay": 0.5})
+    assert "decay 0.5 " in log and "changed from 0.9, last.pt's" in log and "about the last 2 steps, not 10" in log
+    last = load(tmp_path / "ckpt" / "last.pt")["ema"]
+    assert last["decay"] == 0.5 and last["updates"] == was["updates"] + STEPS_PER_EPOCH
+    back, log = train_logged({**cfg, "checkpoint_dir": str(tmp_path / "ckpt"), "resume": True, "epochs": 4})
+    assert [row["epoch"] for row in back["history"]] == [1, 2, 3, 4] and "changed from 0.5, last.pt's" in log
+
+
 def test_a_precision_fallback_rolls_the_ema_back(ema_run, tmp_path, monkeypatch):
     """bf16 steps 2 and 3 get inf gradients (nan_patience=2) after step 1 was applied and averaged in:
     the rollback to the epoch's start must take the EMA back too, so that it holds exactly the fp32
