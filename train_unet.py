@@ -1912,14 +1912,27 @@ def check_known_key(key, defaults=CONFIG):
     known = shipped_keys(defaults)
     if key in known:
         return
-    if defaults is PREDICT_CONFIG and key in TRAINING_KEYS:  # in_channels, image_size, num_classes, ...
-        raise UserError(f"{key} is not a predict key: the model was trained with one, and predict takes it from "
-                        f"the checkpoint; predict's keys: {', '.join(known)}")
+    if defaults is PREDICT_CONFIG and key in TRAINING_KEYS:
+        raise UserError(f"{key} is not a predict key: {predict_takes(key)}; predict's keys: {', '.join(known)}")
     owners = [command for command, keys in COMMAND_KEYS.items() if key in keys()] if defaults is CONFIG else []
     if owners:  # overlay=True given to training read "did you mean 'tile_overlap'?"
         raise UserError(f"{key} is a key of {' and '.join(owners)}, not of training: python train_unet.py "
                         f"{owners[0]} {key}=...")
     raise UserError(f"unknown key {key!r}: {near_key(key, known)}known keys: {', '.join(known)}")
+
+
+# Training keys whose value the checkpoint holds and predict follows (in_channels=1 given to predict).
+CHECKPOINT_HOLDS = MODEL_KEYS + ("image_size", "data_mode", "patch_scale")
+
+
+def predict_takes(key):
+    """How predict stands to a training key given to it: one the checkpoint holds, the EMA, or neither
+    (logger=csv read 'the model was trained with one')."""
+    if key in CHECKPOINT_HOLDS:
+        return "the model was trained with one, and predict takes it from the checkpoint"
+    if key == "ema_decay":
+        return "predict uses the checkpoint's EMA weights where it was trained with ema_decay, else its weights"
+    return "a training key, which predict does not use"
 
 
 def near_key(key, known):

@@ -1163,6 +1163,17 @@ def test_a_training_key_given_to_predict_says_the_checkpoint_holds_it(key):
     assert "did you mean" not in message
 
 
+@pytest.mark.parametrize("key, said", [("logger", "a training key, which predict does not use"),
+                                       ("epochs", "a training key, which predict does not use"),
+                                       ("ema_decay", "predict uses the checkpoint's EMA weights where it was trained "
+                                                     "with ema_decay, else its weights")])
+def test_a_training_only_key_given_to_predict_is_not_said_to_be_the_checkpoints(key, said):
+    """predict logger=csv read 'the model was trained with one, and predict takes it from the checkpoint'."""
+    message = one_line_error(lambda: train_unet.parse_overrides([f"{key}=1"], defaults=train_unet.PREDICT_CONFIG),
+                             match=f"^{key} is not a predict key: {said}; predict's keys: checkpoint, ")
+    assert "trained with one" not in message
+
+
 def test_a_data_dir_that_is_a_file_says_so(tmp_path):
     (tmp_path / "afile").write_text("x")
     one_line_error(train_unet.split_pairs, {"data_dir": str(tmp_path / "afile")},
