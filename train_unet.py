@@ -504,6 +504,7 @@ def set_up_training(cfg, explicit):
     """What the epoch loop needs, settled in dependency order: (effective config, hardware, Run, loaders)."""
     # 1. The config as given (preset applied, values checked, the checkpoint folder writable); last.pt to resume.
     cfg, preset_line, state = checked_config_and_resume_state(cfg, explicit)
+    auto_keys = auto_keys_given(cfg, state)
     # 2. Hardware, precision (a resumed run that fell back keeps its safer precision).
     cfg, hw, prec, notes = setup_precision(cfg, state, explicit)
     notes.insert(0, preset_line and ("preset", preset_line))
@@ -524,6 +525,7 @@ def set_up_training(cfg, explicit):
     run = setup_run(cfg, hw, prec, (samples, steps_per_epoch), state, notes)
     notes.append(check_checkpoint_room(run, cfg) if DIST.is_main else None)
     run.class_names, run.logger, run.data_split = class_names, RunLogger.create(cfg), data_split
+    run.auto_keys = auto_keys
     run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
     # 6. Say what was decided, and why.
     print(banner(hw, run.prec, cfg, notes, layout))
@@ -556,6 +558,14 @@ def checked_config_and_resume_state(cfg, explicit):
         said_once_if_alike(exc)
     said_once_if_alike(None)  # every process joins the exchange, errors or not
     return cfg, preset_line, state
+
+
+def auto_keys_given(cfg, state):
+    """The AUTO_KEYS this run resolves from "auto" (batch_size, class_weights): given so now, or, resumed,
+    given so by the run it continues and now the same: a refused resume of a class_weights=auto run had
+    suggested its list of weights, not the auto it was given."""
+    was = (state or {}).get("auto_keys") or ()
+    return tuple(k for k in AUTO_KEYS if cfg[k] == "auto" or (k in was and cfg[k] == state["config"].get(k)))
 
 
 def check_not_in_a_data_set(checkpoint_dir, key="checkpoint_dir"):
@@ -643,11 +653,12 @@ def resume_state(cfg, ckpt_dir, typed=()):
         saved = {k: state["config"].get(k, CONFIG[k]) for k in changed}
         if "data_dir" in saved:  # as the run resolved it: a relative data_dir from its own folder is found
             saved["data_dir"] = run_data_dir(state)
+        auto = state.get("auto_keys") or ()  # given as auto (auto_keys_given): the same values are auto's
+        again = " ".join(f"{k}={'auto' if k in auto else cli_value(v)}" for k, v in saved.items())
         raise UserError(f"cannot resume exactly: {path} was trained with "
                         + ", ".join(f"{k}={v!r}" for k, v in saved.items())
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
-                        + ": resume with the same values (" + " ".join(f"{k}={cli_value(v)}" for k, v in saved.items())
-                        + "), or start a new run in another checkpoint_dir")
+                        + f": resume with the same values ({again}), or start a new run in another checkpoint_dir")
     refuse_no_epochs_left(state, cfg, path)
     refuse_early_stopped(state, cfg, path)
     return state
@@ -1116,6 +1127,7 @@ class Run:
     ema: WeightEMA = field(default_factory=lambda: WeightEMA())  # ema_decay (III.7); off: does nothing
     data_split: dict | None = None       # which files trained and validated (split_record), kept for resume
     device_kind: str | None = None       # "cpu", "cuda", "mps": a run resumed on a CPU keeps a CPU run's modes
+    auto_keys: tuple = ()                # AUTO_KEYS given as "auto" (auto_keys_given): a refused resume says so
 
     def __post_init__(self):
         self.eval_model = self.model if self.eval_model is None else self.eval_model
@@ -1128,7 +1140,7 @@ class Run:
                 "config": cfg, "history": self.history, "precision": self.prec.name,
                 "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
                 "data_split": self.data_split, "device_kind": self.device_kind, "world_size": DIST.world,
-                "class_names": self.class_names}
+                "class_names": self.class_names, "auto_keys": list(self.auto_keys)}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
@@ -5891,6 +5903,8 @@ def run_class_weights(cfg, state, train_pairs, notes):
             raise UserError("cannot resume exactly: the run was trained without class_weights, this run has "
                             "class_weights=auto: resume with class_weights=None, or start a new run in another "
                             "checkpoint_dir")
+        notes.append(("loss", f"{cfg['loss']}; class_weights=auto -> {saved} (last.pt's: of the training masks "
+                              f"as the run began)"))
         return saved
     counts = class_pixel_counts(train_pairs, cfg)
     weights = inverse_frequency_weights(counts)

@@ -374,9 +374,21 @@ def test_focal_dice_with_auto_weights_trains_and_resumes_exactly(make_cfg, tmp_p
     assert [r["train_loss"] for r in straight["history"]] == [r["train_loss"] for r in resumed["history"]]
     for key in straight["model"]:
         assert torch.equal(straight["model"][key], resumed["model"][key]), key
+    assert resumed["auto_keys"] == ["class_weights"]  # kept through the resume, which gave auto again
     resume = {**cfg, "resume": True, "epochs": 3, "checkpoint_dir": str(tmp_path / "straight")}
-    one_line_error(train_unet.train, {**resume, "class_weights": [1.0, 1.0]}, match="class_weights=")
-    one_line_error(train_unet.train, {**resume, "class_weights": None}, match="class_weights=")
+    # the fix names what the run was given, auto, not its list of weights (which the user never typed)
+    one_line_error(train_unet.train, {**resume, "class_weights": [1.0, 1.0]}, match=r"\(class_weights=auto\), or")
+    one_line_error(train_unet.train, {**resume, "class_weights": None}, match=r"\(class_weights=auto\), or")
+
+
+def test_a_resumed_auto_weights_run_names_its_weights_in_the_banner(make_cfg, tmp_path, capsys):
+    """The first run's banner said 'class_weights=auto -> [...]'; a resume of it said nothing of them."""
+    cfg = make_cfg(class_weights="auto", epochs=1, checkpoint_dir=str(tmp_path / "run"))
+    train_unet.train(cfg)
+    weights = train_unet.load_checkpoint(tmp_path / "run" / "last.pt")["config"]["class_weights"]
+    capsys.readouterr()
+    train_unet.train({**cfg, "resume": True, "epochs": 2})
+    assert f"class_weights=auto -> {weights} (last.pt's" in capsys.readouterr().out
 
 
 def test_a_checkpoint_from_before_class_weights_resumes(make_cfg, tmp_path):
