@@ -7397,8 +7397,7 @@ def predict_into_output(opts):
     moved = archive_earlier_predictions(paths, out_dir, opts["overlay"])
     tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
              f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tile(s) per forward" if cfg["data_mode"] == "patch" else "")
-    weights = f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg["ema_decay"] is not None else ""
-    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']}{weights} on {describe(hw)} in {prec.name}"
+    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']}{ema_words(cfg)} on {describe(hw)} in {prec.name}"
           + (f" ({prec.warning})" if prec.warning else "") + tiled + tta_summary(cfg["tta"]))
     for _, note in notes:  # the probe's measurement
         print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
@@ -9498,9 +9497,9 @@ def export(opts):
     model, cfg = load_model(opts["checkpoint"], hw)
     path = export_path(opts["output"])
     check_writable(path.parent)
-    print(f"export: {opts['checkpoint']} ({cfg['arch']}/{cfg['encoder_name']}, {cfg['in_channels']} channel(s), "
-          f"{cfg['num_classes']} class(es), data_mode={cfg['data_mode']}) -> {path}: fp32, opset {ONNX_OPSET}, "
-          f"dynamic batch, height and width ({input_sides(cfg).removeprefix('any ')})")
+    print(f"export: {opts['checkpoint']}{ema_words(cfg)} ({cfg['arch']}/{cfg['encoder_name']}, {cfg['in_channels']} "
+          f"channel(s), {cfg['num_classes']} class(es), data_mode={cfg['data_mode']}) -> {path}: fp32, opset "
+          f"{ONNX_OPSET}, dynamic batch, height and width ({input_sides(cfg).removeprefix('any ')})")
     tmp, side_tmp = (path.with_name(f".{name}.tmp{os.getpid()}") for name in (path.name, f"{path.stem}.json"))
     try:
         export_onnx(model, cfg, tmp)
@@ -9523,6 +9522,11 @@ def export(opts):
     print(f"wrote {path} ({size_text(path.stat().st_size)}) and {path.with_suffix('.json')}; predict with it: "
           f"python train_unet.py predict backend=onnxruntime checkpoint={cli_value(path)} input=...")
     return {"onnx": path, "sidecar": path.with_suffix(".json"), "check": check}
+
+
+def ema_words(cfg):
+    """' (its EMA weights, ema_decay=...)' where load_model took a checkpoint's EMA weights, else ''."""
+    return f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg.get("ema_decay") is not None else ""
 
 
 def export_path(output):

@@ -329,6 +329,13 @@ def test_a_checkpoint_without_ema_loads_and_resumes(ema_run, tmp_path, decay):
         assert last["ema"]["updates"] == STEPS_PER_EPOCH and "last.pt holds no EMA" in log
 
 
+def test_export_says_it_exports_the_ema_weights(ema_run, tmp_path, capsys):
+    """predict said '(its EMA weights, ema_decay=0.9)'; export, which exports the same weights, said nothing."""
+    cfg, *_ = ema_run
+    train_unet.export({"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "output": str(tmp_path / "deploy")})
+    assert "best.pt (its EMA weights, ema_decay=0.9) (" in capsys.readouterr().out
+
+
 def test_resuming_with_ema_off_says_the_ema_is_dropped(ema_run, tmp_path):
     cfg, *_ = ema_run
     shutil.copytree(cfg["checkpoint_dir"], tmp_path / "ckpt")
