@@ -1229,7 +1229,7 @@ def stop_early(run, epoch, cfg):
     patience = cfg["early_stopping_patience"]
     if patience is None or run.since_best < patience or epoch >= cfg["epochs"]:
         return False
-    print(f"early stopping: val IoU has not improved for {run.since_best} epochs (best {run.best_iou:.4f}; "
+    print(f"early stopping: val IoU has not improved for {run.since_best} epoch{'s' * (run.since_best != 1)} (best {run.best_iou:.4f}; "
           f"early_stopping_patience={patience})")
     return True
 
@@ -2070,7 +2070,8 @@ def value_rules(cfg):
         ("intensity_range", cfg["intensity_range"] is None or valid_range(cfg["intensity_range"]),
          "must be [low, high] with low < high (the values mapped to 0 and 1), or None to learn it"),
         ("loss", loss_terms(cfg["loss"]) is not None,
-         f"is not allowed: use terms from {', '.join(LOSS_TERMS)}, each once, joined by +, e.g. focal+dice"),
+         f"is not allowed: {loss_hint(cfg['loss'])}use terms from {', '.join(LOSS_TERMS)}, each once, joined by +, "
+         f"e.g. focal+dice"),
         ("class_weights", valid_class_weights(cfg["class_weights"], cfg["num_classes"]),
          f"must be None, auto, or {max(2, cfg['num_classes'])} weights >= 0, one per class"
          f"{' [background, foreground]' if cfg['num_classes'] == 1 else ''}, not all 0, e.g. "
@@ -5765,6 +5766,20 @@ def loss_terms(text):
     """'focal+dice' -> ('focal', 'dice'); None unless it is LOSS_TERMS joined by +, each at most once."""
     terms = tuple(t.strip().lower() for t in text.split("+")) if isinstance(text, str) else ()
     return terms if terms and set(terms) <= set(LOSS_TERMS) and len(set(terms)) == len(terms) else None
+
+
+# Other names users give a term (loss=bce read only the list of terms, no 'did you mean ce?').
+LOSS_ALIASES = {"bce": "ce", "cross_entropy": "ce", "crossentropy": "ce", "xent": "ce", "softdice": "dice"}
+
+
+def loss_hint(text):
+    """'did you mean dice+ce? ' for a loss whose terms are each a known one misspelt or by another name
+    (dise+ce, bce) or joined by a comma (dice,ce), else ''."""
+    terms = [t.strip().lower() for t in re.split("[+,]", text)] if isinstance(text, str) else []
+    fixed = [LOSS_ALIASES.get(t) or next(iter(difflib.get_close_matches(t, LOSS_TERMS, n=1)), None) for t in terms]
+    if not terms or None in fixed or len(set(fixed)) != len(fixed):
+        return ""
+    return f"did you mean {'+'.join(fixed)}? "
 
 
 class SegLoss(nn.Module):

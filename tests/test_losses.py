@@ -3,6 +3,7 @@ implementations, class_weights (a list, or auto from the training masks), every 
 autocast and blind to ignored pixels, exact under gradient accumulation where it was, and resumable."""
 import json
 import os
+import re
 from pathlib import Path
 
 import cv2
@@ -321,6 +322,20 @@ def test_the_data_check_records_mask_counts_and_rechecks_an_entry_without_them(m
 def test_a_bad_loss_name_is_a_one_line_error_listing_the_terms(loss):
     message = one_line_error(train_unet.validate_config, {"loss": loss}, match="loss=")
     assert all(term in message for term in train_unet.LOSS_TERMS) and "focal+dice" in message
+
+
+@pytest.mark.parametrize("loss, hint", [("bce", "ce"), ("dise+ce", "dice+ce"), ("Dice+BCE", "dice+ce"),
+                                        ("focl", "focal"), ("dce", "dice"), ("tverski+focal", "tversky+focal"),
+                                        ("dice,ce", "dice+ce")])
+def test_a_misspelt_loss_gets_a_did_you_mean(loss, hint):
+    """loss=bce and loss=dce had only the list of terms, where tta=hflip and logger=tensorbord had a guess."""
+    one_line_error(train_unet.validate_config, {"loss": loss}, match=f"^loss='{re.escape(loss)}' is not allowed: did "
+                                                                     f"you mean {re.escape(hint)}\\? use terms from")
+
+
+@pytest.mark.parametrize("loss", ["focal+focal", "ce+bce", "", "softmax", "dice+"])
+def test_a_loss_with_no_single_fix_gets_no_guess(loss):
+    assert "did you mean" not in one_line_error(train_unet.validate_config, {"loss": loss}, match="loss=")
 
 
 @pytest.mark.parametrize("num_classes, weights", [

@@ -1702,6 +1702,9 @@ def test_early_stopping_counts_the_epochs_without_improvement_not_the_patience(c
     assert train_unet.stop_early(run, 5, {"early_stopping_patience": 2, "epochs": 10})
     assert "has not improved for 3 epochs (best 0.5000; early_stopping_patience=2)" in capsys.readouterr().out
     assert not train_unet.stop_early(run, 10, {"early_stopping_patience": 2, "epochs": 10})  # the last epoch
+    run.since_best = 1
+    assert train_unet.stop_early(run, 5, {"early_stopping_patience": 1, "epochs": 10})
+    assert "has not improved for 1 epoch (best" in capsys.readouterr().out  # not '1 epochs'
 
 
 def test_files_training_does_not_read_are_named_not_silently_dropped(make_data, make_cfg, capsys):
