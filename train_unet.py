@@ -1853,7 +1853,7 @@ def parse_overrides(args, base=None, defaults=None):
         seen[key] = arg
         check_not_quoted(key, text)
         cfg[key] = parse_value(key, text, defaults)
-    return TypedConfig(validate_config(cfg), seen) if defaults is CONFIG else cfg
+    return TypedConfig(validate_config(cfg) if defaults is CONFIG else cfg, seen)
 
 
 class TypedConfig(dict):
@@ -7395,13 +7395,15 @@ def predict(opts):
 
 def predict_into_output(opts):
     """predict, its output folder held."""
-    opts = validate_predict(check_command_dict(opts, PREDICT_CONFIG))
+    given, opts = opts, validate_predict(check_command_dict(opts, PREDICT_CONFIG))
+    # the keys given: typed on the command line; in a library call's dict, those away from PREDICT_CONFIG's
+    given = getattr(given, "typed", None) or {k for k, v in given.items() if v != PREDICT_CONFIG.get(k)}
     out_dir = hold_output(Path(opts["output"]), at_start=True)
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_predictor(opts, hw)
     tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
-    note_checkpoint_settings(cfg, opts, tiling)
+    note_checkpoint_settings(cfg, opts, tiling, given)
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
     paths = list_images(opts["input"])
     cfg = predict_intensity_range(cfg, opts)
@@ -7480,13 +7482,18 @@ def print_predict_summary(done, seconds, waits, failed, out_dir):
         print(f"  failed: {reason}")
 
 
-def note_checkpoint_settings(cfg, opts, tiling):
+def note_checkpoint_settings(cfg, opts, tiling, given=()):
     """Notes where predict's options meet the checkpoint's settings: tiling options that a fit-mode
-    checkpoint ignores, and a checkpoint validated with test-time augmentation while predict runs other
+    checkpoint ignores, a batch_size given (`given`: the keys given) that a patch-mode one ignores (the
+    window's tile_batch_size sets its forwards), and a checkpoint validated with test-time augmentation while predict runs other
     views (its IoU was measured on the average of those views, not on the masks predict writes)."""
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")
+    if "batch_size" in given and cfg["data_mode"] == "patch":
+        print(f"note: batch_size ignored: {opts['checkpoint']} was trained with data_mode=patch (each image through "
+              f"a sliding window): tile_batch_size= sets the tiles per forward, "
+              f"{tiling.get('tile_batch_size', cfg['tile_batch_size'])} here")
     validated = cfg["tta"]  # None: an export from before its sidecar kept the validated tta; nothing to say
     if validated not in (None, "none") and opts["tta"] != validated:
         print(f"note: {opts['checkpoint']} was validated with tta={validated} (the average of "

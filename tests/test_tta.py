@@ -293,6 +293,26 @@ def test_predict_patch_mode_takes_the_views_inside_each_tile_batch(name, patch_m
     assert cv2.imread(str(tmp_path / "out" / "img0.png"), cv2.IMREAD_UNCHANGED).shape == (70, 90)
 
 
+def test_a_batch_size_given_to_predict_a_patch_model_is_named_as_ignored(patch_model, tmp_path, monkeypatch, capsys):
+    """tile_overlap= given for a fit-mode checkpoint had a note; batch_size= for a patch-mode one, which the
+    sliding window's tile_batch_size replaces, had none. Given on the command line, or in a dict away from
+    PREDICT_CONFIG's value; the default in a dict copied from PREDICT_CONFIG is not 'given'."""
+    ckpt, data = patch_model
+    write_images(tmp_path / "in", data, [(70, 90)])
+    args = [f"checkpoint={ckpt}", f"input={tmp_path / 'in'}", "device=cpu", "use_amp=False", "progress=False",
+            "cpu_probe=False"]
+    said = f"note: batch_size ignored: {ckpt} was trained with data_mode=patch (each image through a sliding " \
+           f"window): tile_batch_size= sets the tiles per forward, 2 here"
+    for output, extra in (("a", ["batch_size=8"]), ("b", ["batch_size=3"]), ("c", [])):
+        assert train_unet.main(["predict", *args, f"output={tmp_path / output}", *extra]) == 0
+        assert (said in capsys.readouterr().out) == bool(extra)
+    _, batches = counted_predict(monkeypatch, checkpoint=str(ckpt), input=str(tmp_path / "in"),
+                                 output=str(tmp_path / "d"), batch_size=3)
+    assert said in capsys.readouterr().out and max(batches) == 2  # the tiles per forward, not batch_size's 3
+    counted_predict(monkeypatch, checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "e"))
+    assert "batch_size ignored" not in capsys.readouterr().out
+
+
 def test_predict_batch_with_tta_is_the_averaged_model(fit_model, hw):
     """predict_batch's masks with tta=flip are the masks of the reference TTA model's logits (the head's
     bias moved so the logits straddle 0 and the comparison is not vacuous)."""
