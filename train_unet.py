@@ -568,20 +568,21 @@ def auto_keys_given(cfg, state):
     return tuple(k for k in AUTO_KEYS if cfg[k] == "auto" or (k in was and cfg[k] == state["config"].get(k)))
 
 
-def check_not_in_a_data_set(checkpoint_dir, key="checkpoint_dir"):
-    """checkpoint_dir= (or the benchmark's output=) a data set's images/ or masks/ folder (the other beside it),
-    or a folder inside one: best.pt, logs and tensorboard/ went among its files, and every later run over that
-    data set noted them as entries not read. A folder above it counts only where it holds images itself:
-    ~/images/projects/run1, with a ~/masks of other uses beside ~/images, is no data set's."""
+def check_not_in_a_data_set(checkpoint_dir, key="checkpoint_dir", what="checkpoints and logs", example="checkpoints"):
+    """checkpoint_dir= (or the benchmark's or export's output=) a data set's images/ or masks/ folder (the other
+    beside it), or a folder inside one: best.pt, logs and tensorboard/ (or model.onnx) went among its files,
+    and every later run over that data set noted them as entries not read. A folder above it counts only
+    where it holds images itself: ~/images/projects/run1, with a ~/masks of other uses beside ~/images, is
+    no data set's."""
     folder = Path(checkpoint_dir).resolve()
     part = next((p for p in (folder, *folder.parents) if data_set_part(p) and p.is_dir()
                  and (p == folder or holds_images(p))), None)
     if part is not None:
         where = "is" if part == folder else f"is inside {part}, which is"
         data_set = part.parent.parent if part.parent.name in ("train", "val") else part.parent
-        raise UserError(f"{key}={checkpoint_dir} {where} a data set's {part.name} folder: checkpoints and "
-                        f"logs would go among its files; choose another {key} (e.g. "
-                        f"{cli_value(data_set.parent / 'checkpoints' / data_set.name)})")
+        raise UserError(f"{key}={checkpoint_dir} {where} a data set's {part.name} folder: {what} "
+                        f"would go among its files; choose another {key} (e.g. "
+                        f"{cli_value(data_set.parent / example / data_set.name)})")
 
 
 def holds_images(folder):
@@ -9518,6 +9519,7 @@ def export(opts):
     check_not_exported(opts["checkpoint"], "give the PyTorch checkpoint (.pt) to export", "already ")
     model, cfg = load_model(opts["checkpoint"], hw)
     path = export_path(opts["output"])
+    check_not_in_a_data_set(path.parent, "output", f"{path.name} and {path.stem}.json", "deploy")
     check_writable(path.parent)
     print(f"export: {opts['checkpoint']}{ema_words(cfg)} ({cfg['arch']}/{cfg['encoder_name']}, {cfg['in_channels']} "
           f"channel(s), {cfg['num_classes']} class(es), data_mode={cfg['data_mode']}) -> {path}: fp32, opset "

@@ -648,6 +648,22 @@ def test_the_numpy_tool_never_writes_over_images_or_ground_truth_and_names_a_mas
     assert sorted((tmp_path / "out").iterdir()) == masks and cv2.imread(str(masks[0])) is not None
 
 
+@pytest.mark.parametrize("part, name", [("images", ""), ("masks", "seg.onnx"), ("images/sub", "")])
+def test_an_export_into_a_data_sets_folder_is_refused(binary, tmp_path, part, name):
+    """predict and benchmark refused a data set's images/ and masks/ folders; export wrote model.onnx and
+    model.json among the images, and every later training run noted them as entries not read."""
+    data = tmp_path / "set"
+    shutil.copytree(binary["data"], data)
+    (data / part).mkdir(exist_ok=True)
+    before = sorted(p.relative_to(data) for p in data.rglob("*"))
+    onnx = name or "model.onnx"
+    one_line_error(export, binary["ckpt"], data / part / name,
+                   match=rf"^output=.*set/{part} (is|is inside .*) a data set's {part[:6]} folder: {re.escape(onnx)} and "
+                         rf"{re.escape(Path(onnx).stem)}\.json would go among its files; choose another output "
+                         rf"\(e\.g\. .*deploy/set\)$")
+    assert sorted(p.relative_to(data) for p in data.rglob("*")) == before
+
+
 def test_a_lone_earlier_model_onnx_is_named_alone_when_moved(binary, tmp_path, capsys):
     """A folder holding someone's own model.onnx and no model.json: the move named a model.json too."""
     out = tmp_path / "deploy"
