@@ -7396,9 +7396,7 @@ def predict(opts):
 
 def predict_into_output(opts):
     """predict, its output folder held."""
-    given, opts = opts, validate_predict(check_command_dict(opts, PREDICT_CONFIG))
-    # the keys given: typed on the command line; in a library call's dict, those away from PREDICT_CONFIG's
-    given = getattr(given, "typed", None) or {k for k, v in given.items() if v != PREDICT_CONFIG.get(k)}
+    given, opts = predict_keys_given(opts), validate_predict(check_command_dict(opts, PREDICT_CONFIG))
     out_dir = hold_output(Path(opts["output"]), at_start=True)
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
@@ -7481,6 +7479,13 @@ def print_predict_summary(done, seconds, waits, failed, out_dir):
              f"masks to be written)" if waited else "") + (f"; {len(failed)} failed:" if failed else ""))
     for path, reason in failed:
         print(f"  failed: {reason}")
+
+
+def predict_keys_given(opts):
+    """The keys given to predict: typed on the command line (parse_overrides); in a library call's dict, those
+    whose value is away from PREDICT_CONFIG's (a dict copied from it gives none); not a dict: none (refused next)."""
+    typed = getattr(opts, "typed", None)
+    return typed or {k for k, v in opts.items() if v != PREDICT_CONFIG.get(k)} if isinstance(opts, dict) else set()
 
 
 def note_checkpoint_settings(cfg, opts, tiling, given=()):
