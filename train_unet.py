@@ -6718,9 +6718,10 @@ def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
         return prec, cfg
     setting = "use_amp=False" if not was.get("use_amp", True) else f"amp_dtype={was['amp_dtype']}"
     preset = f", from preset={was['preset']}" if was.get("preset") else ""
-    other = "amp_dtype=bfloat16 or float16" if saved == "fp32" else "use_amp=False or another amp_dtype"
+    # use_amp=True given decides again as auto (float16 named alone misled: a CPU then trains in bf16)
+    other = "use_amp=True (or an amp_dtype)" if saved == "fp32" else "use_amp=False or another amp_dtype"
     return Precision.of(DTYPES[saved], f"kept from the checkpoint: last.pt trained in {saved} as set ({setting}"
-                                       f"{preset}); set {other} to change it"), cfg
+                                       f"{preset}); give {other} to change it"), cfg
 
 
 def banner_line(text):
