@@ -526,6 +526,7 @@ def set_up_training(cfg, explicit):
     notes.append(check_checkpoint_room(run, cfg) if DIST.is_main else None)
     run.class_names, run.logger, run.data_split = class_names, RunLogger.create(cfg), data_split
     run.auto_keys = auto_keys
+    notes.append(run.logger.gap_note(state))
     run.loss_fn = SegLoss(cfg["num_classes"], cfg["loss"], cfg["class_weights"], hw.device)
     # 6. Say what was decided, and why.
     print(banner(hw, run.prec, cfg, notes, layout))
@@ -1081,7 +1082,7 @@ def resumed_schedule(state, cfg, steps_per_epoch, notes):
     elif epochs > done and lr_factor(done, schedule) <= AT_LR_FLOOR * LR_FLOOR:  # no restart: it stays down there
         notes.append(f"{change}: the run had ended its schedule, so the learning rate stays at its floor, "
                      f"{lr * lr_factor(done, schedule):.2e} ({LR_FLOOR:.0%} of learning_rate), for the {epochs - done} "
-                     f"added epochs (no restart): they change the weights little, though BatchNorm's running "
+                     f"added epoch{'s' * (epochs - done != 1)} (no restart): they change the weights little, though BatchNorm's running "
                      f"statistics, which follow no learning rate, are estimated again (on a short run that alone can "
                      f"move val IoU); to train longer at a higher rate, start a new run with epochs={epochs} in "
                      f"another checkpoint_dir")
@@ -1141,7 +1142,8 @@ class Run:
                 "config": cfg, "history": self.history, "precision": self.prec.name,
                 "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
                 "data_split": self.data_split, "device_kind": self.device_kind, "world_size": DIST.world,
-                "class_names": self.class_names, "auto_keys": list(self.auto_keys)}
+                "class_names": self.class_names, "auto_keys": list(self.auto_keys),
+                "tensorboard_epochs": self.logger.held_epochs(self.epoch)}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
@@ -7233,6 +7235,7 @@ class RunLogger:
 
     def __init__(self, log_dir=None, cfg=None):
         self.writer, self.steps = None, []   # steps: (global step, lr, [device scalars])
+        self.epochs = []  # the epochs tensorboard/ holds: this run's, and on resume the earlier runs' (gap_note)
         if log_dir is not None:
             self.writer = LogWriter(log_dir)
             self.writer.add_text("config", "```\n" + json.dumps(cfg, indent=2, default=str) + "\n```")
@@ -7284,6 +7287,7 @@ class RunLogger:
             return
         self.flush_steps()
         epoch = row["epoch"]
+        self.epochs.append(epoch)
         for key, value in row.items():
             if key == "epoch" or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
@@ -7305,11 +7309,44 @@ class RunLogger:
         self.writer.add_figure("class/confusion_matrix", figure, epoch)
         self.writer.flush()
 
+    def held_epochs(self, epoch):
+        """For last.pt: the epochs tensorboard/ holds once the epoch being saved is logged (it is logged after
+        the save: TensorBoard never holds an epoch that last.pt lacks)."""
+        return sorted(set(self.epochs) | ({epoch} if self.writer is not None and epoch else set()))
+
+    def gap_note(self, state):
+        """On resume: a note where tensorboard/ lacks epochs (a run or resume with logger=csv or none between):
+        a run resumed with tensorboard on showed no gap, and my_run.ipynb counted the steps logged as the run's.
+        Checkpoints from before the record say nothing."""
+        held = (state or {}).get("tensorboard_epochs")
+        if held is None:
+            return None
+        self.epochs = list(held)  # carried on with the logger off too: tensorboard/ still holds them
+        missing = sorted(set(range(1, state["epoch"] + 1)) - set(held))
+        if self.writer is not None and missing:
+            return ("logger", f"tensorboard/ has no events for epoch(s) {epoch_ranges(missing)} (trained with "
+                              f"logger=csv or none); history.csv has every epoch")
+        if self.writer is None and held:
+            return ("logger", f"off in this run: tensorboard/ keeps epoch(s) {epoch_ranges(held)} and gets none from "
+                              f"here (history.csv has every epoch)")
+        return None
+
     def close(self):
         if self.writer is not None:
             self.flush_steps()
             self.writer.close()
             self.writer = None
+
+
+def epoch_ranges(epochs):
+    """[1, 2, 3, 5] -> '1-3, 5'."""
+    runs = []
+    for epoch in sorted(epochs):
+        if runs and epoch == runs[-1][1] + 1:
+            runs[-1][1] = epoch
+        else:
+            runs.append([epoch, epoch])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 class LogWriter:

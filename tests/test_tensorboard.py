@@ -188,3 +188,30 @@ def test_fallback_events_are_logged_as_text(data_dir, tmp_path, monkeypatch):
     # ... and the steps that went bad are kept apart
     bad = scalars(acc, "rolled_back/grad_norm")
     assert [s for s, _ in bad] == [1, 2] and not any(math.isfinite(v) for _, v in bad)
+
+
+def test_a_resume_names_the_epochs_tensorboard_lacks(make_cfg, capsys):
+    """tensorboard, then a resume with logger=csv, then tensorboard again: the events held epochs 1 and 3,
+    and nothing said so (my_run.ipynb counted the steps logged as the run's). last.pt records the epochs
+    tensorboard/ holds; a resume notes the gap, or that this run's logger adds none."""
+    cfg = make_cfg(epochs=1, logger="tensorboard")
+    ckpt = Path(cfg["checkpoint_dir"])
+    train(cfg)
+    assert train_unet.load_checkpoint(ckpt / "last.pt")["tensorboard_epochs"] == [1]
+    capsys.readouterr()
+    train({**cfg, "epochs": 2, "logger": "csv", "resume": True})
+    out = capsys.readouterr().out
+    assert "off in this run: tensorboard/ keeps epoch(s) 1 and gets none from here" in out
+    assert "for the 1 added epoch (no restart)" in out  # not '1 added epochs'
+    assert train_unet.load_checkpoint(ckpt / "last.pt")["tensorboard_epochs"] == [1]
+    train({**cfg, "epochs": 4, "resume": True})
+    assert "tensorboard/ has no events for epoch(s) 2 (trained with logger=csv or none)" in capsys.readouterr().out
+    assert train_unet.load_checkpoint(ckpt / "last.pt")["tensorboard_epochs"] == [1, 3, 4]
+    assert [s for s, _ in scalars(read_events(ckpt / "tensorboard"), "epoch/val_iou")] == [1, 3, 4]
+    train({**cfg, "epochs": 5, "resume": True})
+    assert "tensorboard/ has no events for epoch(s) 2 " in capsys.readouterr().out  # said on every resume
+
+
+@pytest.mark.parametrize("epochs, text", [([1, 2, 3, 5], "1-3, 5"), ([4], "4"), ([2, 3, 7, 8, 9], "2-3, 7-9")])
+def test_epoch_ranges(epochs, text):
+    assert train_unet.epoch_ranges(epochs) == text
