@@ -59,7 +59,7 @@ def test_run_notebook_plots_the_run_in_run_dir(tiny_run):
     assert f"run: {tiny_run}" in text and "2 epoch(s)" in text and "batch: 4 x 1\n" in text  # one process
     assert "confusion matrix at epoch" in text and "3 classes" in text
     assert "precision per epoch: 1: fp32, 2: fp32" in text
-    assert "optimizer steps logged" in text
+    assert "optimizer steps logged; live view" in text  # no epoch without events
     # data_dir=data was the run's own folder's, not the repository's, where the notebook runs ("not found")
     assert f"model: {tiny_run / 'best.pt'}; images from {os.path.realpath(tiny_run.parent / 'data')}" in text
 
@@ -72,6 +72,17 @@ def test_run_notebook_says_a_torchrun_runs_process_count(tiny_run, tmp_path):
     (run / "config.json").write_text(json.dumps({**info, "world_size": 4}))
     _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
     assert f"batch: {info['config']['batch_size']} x 1 x 4 processes\n" in text
+
+
+def test_run_notebook_names_the_epochs_with_no_events(tiny_run, tmp_path):
+    """A run resumed with logger=csv between has epochs in history.csv and none in tensorboard/: the notebook
+    said 'N optimizer steps logged' as though they were the run's."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    lines = (run / "history.csv").read_text().splitlines()
+    (run / "history.csv").write_text("\n".join([*lines, "3" + lines[-1][lines[-1].index(","):]]) + "\n")
+    _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
+    assert "optimizer steps logged; no events for epoch(s) 3 (trained with logger=csv or none: gaps above)" in text
 
 
 @pytest.mark.parametrize("case", ["typo", "interrupted"])
