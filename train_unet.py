@@ -2367,6 +2367,16 @@ def macos_has_arm_bf16():
         return False
 
 
+def as_hardware(hw):
+    """detect_hardware's Hardware for a library call's `hw`: itself, or from a device name or torch.device
+    ("cpu", "auto", torch.device("cuda", 1)); anything else a one-line error, not an AttributeError inside."""
+    if isinstance(hw, (str, torch.device)):
+        return detect_hardware(str(hw))
+    if not (hasattr(hw, "kind") and hasattr(hw, "device")):
+        raise UserError(f"hw is {type(hw).__name__}: pass detect_hardware()'s result, or a device name such as 'cpu'")
+    return hw
+
+
 def detect_hardware(device="auto"):
     if not valid_device(device):  # a library call's device= is not validate_config's ("gpu": torch's traceback)
         raise UserError(f"device={device!r} is not supported: use auto, cpu, cuda, cuda:N or mps")
@@ -2409,7 +2419,8 @@ def describe(hw):
 
 
 def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
-    """The one place that chooses bf16 / fp16 / fp32, and says why."""
+    """The one place that chooses bf16 / fp16 / fp32, and says why. `hw`: detect_hardware's, or a device name."""
+    hw = as_hardware(hw) if isinstance(hw, (str, torch.device)) else hw
     amp_dtype = check_precision_args(use_amp, amp_dtype, force)
     if not use_amp:
         return Precision.of(torch.float32, "use_amp=False: plain fp32")
@@ -7865,7 +7876,7 @@ def load_model(checkpoint, hw):
     """Rebuild the model from the config stored in a checkpoint; returns (model in eval mode, cfg).
     The weights are the EMA's where the checkpoint has them (cfg["ema_decay"] then says its decay; else
     None), as validation judged them. `hw`: detect_hardware's, or a device name for it ("cpu", "auto")."""
-    hw = detect_hardware(hw) if isinstance(hw, str) else hw
+    hw = as_hardware(hw)
     state = load_checkpoint(checkpoint)
     # intensity_range, class_weights: a checkpoint from before them trained on the dtype's range and
     # without weights (None), whatever the edited CONFIG says now.
@@ -8051,11 +8062,32 @@ def same_size_groups(sizes):
 
 @torch.inference_mode()
 def predict_batch(model, images, cfg, prec, hw):
-    """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes) -> masks of
-    class indices (uint8 arrays) at the same sizes, the way the checkpoint's data_mode validated."""
+    """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes; a list, or any iterable)
+    -> masks of class indices (uint8 arrays, 0/1 when binary) at the same sizes, the way the checkpoint's
+    data_mode validated. The model runs in eval mode (put back as it was after): one left in training mode
+    (a notebook's fine-tuning) normalised each batch by its own statistics, 2-5% of pixels changed."""
+    hw = as_hardware(hw)
+    if not isinstance(prec, Precision):
+        raise UserError(f"prec is {prec!r}: pass decide_precision(hw) (the capability check's choice), or "
+                        f"decide_precision(hw, use_amp=False) for fp32")
     check_model_config(model, cfg)
+    images = images if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) else list(images)  # a generator
     check_model_images(images, cfg)
-    return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)] if len(images) else []
+    with eval_mode(model):
+        return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)] if len(images) else []
+
+
+@contextlib.contextmanager
+def eval_mode(model):
+    """The model in eval mode for the block, then in the mode it was in."""
+    training = getattr(model, "training", False)  # an exported model (OnnxModel) has no mode
+    if training:
+        model.eval()
+    try:
+        yield model
+    finally:
+        if training:
+            model.train()
 
 
 # What a model trained on decides what it must be given: predict_batch's cfg must say the same (patch_scale
@@ -8101,22 +8133,32 @@ def check_model_images(images, cfg):
             raise UserError(f"image {i} has shape {image.shape}, but the model takes {want} channel(s) "
                             f"({'HxW' if want == 1 else 'HxWx3'}): read it with read_image(path, {want}, "
                             f"cfg['intensity_range']), which converts it")
-        check_scaled_floats(image, i, want)
+        check_scaled_floats(image, i, want, cfg.get("intensity_range"))
 
 
-def check_scaled_floats(image, i, want):
+# How far past [0, 1] predict_batch takes float pixels from a model trained with no intensity_range, whose
+# read_image gives [0, 1] exactly: a caller's own resize (cubic overshoot) stays well inside it.
+FLOAT_INPUT_SLACK = 0.5
+
+
+def check_scaled_floats(image, i, want, intensity_range=None):
     """A float32 image as read_image scales it: finite (one NaN pixel made the whole mask background), and not
     8- or 16-bit values cast to float unscaled (cv2.imread(...).astype(np.float32): half the pixels wrong).
-    Scaled values may leave [0, 1] a little (an intensity_range narrower than an image), so only whole
-    numbers above 1 are taken as unscaled."""
+    Scaled values may leave [0, 1] a little (an intensity_range narrower than an image): with an intensity_range,
+    only whole numbers above 1 are taken as unscaled; without one (read_image's floats are then in [0, 1]),
+    any value more than FLOAT_INPUT_SLACK outside is (unscaled pixels resized: 20% of the mask wrong)."""
     if image.dtype != np.float32:
         return
     check_pixels(image, i)  # scale_image's NaN/inf refusal, naming the image by its index
-    top = float(image.max())
+    low, top = float(image.min()), float(image.max())
+    fix = (f"pass the uint8 array, or read it with read_image(path, {want}, cfg['intensity_range']), which "
+           f"scales it")
     if top > 1 and np.array_equal(image, np.round(image)):
         raise UserError(f"image {i} is float32 with whole-number values up to {top:g}: unscaled pixels, where the "
-                        f"model takes them in [0, 1]: pass the uint8 array, or read it with read_image(path, {want}, "
-                        f"cfg['intensity_range']), which scales it")
+                        f"model takes them in [0, 1]: {fix}")
+    if intensity_range is None and (top > 1 + FLOAT_INPUT_SLACK or low < -FLOAT_INPUT_SLACK):
+        raise UserError(f"image {i} is float32 with values from {low:.4g} to {top:.4g}, where the model takes them in "
+                        f"[0, 1] (it was trained with no intensity_range): scale them (8-bit: / 255), or {fix}")
 
 
 @torch.inference_mode()

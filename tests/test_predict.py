@@ -270,6 +270,40 @@ def test_predict_batch_refuses_float_images_it_would_get_wrong(binary_model, hw,
         train_unet.predict_batch(model, [pixels, nan], cfg, fp32, hw)
     past = pixels.astype(np.float32) / 200  # scaled, up to 1.275: beyond the range, not unscaled
     assert train_unet.predict_batch(model, [past, np.ones((8, 8, 3), np.float32)], cfg, fp32, hw)[0].shape == (40, 40)
+    # unscaled pixels resized are no longer whole numbers (user test: 20% of the mask wrong, unsaid); a model
+    # trained with no intensity_range takes floats in [0, 1] alone, give or take FLOAT_INPUT_SLACK
+    resized = cv2.resize(pixels.astype(np.float32), (44, 44))
+    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with values from .* to .*, where the model "
+                                                   r"takes them in \[0, 1\] \(it was trained with no intensity_range\): "
+                                                   r"scale them \(8-bit: / 255\), or pass the uint8 array"):
+        train_unet.predict_batch(model, [resized], cfg, fp32, hw)
+    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with values from -0\.6 "):
+        train_unet.predict_batch(model, [past - 0.6], cfg, fp32, hw)
+    assert cfg["intensity_range"] is None  # given one, values past it are read_image's own: taken
+    assert train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 50]}, fp32, hw)[0].shape == (44, 44)
+
+
+def test_predict_batch_takes_device_names_iterables_and_a_model_in_training_mode(binary_model, hw, fp32):
+    """hw="cpu" (load_model takes it) and prec="fp32" were AttributeErrors deep inside; a generator of images
+    a TypeError; a model left in training mode (a notebook's fine-tuning) gave masks normalised by the batch's
+    own statistics (2-5% of pixels changed), unsaid. Now: device names taken, a bad prec is one line, the
+    model predicts in eval mode and is put back in the mode it was in."""
+    ckpt, data = binary_model
+    model, cfg = train_unet.load_model(ckpt, torch.device("cpu"))
+    images = [train_unet.read_image(p, 3) for p in sorted((data / "images").glob("*.png"))[:4]]
+    expected = train_unet.predict_batch(model, images, cfg, fp32, hw)
+    for device in ("cpu", torch.device("cpu")):
+        masks = train_unet.predict_batch(model, iter(images), cfg, train_unet.decide_precision(device, False), device)
+        assert all(np.array_equal(a, b) for a, b in zip(masks, expected))
+    model.train()
+    masks = train_unet.predict_batch(model, images, cfg, fp32, hw)
+    assert model.training and all(np.array_equal(a, b) for a, b in zip(masks, expected))
+    model.eval()
+    for prec in ("fp32", None):
+        with pytest.raises(train_unet.UserError, match=rf"^prec is {prec!r}: pass decide_precision\(hw\)"):
+            train_unet.predict_batch(model, images, cfg, prec, hw)
+    with pytest.raises(train_unet.UserError, match=r"^hw is int: pass detect_hardware\(\)'s result, or a device"):
+        train_unet.predict_batch(model, images, cfg, fp32, 0)
 
 
 def test_predict_batch_refuses_a_config_that_is_not_the_models(binary_model, hw, fp32):
