@@ -1904,12 +1904,26 @@ def check_config_dict(cfg):
                         f"data_dir=...), or parse_overrides(['key=value', ...])")
     for key in cfg:
         check_known_key(key)
-    return {**CONFIG, **path_strings(cfg)}
+    return {**CONFIG, **plain_values(cfg)}
 
 
-def path_strings(values):
-    """A library call's dict with its pathlib.Path values as the strings the command line gives."""
-    return {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in values.items()}
+def plain_values(values):
+    """A library call's dict with its values as the command line gives them: pathlib.Path as str, numpy
+    scalars as Python numbers and bools (a sweep's np.int64(2) read 'batch_size must be a whole number'),
+    tuples and 1-D arrays as lists (intensity_range=(0, 4095))."""
+    return {k: plain_value(v) for k, v in values.items()}
+
+
+def plain_value(value):
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()
+    if isinstance(value, (tuple, list)):
+        return [plain_value(v) for v in value]
+    return value
 
 
 def check_command_dict(opts, defaults):
@@ -1920,7 +1934,7 @@ def check_command_dict(opts, defaults):
         raise UserError(f"the options are {type(opts).__name__}: pass a dict of the command's keys")
     for key in opts:
         check_known_key(key, defaults)
-    return {**defaults, **path_strings(opts)}  # keys left out take the command's defaults, as on the command line
+    return {**defaults, **plain_values(opts)}  # keys left out take the command's defaults, as on the command line
 
 
 def check_known_key(key, defaults=CONFIG):

@@ -1592,6 +1592,22 @@ def test_library_values_of_numpy_and_pathlib_types_are_taken(tmp_path):
     assert train_unet.read_mask(tmp_path / "m.png", np.int64(1)).tolist() == [[0, 1]]
 
 
+def test_a_config_of_numpy_values_and_tuples_is_taken_as_the_command_line_gives_them(tmp_path):
+    """A sweep's values (np.arange, a DataFrame row) were refused with false messages: 'batch_size=np.int64(2)
+    must be a whole number or auto', 'use_amp=np.False_ must be true or false'; (0, 255) for intensity_range
+    'must be a list'. Now they are the Python values the command line gives."""
+    given = {"batch_size": np.int64(2), "learning_rate": np.float64(1e-3), "image_size": np.int32(64),
+             "use_amp": np.bool_(False), "intensity_range": (0, np.uint16(4095)), "class_weights": np.array([1, 3.0]),
+             "checkpoint_dir": tmp_path / "run"}
+    cfg = train_unet.validate_config(train_unet.check_config_dict(given))
+    assert {k: cfg[k] for k in given} == {"batch_size": 2, "learning_rate": 1e-3, "image_size": 64, "use_amp": False,
+                                         "intensity_range": [0, 4095], "class_weights": [1.0, 3.0],
+                                         "checkpoint_dir": str(tmp_path / "run")}
+    assert type(cfg["batch_size"]) is int and type(cfg["use_amp"]) is bool
+    opts = train_unet.check_command_dict({"tile_batch_size": np.int64(4)}, train_unet.PREDICT_CONFIG)
+    assert type(opts["tile_batch_size"]) is int
+
+
 def test_a_command_to_paste_is_quoted_for_the_shell_it_runs_in():
     """shlex's single quotes stay in the path in Windows' cmd.exe ('C:\\runs\\model.onnx' not found)."""
     assert train_unet.cli_value("my runs/r1", posix=True) == "'my runs/r1'"
