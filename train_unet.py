@@ -1534,6 +1534,11 @@ MODEL_STRIDE = 32  # the U-Net halves the image 5 times: sides must be multiples
 class UserError(Exception):
     """A problem the user can fix (bad config, bad data). Printed as one line, no traceback."""
 
+    def _render_traceback_(self):
+        """What IPython, and so Jupyter, shows in place of the traceback (12 to 49 lines around the message):
+        the one line the command line prints."""
+        return [f"UserError: {user_message(self)}"]
+
 
 def user_message(exc):
     """A UserError's message. One raised in a DataLoader worker (a file that broke after the data check,

@@ -85,6 +85,19 @@ def test_run_notebook_names_the_epochs_with_no_events(tiny_run, tmp_path):
     assert "optimizer steps logged; no events for epoch(s) 3 (trained with logger=csv or none: gaps above)" in text
 
 
+def test_a_user_error_in_a_notebook_cell_shows_its_one_line_not_a_traceback():
+    """Jupyter showed 12 to 49 lines of traceback around a UserError's one line (a notebook's own refusal, or
+    load_model's, or prepare_data's through three frames)."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(f"import sys; sys.path.insert(0, {str(ROOT)!r}); import train_unet as T"),
+                nbformat.v4.new_code_cell("T.load_model('/nonexistent/best.pt', 'cpu')")]
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True)
+    client.execute()
+    [error] = [o for o in nb.cells[1].outputs if o.output_type == "error"]
+    assert error.ename == "UserError" and len(error.traceback) == 1
+    assert error.traceback[0].startswith("UserError: ") and "/nonexistent/best.pt" in error.traceback[0]
+
+
 @pytest.mark.parametrize("case", ["typo", "interrupted"])
 def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
     """Given a folder with no finished epoch, it used to train a preset=debug run there and plot it as the
