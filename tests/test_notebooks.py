@@ -85,6 +85,20 @@ def test_run_notebook_names_the_epochs_with_no_events(tiny_run, tmp_path):
     assert "optimizer steps logged; no events for epoch(s) 3 (trained with logger=csv or none: gaps above)" in text
 
 
+def test_run_notebook_plots_a_run_whose_history_csv_is_gone_from_last_pt(tiny_run, tmp_path):
+    """A run with best.pt and last.pt but no history.csv (deleted) was 'no finished epoch ... a run stopped in
+    its first epoch'; RUN_DIR=<run>/best.pt was 'not found'."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    (run / "history.csv").unlink()
+    _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
+    assert f"no history.csv in {run}: the 2 epoch(s) last.pt records" in text and "2 epoch(s); best val IoU" in text
+    with pytest.raises(nbclient.exceptions.CellExecutionError,
+                       match=rf"RUN_DIR={re.escape(str(run / 'best.pt'))} is a file: give the run's folder, "
+                             rf"{re.escape(str(run))}"):
+        execute("my_run.ipynb", {"RUN_DIR": str(run / "best.pt")})
+
+
 def test_a_user_error_in_a_notebook_cell_shows_its_one_line_not_a_traceback():
     """Jupyter showed 12 to 49 lines of traceback around a UserError's one line (a notebook's own refusal, or
     load_model's, or prepare_data's through three frames)."""
