@@ -479,7 +479,17 @@ def train(cfg, explicit=()):
     win over the preset (apply_preset).
     """
     explicit = set(explicit) | getattr(cfg, "typed", set())  # parse_overrides' keys (TypedConfig)
-    cfg = check_config_dict(cfg)
+    cfg, started = check_config_dict(cfg), time.time()
+    try:
+        return train_checked(cfg, explicit)
+    except KeyboardInterrupt as exc:  # a notebook's interrupt says what the command line's says
+        if exc.args:
+            raise
+        raise KeyboardInterrupt(interrupted_run_words(cfg, started)) from None
+
+
+def train_checked(cfg, explicit):
+    """train, its config a dict of known keys: the run set up in its folder, held, then the epoch loop."""
     with run_folders_held():  # no other run writes into this run's checkpoint folder meanwhile
         try:
             cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)

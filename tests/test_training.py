@@ -673,6 +673,19 @@ def test_a_run_stopped_in_its_first_epoch_is_not_called_an_earlier_run(make_cfg,
     assert "note         an earlier run in " in capsys.readouterr().out
 
 
+def test_a_library_train_interrupted_says_what_the_command_line_says(make_cfg, interrupt_at):
+    """A notebook's interrupt of train() was a bare KeyboardInterrupt(); the command line's 'checkpoints
+    written so far are intact; resume=True continues' was never said."""
+    cfg = make_cfg(epochs=2)
+    interrupt_at(2)
+    with pytest.raises(KeyboardInterrupt, match="^checkpoints written so far are intact; resume=True epochs=2 "
+                                                "continues$"):
+        train(cfg)
+    interrupt_at(1)
+    with pytest.raises(KeyboardInterrupt, match="^no epoch had finished, so there is no checkpoint to resume"):
+        train({**cfg, "checkpoint_dir": cfg["checkpoint_dir"] + "2"})
+
+
 def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
     cfg = make_cfg(image_size=32, batch_size=4)
     ckpt = Path(cfg["checkpoint_dir"])
