@@ -87,12 +87,18 @@ def test_run_notebook_names_the_epochs_with_no_events(tiny_run, tmp_path):
 
 def test_run_notebook_plots_a_run_whose_history_csv_is_gone_from_last_pt(tiny_run, tmp_path):
     """A run with best.pt and last.pt but no history.csv (deleted) was 'no finished epoch ... a run stopped in
-    its first epoch'; RUN_DIR=<run>/best.pt was 'not found'."""
+    its first epoch'; its data set deleted since, the predictions cell was a traceback that hid the plots'
+    end; RUN_DIR=<run>/best.pt was 'not found'."""
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     (run / "history.csv").unlink()
+    gone = tmp_path / "gone"  # the data set the run trained on, deleted since: 49 lines of traceback
+    state = train_unet.load_checkpoint(run / "best.pt")
+    state["config"]["data_dir"], state["data_split"]["folder"] = str(gone), str(gone)
+    train_unet.save_checkpoint(run / "best.pt", state)
     _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
     assert f"no history.csv in {run}: the 2 epoch(s) last.pt records" in text and "2 epoch(s); best val IoU" in text
+    assert f"no predictions: the run's data cannot be read: data_dir {gone} not found" in text
     with pytest.raises(nbclient.exceptions.CellExecutionError,
                        match=rf"RUN_DIR={re.escape(str(run / 'best.pt'))} is a file: give the run's folder, "
                              rf"{re.escape(str(run))}"):
