@@ -6353,7 +6353,13 @@ def load_class_names(cfg):
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path} ({type(exc).__name__}): save it as UTF-8 text, one class "
                         f"name per line") from None
-    names = without_indices(names)
+    while names and not names[-1]:  # trailing blank lines, spaces and all
+        names.pop()
+    if "" in names:  # one in the middle read 'has 4 line(s) but num_classes=3 needs 3', the blank one unnamed
+        line = names.index("") + 1
+        raise UserError(f"{path}: line {line} is blank: one class name per line, class 0 first (remove the line, "
+                        f"or name the class, e.g. unused_{line - 1})")
+    names = without_indices(names, path)
     allowed = (1, 2) if n == 1 else (n,)
     if len(names) not in allowed:
         want = "1 (the foreground) or 2 (background, foreground)" if n == 1 else str(n)
@@ -6366,16 +6372,23 @@ def load_class_names(cfg):
     return names[-1:] if n == 1 else names
 
 
-def without_indices(names):
+def without_indices(names, path="class_names.txt"):
     """Lines that start with their class index ('0 background', '1: road', as some label tools write them):
-    the names alone, where every line starts with its own index, in order (a binary file's one line: 1);
-    else the lines as they are."""
+    the names alone, where every line starts with an index, each of 0..N-1 once (in any order: the names
+    by their index; a binary file's one line: 1); else the lines as they are. Numbers that are not the
+    class indices (1-based, a repeat) are refused: they had been kept in the names, and the names given
+    by line, so '0 background, 2 dog, 1 cat' labelled class 1's scores 'dog'."""
     found = [re.fullmatch(r"(\d+)(?:\s*[:,;=]\s*|\s+)(\S.*)", name) for name in names]
     if not names or not all(found):
         return names
     indices = [int(match.group(1)) for match in found]
-    numbered = indices == list(range(len(names))) or indices == [1]
-    return [match.group(2) for match in found] if numbered else names
+    if indices == [1]:
+        return [found[0].group(2)]
+    if sorted(indices) != list(range(len(names))):
+        raise UserError(f"{path} numbers its lines {', '.join(map(str, indices))}: a line's number is its class "
+                        f"index (the mask value), each of 0 to {len(names) - 1} once: number them so, or give the "
+                        f"names alone, one per line, class 0 first")
+    return [match.group(2) for _, match in sorted(zip(indices, found))]
 
 
 def class_slug(name):
