@@ -316,6 +316,10 @@ def same_error_on_every_rank(exc):
 
 def run_command(command, args):
     """train, predict, benchmark or export: the exit code."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if command in COMMAND_KEYS and world > 1:  # each process ran it whole, into one folder; one failed, unsaid
+        raise UserError(f"{command} runs in one process, not under torchrun (its {world} processes would each "
+                        f"run it whole, into the same folder): python train_unet.py {command} key=value ...")
     if command == "train":
         try:  # the config check imports the model library: seconds in which a Ctrl-C has written nothing
             cfg = parse_overrides(args)

@@ -528,6 +528,22 @@ def test_under_torchrun_rank_0_alone_says_the_run_was_interrupted(rank, monkeypa
     assert capsys.readouterr().err.startswith("interrupted: ") == (rank == "0")
 
 
+@pytest.mark.parametrize("command", ["predict", "export", "benchmark"])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_command_other_than_train_under_torchrun_is_refused_once(command, rank, monkeypatch, capsys, tmp_path):
+    """torchrun ... predict ran the whole predict in every process, into one folder: one exited 2 with no
+    line at all (rank 0 alone says an error every rank met), torchrun a ChildFailedError."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setattr(train_unet, "predict", lambda opts: pytest.fail("predict ran"))
+    assert train_unet.main([command, f"output={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    said = (f"error: {command} runs in one process, not under torchrun (its 2 processes would each run it whole, "
+            f"into the same folder): python train_unet.py {command} key=value ...\n")
+    assert err == (said if rank == "0" else "")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_interrupted_in_epoch_1_says_where_the_earlier_run_it_moved_aside_is(monkeypatch, capsys, tmp_path):
     """A fresh run in a folder that held a finished run moves that run to previous/<time>/; stopped before
     its first epoch ended, the line used to say only that there was nothing to resume."""
