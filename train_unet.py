@@ -526,7 +526,7 @@ def set_up_training(cfg, explicit):
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
-    notes.append(unused_val_fraction(cfg, explicit))
+    notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit)]
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
@@ -631,9 +631,29 @@ def unused_val_fraction(cfg, explicit):
     train/ and val/ folders are the split; else None."""
     root = Path(cfg["data_dir"])
     given = "val_fraction" in explicit or cfg["val_fraction"] != CONFIG["val_fraction"]
-    if not (given and (root / "train").is_dir() and (root / "val").is_dir()):
+    if not (given and split_folders(root)):
         return None
     return f"val_fraction={cfg['val_fraction']:g} not used: {root} has train/ and val/ folders, which are the split"
+
+
+# The keys of patch mode alone (data_mode="patch": its patches and its sliding window); fit mode reads none.
+PATCH_ONLY_KEYS = ("patch_scale", "patch_foreground", "patches_per_image", "tile_overlap", "tile_batch_size")
+
+
+def unused_patch_keys(cfg, explicit):
+    """A note where patch-mode keys were given (on the command line, or changed in CONFIG) to a fit-mode run,
+    which reads none of them; else None."""
+    given = [k for k in PATCH_ONLY_KEYS if k in explicit or cfg[k] != CONFIG[k]]
+    if cfg["data_mode"] != "fit" or not given:
+        return None
+    return (f"{', '.join(f'{k}={cfg[k]}' for k in given)} not used: data_mode=fit resizes each image whole (they "
+            f"are data_mode=patch's)")
+
+
+def split_folders(data_dir):
+    """Whether data_dir has train/ and val/ folders, which are the split (val_fraction unused)."""
+    root = Path(data_dir)
+    return (root / "train").is_dir() and (root / "val").is_dir()
 
 
 def check_class_weights_weigh(cfg):
@@ -774,7 +794,9 @@ def changed_resume_keys(state, cfg):
         if (key in AUTO_KEYS and cfg[key] == "auto") or (key == "data_dir" and state.get("data_split")
                                                           and not no_data_elsewhere(saved.get(key), cfg[key])):
             continue
-        if key == "tile_overlap" and cfg["data_mode"] != "patch":  # fit mode's validation has no window
+        if key in PATCH_ONLY_KEYS and cfg["data_mode"] == saved.get("data_mode", "fit") == "fit":  # none read
+            continue
+        if key == "val_fraction" and split_folders(cfg["data_dir"]):  # train/ and val/ are the split, not it
             continue
         if saved.get(key, CONFIG[key]) != cfg[key]:
             changed.append(key)

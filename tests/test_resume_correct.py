@@ -364,3 +364,21 @@ def test_a_stable_run_resumed_without_its_preset_goes_on_in_fp32(make_cfg, capsy
     saved = json.loads((Path(cfg["checkpoint_dir"]) / "config.json").read_text())["config"]
     assert saved["use_amp"] is False
     assert "it ran with preset=stable, this run with none: give preset=stable" in capsys.readouterr().out
+
+
+def test_keys_the_run_did_not_read_are_noted_and_not_compared_on_resume(make_cfg, tmp_path, capsys):
+    """A fit-mode run given patch_scale=0.5 (no note that fit mode reads none of it), or data with train/ and
+    val/ folders given val_fraction=0.99 (noted unused), was refused on resume without them: 'cannot resume
+    exactly: ... was trained with val_fraction=0.99' for values that had changed nothing."""
+    split = tmp_path / "split"
+    for part, count in (("train", 8), ("val", 4)):
+        train_unet.generate_shapes_dataset(split / part, count=count, size=64, seed=len(part))
+    cfg = make_cfg(data_dir=str(split), val_fraction=0.9, patch_scale=0.5, patches_per_image=3, epochs=1)
+    train_unet.train(cfg)
+    out = capsys.readouterr().out
+    assert "val_fraction=0.9 not used" in out
+    assert "patch_scale=0.5, patches_per_image=3 not used: data_mode=fit resizes each image whole" in out
+    resumed = train_unet.train(make_cfg(data_dir=str(split), epochs=2, resume=True))
+    assert [row["epoch"] for row in resumed["history"]] == [1, 2]
+    with pytest.raises(train_unet.UserError, match="was trained with image_size=64"):  # what it read still counts
+        train_unet.train(make_cfg(data_dir=str(split), epochs=3, resume=True, image_size=96))
