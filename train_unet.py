@@ -354,7 +354,8 @@ def train_main(cfg, explicit=()):
         raise
     except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
         if isinstance(exc, RuntimeError) and DIST.enabled and peer_failed(exc):
-            time.sleep(PEER_FAILED_GRACE_S)  # the failed rank's own error first (not mid-line), and its exit
+            with contextlib.suppress(KeyboardInterrupt):  # torchrun's SIGTERM meanwhile: this line all the same
+                time.sleep(PEER_FAILED_GRACE_S)  # the failed rank's own error first (not mid-line), and its exit
             raise UserError(f"[rank {DIST.rank}] stopped: another process of this torchrun job ended (its error, "
                             f"where it printed one, and torchrun's report say which)") from None
         if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):

@@ -216,6 +216,24 @@ def test_a_ranks_own_failure_is_printed_with_its_rank(make_cfg, monkeypatch, cap
     assert err.startswith(f"error: {said}") and err.count("\n") == 1, err
 
 
+def test_a_peer_that_died_is_said_even_when_torchrun_stops_this_rank_meanwhile(make_cfg, monkeypatch, capsys):
+    """A worker killed (kill -9) in epoch 1: torchrun's SIGTERM reached rank 0 in its grace wait, and the run
+    ended 'stopped by SIGTERM ...: checkpoints written so far are intact; resume=True continues', with no
+    checkpoint to resume (user test)."""
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=2))
+    monkeypatch.setattr(train_unet, "setup_distributed", lambda device: None)
+    monkeypatch.setattr(train_unet, "cleanup_distributed", lambda: None)
+    peer = RuntimeError("[../gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:15790")
+    monkeypatch.setattr(train_unet, "train", lambda cfg, explicit=(): (_ for _ in ()).throw(peer))
+    monkeypatch.setattr(train_unet.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(train_unet, "parse_overrides", lambda args: make_cfg())
+    assert train_unet.main(["device=cpu"]) == 2
+    assert capsys.readouterr().err == "error: [rank 0] stopped: another process of this torchrun job ended (its error, " \
+                                      "where it printed one, and torchrun's report say which)\n"
+
+
 def test_a_stop_by_sigterm_is_not_called_an_interruption(monkeypatch):
     monkeypatch.setattr(train_unet, "STOP_SIGNAL", [])
     assert train_unet.stop_word() == "interrupted"
