@@ -1239,8 +1239,8 @@ def announce_run(cfg, hw, run, sizes, extra):
     left = samples - trained
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
           f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
-          + (f"; {left} random training image(s) left out each epoch (a full last batch only)"
-             if left and cfg["data_mode"] == "fit" else "")
+          + (f"; {left} random training image(s) left out each epoch (full batches only"
+             + (", an equal share per process)" if DIST.world > 1 else ")") if left and cfg["data_mode"] == "fit" else "")
           + short_accumulation(n_batches, cfg["accumulation_steps"]))
     if cfg["data_mode"] == "patch":
         print(patch_summary(cfg, trained, left))
@@ -3060,7 +3060,9 @@ def check_enough_samples(train, cfg):
         per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
         more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
         fix = f"lower batch_size or {more}"
-        if cfg["resume"]:  # a resume keeps batch_size and patches_per_image (changed_resume_keys)
+        if DIST.enabled and samples < DIST.world:  # not one each: batch_size=1 cannot go lower
+            fix = f"run on at most {samples} process(es), or {more}"
+        elif cfg["resume"]:  # a resume keeps batch_size and patches_per_image (changed_resume_keys)
             fewer = samples // cfg["batch_size"]
             fix = (f"resume on at most {fewer} process(es) (batch_size is the run's)" if DIST.enabled and fewer else
                    "the run trained on more: were files removed from data_dir? put them back, or start a new run")
@@ -5693,7 +5695,8 @@ def from_view(y, turns, mirrored):
 
 def patch_summary(cfg, patches, left=0):
     """The banner's patch-mode line; `left`: the patches drop_last leaves out each epoch, as fit mode's images."""
-    dropped = f" ({left} more left out at random each epoch: a full last batch only)" if left else ""
+    dropped = (f" ({left} more left out at random each epoch: full batches only"
+               + (", an equal share per process)" if DIST.world > 1 else ")")) if left else ""
     return (f"patch mode: {patches} patches of {cfg['image_size']}x{cfg['image_size']} per epoch{dropped} at scale "
             f"{cfg['patch_scale']:g} ({cfg['patch_foreground']:.0%} centred on foreground); validation on "
             f"whole images by sliding window (overlap {cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tiles "

@@ -175,6 +175,28 @@ def test_too_few_images_per_process_gives_a_fix_a_resume_accepts(make_cfg, monke
     assert str(info.value).endswith(f"fewer than batch_size=8: {fix}")
 
 
+def test_images_left_out_under_torchrun_are_said_to_even_the_shares(make_cfg, monkeypatch, capsys):
+    """3 images on 2 processes at batch_size=1: one left out to give each process as many, which the line
+    called 'a full last batch only' (user test)."""
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=1, world=2))  # not rank 0: writes no config.json
+    train_unet.announce_run(make_cfg(batch_size=1), train_unet.detect_hardware("cpu"), None, (3, 1, 1, 1, 3), {})
+    assert "1 random training image(s) left out each epoch (full batches only, an equal share per process)" in \
+        capsys.readouterr().out
+    assert train_unet.patch_summary(make_cfg(), 3, 1).startswith(
+        "patch mode: 3 patches of 64x64 per epoch (1 more left out at random each epoch: full batches only, an equal "
+        "share per process)")
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_fewer_images_than_processes_says_to_run_on_fewer(make_cfg, monkeypatch, resume):
+    """1 training image on 2 processes at batch_size=1 said 'lower batch_size or add images' (user test):
+    batch_size cannot go below 1."""
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=2))
+    with pytest.raises(train_unet.UserError, match=r"has 1 image\(s\) \(0 per process\), fewer than batch_size=1: "
+                                                   r"run on at most 1 process\(es\), or add images$"):
+        train_unet.check_enough_samples([("0.png", "0.png")], make_cfg(batch_size=1, resume=resume))
+
+
 def test_the_effective_batch_counts_the_accumulation_an_epoch_can_fill(make_cfg, monkeypatch, capsys):
     """batch_size=7, accumulation_steps=3, one batch an epoch, 2 processes: the banner said 7 x 3 x 2 while
     every optimizer step covered 7 x 1 x 2 images."""

@@ -445,8 +445,8 @@ def test_patches_a_partial_last_batch_leaves_out_are_said_as_fit_modes_images_ar
     capsys.readouterr()
     train_unet.train(cfg)
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("patch mode: "))
-    assert line.startswith("patch mode: 3 patches of 64x64 per epoch (1 more left out at random each epoch: a full "
-                           "last batch only) at scale 0.25"), line
+    assert line.startswith("patch mode: 3 patches of 64x64 per epoch (1 more left out at random each epoch: full "
+                           "batches only) at scale 0.25"), line
     capsys.readouterr()
     train_unet.train({**cfg, "batch_size": 2})
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("patch mode: "))
