@@ -527,7 +527,7 @@ def set_up_training(cfg, explicit):
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
-    notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit)]
+    notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state)]
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
@@ -1119,10 +1119,10 @@ def resumed_schedule(state, cfg, steps_per_epoch, notes):
     elif epochs > done and lr_factor(done, schedule) <= AT_LR_FLOOR * LR_FLOOR:  # no restart: it stays down there
         notes.append(f"{change}: the run had ended its schedule, so the learning rate stays at its floor, "
                      f"{lr * lr_factor(done, schedule):.2e} ({LR_FLOOR:.0%} of learning_rate), for the {epochs - done} "
-                     f"added epoch{'s' * (epochs - done != 1)} (no restart): they change the weights little, though BatchNorm's running "
-                     f"statistics, which follow no learning rate, are estimated again (on a short run that alone can "
-                     f"move val IoU); to train longer at a higher rate, start a new run with epochs={epochs} in "
-                     f"another checkpoint_dir")
+                     f"added epoch{'s' * (epochs - done != 1)} (no restart): they change the weights little, though "
+                     f"BatchNorm's running statistics, which follow no learning rate, are estimated again (on a "
+                     f"short run that alone can move val IoU); to train longer at a higher rate, start a new run "
+                     f"with epochs={epochs} in another checkpoint_dir")
     else:
         notes.append(f"{change}: the learning rate continues from {lr * lr_factor(done, schedule):.2e} (no "
                      f"restart), cosine down to {lr * LR_FLOOR:.2e} over the remaining {epochs - done} "
@@ -1180,7 +1180,7 @@ class Run:
                 "fallbacks": self.fallbacks, "lr_schedule": self.lr_schedule, "ema": self.ema.state(),
                 "data_split": self.data_split, "device_kind": self.device_kind, "world_size": DIST.world,
                 "class_names": self.class_names, "auto_keys": list(self.auto_keys),
-                "tensorboard_epochs": self.logger.held_epochs(self.epoch)}
+                "tensorboard_epochs": self.logger.held_epochs(self.epoch), "loss_rules": LOSS_RULES}
 
     def load(self, state):
         self.model.load_state_dict(state["model"])
@@ -1240,7 +1240,8 @@ def announce_run(cfg, hw, run, sizes, extra):
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
           f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
           + (f"; {left} random training image(s) left out each epoch (full batches only"
-             + (", an equal share per process)" if DIST.world > 1 else ")") if left and cfg["data_mode"] == "fit" else "")
+             + (", an equal share per process)" if DIST.world > 1 else ")")
+             if left and cfg["data_mode"] == "fit" else "")
           + short_accumulation(n_batches, cfg["accumulation_steps"]))
     if cfg["data_mode"] == "patch":
         print(patch_summary(cfg, trained, left))
@@ -1269,8 +1270,8 @@ def stop_early(run, epoch, cfg):
     patience = cfg["early_stopping_patience"]
     if patience is None or run.since_best < patience or epoch >= cfg["epochs"]:
         return False
-    print(f"early stopping: val IoU has not improved for {run.since_best} epoch{'s' * (run.since_best != 1)} (best {run.best_iou:.4f}; "
-          f"early_stopping_patience={patience})")
+    print(f"early stopping: val IoU has not improved for {run.since_best} epoch{'s' * (run.since_best != 1)} "
+          f"(best {run.best_iou:.4f}; early_stopping_patience={patience})")
     return True
 
 
@@ -3060,9 +3061,9 @@ def check_enough_samples(train, cfg):
         per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
         more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
         fix = f"lower batch_size or {more}"
-        if DIST.enabled and samples < DIST.world:  # not one each: batch_size=1 cannot go lower
+        if cfg["batch_size"] == 1 and DIST.enabled and samples:  # not one each: batch_size cannot go lower
             fix = f"run on at most {samples} process(es), or {more}"
-        elif cfg["resume"]:  # a resume keeps batch_size and patches_per_image (changed_resume_keys)
+        if cfg["resume"]:  # a resume keeps batch_size and patches_per_image (changed_resume_keys)
             fewer = samples // cfg["batch_size"]
             fix = (f"resume on at most {fewer} process(es) (batch_size is the run's)" if DIST.enabled and fewer else
                    "the run trained on more: were files removed from data_dir? put them back, or start a new run")
@@ -5841,6 +5842,19 @@ def loss_terms(text):
     return terms if terms and set(terms) <= set(LOSS_TERMS) and len(set(terms)) == len(terms) else None
 
 
+# The loss's rules as checkpoints record them: 2, multi-class focal's class_weights weigh each pixel (focal_term).
+LOSS_RULES = 2
+
+
+def changed_loss_rule(cfg, state):
+    """A note where a resumed run's loss follows another rule than the one it began with, else None."""
+    if state is None or state.get("loss_rules", 1) >= LOSS_RULES or cfg["class_weights"] is None \
+            or cfg["num_classes"] == 1 or "focal" not in loss_terms(cfg["loss"]):
+        return None
+    return ("loss", "last.pt's focal term averaged its per-class terms by class_weights; from here each pixel is "
+                    "weighted by its class, as in CE: the loss is on another scale from this epoch (val_loss jumps)")
+
+
 # Other names users give a term (loss=bce read only the list of terms, no 'did you mean ce?').
 LOSS_ALIASES = {"bce": "ce", "cross_entropy": "ce", "crossentropy": "ce", "xent": "ce", "softdice": "dice"}
 
@@ -6405,15 +6419,17 @@ def load_class_names(cfg):
 def without_indices(names, path="class_names.txt"):
     """Lines that start with their class index ('0 background', '1: road', as some label tools write them):
     the names alone, where every line starts with an index, each of 0..N-1 once (in any order: the names
-    by their index; a binary file's one line: 1); else the lines as they are. Numbers that are not the
-    class indices (1-based, a repeat) are refused: they had been kept in the names, and the names given
-    by line, so '0 background, 2 dog, 1 cat' labelled class 1's scores 'dog'."""
+    by their index; a binary file's one line: 1). Numbers beyond N-1 are no indices ('10 cm', 1-based
+    lines): the lines as they are, in line order. A repeat, or a gap, among 0..N-1 is refused: the lines
+    had been kept as names, given by line, so '0 background, 2 dog, 1 cat' labelled class 1's scores 'dog'."""
     found = [re.fullmatch(r"(\d+)(?:\s*[:,;=]\s*|\s+)(\S.*)", name) for name in names]
     if not names or not all(found):
         return names
     indices = [int(match.group(1)) for match in found]
     if indices == [1]:
         return [found[0].group(2)]
+    if any(index >= len(names) for index in indices):  # not class indices ('10 cm', or 1-based): names as written
+        return names
     if sorted(indices) != list(range(len(names))):
         raise UserError(f"{path} numbers its lines {', '.join(map(str, indices))}: a line's number is its class "
                         f"index (the mask value), each of 0 to {len(names) - 1} once: number them so, or give the "
@@ -6803,8 +6819,10 @@ def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
         return prec, cfg
     setting = "use_amp=False" if not was.get("use_amp", True) else f"amp_dtype={was['amp_dtype']}"
     preset = f", from preset={was['preset']}" if was.get("preset") else ""
-    # use_amp=True given decides again as auto (float16 named alone misled: a CPU then trains in bf16)
-    other = "use_amp=True (or an amp_dtype)" if saved == "fp32" else "use_amp=False or another amp_dtype"
+    # use_amp=True typed decides again as auto (float16 named alone misled: a CPU then trains in bf16); in a dict,
+    # True is CONFIG's value and so not given: an amp_dtype is
+    other = "use_amp=True on the command line, or an amp_dtype," if saved == "fp32" else \
+        "use_amp=False or another amp_dtype"
     return Precision.of(DTYPES[saved], f"kept from the checkpoint: last.pt trained in {saved} as set ({setting}"
                                        f"{preset}); give {other} to change it"), cfg
 
@@ -7318,7 +7336,8 @@ class RunLogger:
 
     def __init__(self, log_dir=None, cfg=None):
         self.writer, self.steps = None, []   # steps: (global step, lr, [device scalars])
-        self.epochs = []  # the epochs tensorboard/ holds: this run's, and on resume the earlier runs' (gap_note)
+        self.epochs = []  # the epochs tensorboard/ holds: this run's, and on resume the earlier runs' (gap_note);
+        # None: not known (a run resumed from a checkpoint from before the record)
         if log_dir is not None:
             self.writer = LogWriter(log_dir)
             self.writer.add_text("config", "```\n" + json.dumps(cfg, indent=2, default=str) + "\n```")
@@ -7370,7 +7389,8 @@ class RunLogger:
             return
         self.flush_steps()
         epoch = row["epoch"]
-        self.epochs.append(epoch)
+        if self.epochs is not None:
+            self.epochs.append(epoch)
         for key, value in row.items():
             if key == "epoch" or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
@@ -7395,20 +7415,26 @@ class RunLogger:
     def held_epochs(self, epoch):
         """For last.pt: the epochs tensorboard/ holds once the epoch being saved is logged (it is logged after
         the save: TensorBoard never holds an epoch that last.pt lacks)."""
+        if self.epochs is None:
+            return None
         return sorted(set(self.epochs) | ({epoch} if self.writer is not None and epoch else set()))
 
     def gap_note(self, state):
         """On resume: a note where tensorboard/ lacks epochs (a run or resume with logger=csv or none between):
         a run resumed with tensorboard on showed no gap, and my_run.ipynb counted the steps logged as the run's.
         Checkpoints from before the record say nothing."""
-        held = (state or {}).get("tensorboard_epochs")
-        if held is None:
+        if state is None:
+            return None  # a new run: tensorboard/ starts empty
+        held = state.get("tensorboard_epochs")
+        if held is None:  # a checkpoint from before the record: not known, so nothing said, on any later resume
+            self.epochs = None
             return None
         self.epochs = list(held)  # carried on with the logger off too: tensorboard/ still holds them
         missing = sorted(set(range(1, state["epoch"] + 1)) - set(held))
         if self.writer is not None and missing:
-            return ("logger", f"tensorboard/ has no events for epoch(s) {epoch_ranges(missing)} (trained with "
-                              f"logger=csv or none); history.csv has every epoch")
+            return ("logger", f"tensorboard/ has no events for epoch(s) {epoch_ranges(missing)} (trained without "
+                              f"TensorBoard: logger=csv or none, or tensorboard not installed); history.csv has every "
+                              f"epoch")
         if self.writer is None and held:
             return ("logger", f"off in this run: tensorboard/ keeps epoch(s) {epoch_ranges(held)} and gets none from "
                               f"here (history.csv has every epoch)")
@@ -7605,15 +7631,16 @@ def print_predict_summary(done, seconds, waits, failed, out_dir):
 def predict_keys_given(opts):
     """The keys given to predict: typed on the command line (parse_overrides); in a library call's dict, those
     whose value is away from PREDICT_CONFIG's (a dict copied from it gives none); not a dict: none (refused next)."""
-    typed = getattr(opts, "typed", None)
-    return typed or {k for k, v in opts.items() if v != PREDICT_CONFIG.get(k)} if isinstance(opts, dict) else set()
+    if not isinstance(opts, dict):
+        return set()
+    return getattr(opts, "typed", None) or {k for k, v in opts.items() if plain_value(v) != PREDICT_CONFIG.get(k)}
 
 
 def note_checkpoint_settings(cfg, opts, tiling, given=()):
     """Notes where predict's options meet the checkpoint's settings: tiling options that a fit-mode
     checkpoint ignores, a batch_size given (`given`: the keys given) that a patch-mode one ignores (the
-    window's tile_batch_size sets its forwards), and a checkpoint validated with test-time augmentation while predict runs other
-    views (its IoU was measured on the average of those views, not on the masks predict writes)."""
+    window's tile_batch_size sets its forwards), and a checkpoint validated with test-time augmentation while
+    predict runs other views (its IoU was measured on the average of those views, not on the masks predict writes)."""
     if tiling and cfg["data_mode"] == "fit":
         print(f"note: {', '.join(tiling)} ignored: {opts['checkpoint']} was trained with data_mode=fit "
               f"(each image resized to {cfg['image_size']} px, no sliding window)")

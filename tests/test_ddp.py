@@ -187,14 +187,20 @@ def test_images_left_out_under_torchrun_are_said_to_even_the_shares(make_cfg, mo
         "share per process)")
 
 
-@pytest.mark.parametrize("resume", [False, True])
-def test_fewer_images_than_processes_says_to_run_on_fewer(make_cfg, monkeypatch, resume):
-    """1 training image on 2 processes at batch_size=1 said 'lower batch_size or add images' (user test):
+@pytest.mark.parametrize("batch_size, resume, fix", [
+    (1, False, "run on at most 3 process(es), or add images"),
+    (2, False, "lower batch_size or add images"),  # 3 processes would hold 1 each: still fewer than 2
+    (1, True, "resume on at most 3 process(es) (batch_size is the run's)"),
+    (2, True, "resume on at most 1 process(es) (batch_size is the run's)"),
+])
+def test_fewer_images_than_processes_says_to_run_on_fewer(make_cfg, monkeypatch, batch_size, resume, fix):
+    """3 training images on 4 processes at batch_size=1 said 'lower batch_size or add images' (user test):
     batch_size cannot go below 1."""
-    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=2))
-    with pytest.raises(train_unet.UserError, match=r"has 1 image\(s\) \(0 per process\), fewer than batch_size=1: "
-                                                   r"run on at most 1 process\(es\), or add images$"):
-        train_unet.check_enough_samples([("0.png", "0.png")], make_cfg(batch_size=1, resume=resume))
+    monkeypatch.setattr(train_unet, "DIST", train_unet.Dist(rank=0, world=4))
+    pairs = [(f"{i}.png", f"{i}.png") for i in range(3)]
+    with pytest.raises(train_unet.UserError) as info:
+        train_unet.check_enough_samples(pairs, make_cfg(batch_size=batch_size, resume=resume))
+    assert str(info.value).endswith(f"(0 per process), fewer than batch_size={batch_size}: {fix}")
 
 
 def test_the_effective_batch_counts_the_accumulation_an_epoch_can_fill(make_cfg, monkeypatch, capsys):
@@ -252,8 +258,8 @@ def test_a_peer_that_died_is_said_even_when_torchrun_stops_this_rank_meanwhile(m
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(train_unet, "parse_overrides", lambda args: make_cfg())
     assert train_unet.main(["device=cpu"]) == 2
-    assert capsys.readouterr().err == "error: [rank 0] stopped: another process of this torchrun job ended (its error, " \
-                                      "where it printed one, and torchrun's report say which)\n"
+    assert capsys.readouterr().err == ("error: [rank 0] stopped: another process of this torchrun job ended (its "
+                                       "error, where it printed one, and torchrun's report say which)\n")
 
 
 def test_a_stop_by_sigterm_is_not_called_an_interruption(monkeypatch):

@@ -590,10 +590,15 @@ def test_the_numpy_deployment_example_gives_predicts_masks_without_torch(binary,
         assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
 
 
-def run_tool(sidecar, source, output):
+def run_tool(sidecar, source, output, disk_full_for=None):
+    """tools/onnx_predict.py in a process where torch cannot be imported; disk_full_for: a mask's name whose
+    write fails as on a full disk (ENOSPC)."""
     tool = str(ROOT / "tools" / "onnx_predict.py")
+    full = ("import errno, pathlib; write = pathlib.Path.write_bytes; pathlib.Path.write_bytes = lambda self, data: "
+            f"(_ for _ in ()).throw(OSError(errno.ENOSPC, 'No space left on device')) if self.name.startswith("
+            f"{'.' + str(disk_full_for) + '.tmp'!r}) else write(self, data); ") if disk_full_for else ""
     run = ("import runpy, sys; sys.modules.update(torch=None, train_unet=None, segmentation_models_pytorch=None); "
-           f"sys.argv = ['onnx_predict.py'] + sys.argv[1:]; runpy.run_path({tool!r}, run_name='__main__')")
+           f"{full}sys.argv = ['onnx_predict.py'] + sys.argv[1:]; runpy.run_path({tool!r}, run_name='__main__')")
     return subprocess.run([sys.executable, "-c", run, str(sidecar), str(source), str(output)], capture_output=True,
                           text=True, timeout=300)
 
@@ -631,7 +636,7 @@ def test_the_numpy_tool_never_writes_over_images_or_ground_truth_and_names_a_mas
     data = tmp_path / "set"
     shutil.copytree(binary["data"], data)
     before = {p: p.read_bytes() for folder in ("images", "masks") for p in (data / folder).iterdir()}
-    for output, said in ((data / "images", "holds the input images"), (data / "masks", "not written as a mask here")):
+    for output, said in ((data / "images", "holds the input images"), (data / "masks", "with no mark of this tool's")):
         done = run_tool(binary["sidecar"], data / "images", output)
         assert done.returncode != 0 and said in done.stderr and "Traceback" not in done.stderr
     assert {p: p.read_bytes() for folder in ("images", "masks") for p in (data / folder).iterdir()} == before
@@ -641,10 +646,10 @@ def test_the_numpy_tool_never_writes_over_images_or_ground_truth_and_names_a_mas
     assert masks and all(train_unet.written_by_predict(p) for p in masks)  # predict's mark: it moves them aside
     again = run_tool(binary["sidecar"], data / "images", tmp_path / "out")
     assert again.returncode == 0 and f"({len(masks)} earlier one(s) replaced)" in again.stdout
-    (tmp_path / "out" / f".{masks[0].name}.tmp").symlink_to("/dev/full")  # its write: no space left
-    full = run_tool(binary["sidecar"], data / "images", tmp_path / "out")
+    full = run_tool(binary["sidecar"], data / "images", tmp_path / "out", disk_full_for=masks[0].name)
     assert full.returncode == 1 and f"skipped {data / 'images' / masks[0].stem}" in full.stderr
     assert "No space left on device" in full.stderr and "1 image(s) skipped" in full.stdout
+    assert f"({len(masks) - 1} earlier one(s) replaced)" in full.stdout  # the one not written is not counted
     assert sorted((tmp_path / "out").iterdir()) == masks and cv2.imread(str(masks[0])) is not None
 
 
@@ -658,7 +663,8 @@ def test_an_export_into_a_data_sets_folder_is_refused(binary, tmp_path, part, na
     before = sorted(p.relative_to(data) for p in data.rglob("*"))
     onnx = name or "model.onnx"
     one_line_error(export, binary["ckpt"], data / part / name,
-                   match=rf"^output=.*set/{part} (is|is inside .*) a data set's {part[:6]} folder: {re.escape(onnx)} and "
+                   match=rf"^output=.*set/{part} (is|is inside .*) a data set's {part[:6]} folder: "
+                         rf"{re.escape(onnx)} and "
                          rf"{re.escape(Path(onnx).stem)}\.json would go among its files; choose another output "
                          rf"\(e\.g\. .*deploy/set\)$")
     assert sorted(p.relative_to(data) for p in data.rglob("*")) == before

@@ -432,3 +432,22 @@ def test_weighted_losses_score_host_logits_of_a_cuda_run(num_classes, weights, k
         assert loss.weights.device.type == "cuda"
         value = loss(torch.randn(2, num_classes, 8, 8), torch.randint(0, max(num_classes, 2), (2, 8, 8)))
         assert value.device.type == "cpu" and value.shape == ()
+
+
+def test_a_run_resumed_across_the_focal_weights_rule_says_its_loss_changes(make_cfg, make_data, capsys):
+    """A multi-class focal run with class_weights, begun when they averaged smp's per-class terms, resumed
+    as 'exact' while its loss changed scale (review)."""
+    data = make_data("multi", num_classes=3)
+    cfg = make_cfg(data_dir=str(data), num_classes=3, loss="focal+dice", class_weights=[1.0, 2.0, 3.0])
+    train_unet.train(cfg)
+    path = Path(cfg["checkpoint_dir"]) / "last.pt"
+    assert train_unet.load_checkpoint(path)["loss_rules"] == train_unet.LOSS_RULES
+    capsys.readouterr()
+    train_unet.train({**cfg, "epochs": 2, "resume": True})
+    assert "focal term averaged its per-class terms" not in capsys.readouterr().out
+    state = train_unet.load_checkpoint(path)
+    del state["loss_rules"]  # written before the rule
+    train_unet.save_checkpoint(path, state)
+    train_unet.train({**cfg, "epochs": 3, "resume": True})
+    assert "last.pt's focal term averaged its per-class terms by class_weights; from here each pixel is weighted" in \
+        capsys.readouterr().out

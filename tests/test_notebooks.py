@@ -82,7 +82,7 @@ def test_run_notebook_names_the_epochs_with_no_events(tiny_run, tmp_path):
     lines = (run / "history.csv").read_text().splitlines()
     (run / "history.csv").write_text("\n".join([*lines, "3" + lines[-1][lines[-1].index(","):]]) + "\n")
     _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
-    assert "optimizer steps logged; no events for epoch(s) 3 (trained with logger=csv or none: gaps above)" in text
+    assert "optimizer steps logged; no events for epoch(s) 3 (trained without TensorBoard: gaps above)" in text
 
 
 def test_run_notebook_plots_a_run_whose_history_csv_is_gone_from_last_pt(tiny_run, tmp_path):

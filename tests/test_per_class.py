@@ -99,6 +99,8 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     ("0\tbg\n1\tcell\n2\tdebris\n", ["bg", "cell", "debris"]),
     ("0 bg\n2 debris\n1 cell\n", ["bg", "cell", "debris"]),  # by the numbers: 'debris' had labelled class 1
     ("bg\n1 cell\n2 debris\n  \n", ["bg", "1 cell", "2 debris"]),  # not all numbered: names as written
+    ("10 cm\n20 cm\n30 cm\n", ["10 cm", "20 cm", "30 cm"]),  # numbers beyond the classes: no indices
+    ("1 bg\n2 cell\n3 debris\n", ["1 bg", "2 cell", "3 debris"]),  # 1-based: in line order, as written
 ])
 def test_lines_numbered_with_their_class_index_are_read_as_the_names(tmp_path, text, names):
     """'0 background' (as some label tools write their lists) became the name '0 background', its column
@@ -124,9 +126,8 @@ def test_a_class_named_mean_is_not_taken_for_the_mean_row():
     ("background\nbox\n", r"has 2 line\(s\) but num_classes=3 needs 3: one class name per line"),
     ("background\n\nbox\n", r"class_names.txt: line 2 is blank: one class name per line, class 0 first \(remove "
                              r"the line, or name the class, e.g. unused_1\)"),
-    ("1 background\n2 cat\n3 dog\n", r"class_names.txt numbers its lines 1, 2, 3: a line's number is its class index "
-                                    r"\(the mask value\), each of 0 to 2 once: number them so, or give the names alone"),
-    ("0 bg\n1 cat\n1 dog\n", r"numbers its lines 0, 1, 1: a line's number is its class index"),
+    ("0 bg\n1 cat\n1 dog\n", r"class_names.txt numbers its lines 0, 1, 1: a line's number is its class index "
+                            r"\(the mask value\), each of 0 to 2 once: number them so, or give the names alone"),
     ("a\nA b\na\n", "a name of its own once spaces and punctuation become _"),
     ("cell A\ncell_A\nbox\n", r"\('cell_A', 'cell_A', 'box'\)|'cell_A', 'cell_A', 'box'"),  # the same once sanitised
 ])

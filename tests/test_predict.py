@@ -274,13 +274,14 @@ def test_predict_batch_refuses_float_images_it_would_get_wrong(binary_model, hw,
     # trained with no intensity_range takes floats in [0, 1] alone, give or take FLOAT_INPUT_SLACK
     resized = cv2.resize(pixels.astype(np.float32), (44, 44))
     with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with values from .* to .*, where the model "
-                                                   r"takes them in \[0, 1\] \(it was trained with no intensity_range\): "
-                                                   r"scale them \(8-bit: / 255\), or pass the uint8 array"):
+                                                   r"takes them in \[0, 1\] \(it was trained with no "
+                                                   r"intensity_range\): scale them \(8-bit: / 255\), or pass"):
         train_unet.predict_batch(model, [resized], cfg, fp32, hw)
     with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with values from -0\.6 "):
         train_unet.predict_batch(model, [past - 0.6], cfg, fp32, hw)
     assert cfg["intensity_range"] is None  # given one, values past it are read_image's own: taken
-    assert train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 50]}, fp32, hw)[0].shape == (44, 44)
+    masks = train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 50]}, fp32, hw)
+    assert masks[0].shape == (44, 44)
 
 
 def test_predict_batch_takes_device_names_iterables_and_a_model_in_training_mode(binary_model, hw, fp32):

@@ -323,7 +323,7 @@ def test_a_resumed_run_keeps_the_precision_it_was_given(make_cfg, monkeypatch, w
     kept = expected == "fp32"
     assert out["use_amp"] is not kept
     assert any("kept from the checkpoint: last.pt trained in fp32 as set (use_amp=False, from preset=stable); "
-               "give use_amp=True (or an amp_dtype) to change it" in str(n) for n in notes) is kept
+               "give use_amp=True on the command line, or an amp_dtype, to change it" in str(n) for n in notes) is kept
 
 
 def test_a_preset_given_on_resume_sets_the_precision(make_cfg, monkeypatch):

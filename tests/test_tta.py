@@ -311,6 +311,8 @@ def test_a_batch_size_given_to_predict_a_patch_model_is_named_as_ignored(patch_m
     assert said in capsys.readouterr().out and max(batches) == 2  # the tiles per forward, not batch_size's 3
     counted_predict(monkeypatch, checkpoint=str(ckpt), input=str(tmp_path / "in"), output=str(tmp_path / "e"))
     assert "batch_size ignored" not in capsys.readouterr().out
+    assert train_unet.predict_keys_given({"intensity_range": np.array([0, 4095]), "batch_size": 8}) == {
+        "intensity_range"}  # an array compared as the list it becomes (it raised numpy's 'truth value ... ambiguous')
 
 
 def test_predict_batch_with_tta_is_the_averaged_model(fit_model, hw):

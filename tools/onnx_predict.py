@@ -107,15 +107,17 @@ def main(sidecar, source, output):
     session = ort.InferenceSession(str(Path(sidecar).with_name(meta["onnx"])), providers=["CPUExecutionProvider"])
     source, output = Path(source), Path(output)
     paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS)
-    replaced = check_output(paths, output)
+    earlier = check_output(paths, output)
     output.mkdir(parents=True, exist_ok=True)
-    failed = []
+    failed, replaced = [], 0
     for path in paths:
         try:
             write_mask(output / f"{path.stem}.png", predict(session, meta, path))
         except (ValueError, OSError) as exc:
             failed.append(path)
             print(f"skipped {path}: {exc}", file=sys.stderr)
+            continue
+        replaced += output / f"{path.stem}.png" in earlier
     print(f"{len(paths) - len(failed)} mask(s) -> {output}/" + (f" ({replaced} earlier one(s) replaced)" if replaced
           else "") + (f"; {len(failed)} image(s) skipped" if failed else ""))
     if failed:
@@ -126,7 +128,7 @@ def check_output(paths, output):
     """Refused before anything is written: an output folder that holds the images (masks would land among
     them, over an image of the same stem), two inputs of one stem (a.jpg and a.png would both write a.png),
     and a file of a mask's name this tool (or train_unet.py predict) did not write: a ground-truth mask.
-    Returns how many earlier masks of these images it will replace."""
+    Returns the earlier masks of these images, which it replaces."""
     if output.exists() and not output.is_dir():
         raise SystemExit(f"{output} is a file: give the folder the masks go to")
     if output.resolve() in {q for p in paths for q in (p.resolve().parent, p.absolute().parent.resolve())}:
@@ -140,10 +142,11 @@ def check_output(paths, output):
     there = [output / f"{stem}.png" for stem in stems if os.path.lexists(output / f"{stem}.png")]
     foreign = [path for path in there if not (path.is_file() and marked(path))]
     if foreign:
-        raise SystemExit(f"{output} holds {foreign[0].name}" + (f" and {len(foreign) - 1} more" if len(foreign) > 1
-                         else "") + ", not written as a mask here (a ground truth? an image?): choose another "
-                         "output folder, or move them away")
-    return len(there)
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise SystemExit(f"{output} holds {foreign[0].name}{more}, with no mark of this tool's or predict's masks (a "
+                         "ground truth? an image? a mask of an older version, unmarked?): choose another output "
+                         "folder, or move them away")
+    return set(there)
 
 
 # The PNG text chunk ("Software: unet-amp predict") train_unet.py predict puts right after the header of
@@ -166,7 +169,7 @@ def write_mask(path, mask):
     ok, data = cv2.imencode(".png", mask)
     if not ok:
         raise OSError(f"OpenCV cannot encode {path.name}")
-    data, tmp = data.tobytes(), path.with_name(f".{path.name}.tmp")
+    data, tmp = data.tobytes(), path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:  # whole or not at all: a full disk leaves no half mask
         tmp.write_bytes(data[:PNG_HEADER] + MARK + data[PNG_HEADER:])
         os.replace(tmp, path)
