@@ -2477,7 +2477,7 @@ def describe(hw):
 
 def decide_precision(hw, use_amp=True, amp_dtype="auto", force=False):
     """The one place that chooses bf16 / fp16 / fp32, and says why. `hw`: detect_hardware's, or a device name."""
-    hw = as_hardware(hw) if isinstance(hw, (str, torch.device)) else hw
+    hw = detect_hardware(str(hw)) if isinstance(hw, (str, torch.device)) else hw  # not as_hardware: stand-ins pass
     amp_dtype = check_precision_args(use_amp, amp_dtype, force)
     if not use_amp:
         return Precision.of(torch.float32, "use_amp=False: plain fp32")
@@ -8164,7 +8164,7 @@ def predict_batch(model, images, cfg, prec, hw):
     """Images from read_image (HxW or HxWx3; uint8, or float32 in [0, 1]; any sizes; a list, or any iterable)
     -> masks of class indices (uint8 arrays, 0/1 when binary) at the same sizes, the way the checkpoint's
     data_mode validated. The model runs in eval mode (put back as it was after): one left in training mode
-    (a notebook's fine-tuning) normalised each batch by its own statistics, 2-5% of pixels changed."""
+    (a notebook's fine-tuning) normalised each batch by its own statistics: 2-38% of pixels changed."""
     hw = as_hardware(hw)
     if not isinstance(prec, Precision):
         raise UserError(f"prec is {prec!r}: pass decide_precision(hw) (the capability check's choice), or "
