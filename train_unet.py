@@ -3478,7 +3478,57 @@ def opencv_decode(path, flags, kind):
     if data[:8] == PNG_SIGNATURE and utf8_name(name):
         del data  # checked: its bytes (as large as the image where it barely compresses) not held while it decodes
         return cv2.imread(name, flags)  # decoded as before (imdecode reads a grey APNG 1 level apart)
+    if data[:2] == b"\xff\xd8":
+        return jpeg_decode(data, flags, path, kind)
     return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
+
+
+# The warnings libjpeg gives for damaged data, which it decodes all the same into wrong pixels
+JPEG_DAMAGE = ("Corrupt JPEG data", "Premature end of JPEG file")
+STDERR_HELD = threading.Lock()  # fd 2 is the process's: one decode at a time watches it
+
+
+def jpeg_decode(data, flags, path, kind):
+    """cv2.imdecode of a JPEG, refused where libjpeg finds its data damaged (a flipped bit, a bad sector): it
+    decodes such a file into wrong pixels and prints one warning to stderr that names no file, and OpenCV
+    returns the image. The warning is caught from file descriptor 2 while the JPEG decodes; anything else
+    printed there meanwhile (another thread's output) is written back after. Under predict's reader threads
+    JPEG decodes take turns (the lock); the loader's workers are processes, each with its own."""
+    with STDERR_HELD:
+        array, said = stderr_of(lambda: cv2.imdecode(np.frombuffer(data, np.uint8), flags))
+    damage = [line.strip() for line in said if line.startswith(JPEG_DAMAGE)]
+    kept = "".join(line for line in said if not line.startswith(JPEG_DAMAGE))
+    if kept:
+        with contextlib.suppress(OSError):  # a stderr whose reader has gone
+            os.write(2, kept.encode())
+    if damage:
+        raise UserError(f"cannot read {kind} {path} (a damaged JPEG: libjpeg says '{damage[0]}', and fills what it "
+                        f"cannot read with made-up pixels): remove it, or replace it with an intact copy")
+    return array
+
+
+def stderr_of(fn):
+    """fn(), and the lines printed to file descriptor 2 while it ran (C libraries print there, not to
+    sys.stderr); no lines where fd 2 cannot be watched (closed, or no room for the temporary file)."""
+    try:
+        caught = tempfile.TemporaryFile()
+    except OSError:
+        return fn(), []
+    with caught:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()  # what Python printed before goes out before
+        try:
+            saved = os.dup(2)
+        except OSError:
+            return fn(), []
+        os.dup2(caught.fileno(), 2)
+        try:
+            result = fn()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        return result, caught.read().decode("utf-8", "replace").splitlines(keepends=True)
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -3579,6 +3629,7 @@ def read_tiff(path, mask=False):
             check_single_image(path, tif, series, planar, "mask" if mask else "image")
             if series.keyframe.photometric in OPENCV_PHOTOMETRICS and not mask:
                 return None
+            check_tiff_complete(path, tif, series.keyframe, "mask" if mask else "image")
             try:
                 image = series.asarray().reshape(shape)  # level 0
             except (ValueError, NotImplementedError, KeyError) as exc:
@@ -3595,6 +3646,16 @@ def read_tiff(path, mask=False):
     except (tifffile.TiffFileError, OSError, IndexError, ValueError, TypeError, struct.error):
         # not a TIFF tifffile understands (a truncated one: struct.error): OpenCV tries, then says it cannot read it
         return None
+
+
+def check_tiff_complete(path, tif, page, kind):
+    """A TIFF whose image data (strips or tiles) run past the end of the file is refused: a partial copy or
+    download. Cut within JPEG-compressed data, it decoded with the rest of the image made up, unsaid (other
+    codecs fail on it, an uncompressed one read zeros)."""
+    size = tif.filehandle.size
+    if any(offset + count > size for offset, count in zip(page.dataoffsets, page.databytecounts)):
+        raise UserError(f"cannot read {kind} {path} (a truncated TIFF: its image data run past the end of the "
+                        f"file, {size} bytes): fix or remove it")
 
 
 def as_shown(image):
@@ -4016,14 +4077,15 @@ def mask_hint(path, dtype, values, at_least=0):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 11  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 12  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
                          # LZW TIFFs by tifffile, as stored (imagecodecs); a TIFF's extra channel that is
                          # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour);
                          # 9: a TIFF mask's lossy codec (tiff_codec); 10: MinIsWhite images as shown (as_shown);
-                         # 11: wide images' span without their outer 1% each side (range_leaves_out)
+                         # 11: wide images' span without their outer 1% each side (range_leaves_out);
+                         # 12: damaged JPEGs (jpeg_decode) and truncated TIFFs (check_tiff_complete) refused
 
 
 def check_pairs(pairs, cfg):
@@ -4040,6 +4102,23 @@ def check_pairs(pairs, cfg):
     said_once_where_alike(check_pair_facts, pairs, facts, cfg)  # every process judges the same facts
 
 
+def size_mismatch(image_path, hw, mask_hw, pairs, facts):
+    """The error for an image and mask of different sizes, with how many other pairs differ (each run
+    named one: a folder of them took a run per pair)."""
+    turned = exif_turn(image_path, hw)
+    if turned:
+        fix = ""
+    elif tuple(mask_hw) == tuple(hw)[::-1]:  # resizing as said below would squash a turned mask onto the image
+        fix = (": its width and height are the image's swapped (a mask turned or transposed by a quarter?): turn "
+               "it to match the image, or pair it with its own image")
+    else:
+        fix = (f": resize the mask to {hw[1]}x{hw[0]} with nearest-neighbour interpolation (class values stay "
+               f"exact), or pair it with its own image")
+    more = sum(facts[os.path.abspath(i)]["hw"] != facts[os.path.abspath(m)]["hw"] for i, m in pairs) - 1
+    return (f"image {image_path} is {hw[1]}x{hw[0]}{turned} but its mask is {mask_hw[1]}x{mask_hw[0]}: they must "
+            f"have the same size{fix}" + (f" ({more} other pair(s) differ in size too)" if more else ""))
+
+
 def check_pair_facts(pairs, facts, cfg):
     """check_pairs' verdict on the data check's facts: a UserError for a bad mask or pair, else its notes."""
     values = [set(facts[os.path.abspath(m)]["values"]) for _, m in pairs]
@@ -4052,11 +4131,7 @@ def check_pair_facts(pairs, facts, cfg):
             check_not_jpeg(mask_path, found)
         check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys, at_least)
         if image["hw"] != mask["hw"]:
-            turned = exif_turn(image_path, image["hw"])
-            fix = "" if turned else (f": resize the mask to {image['hw'][1]}x{image['hw'][0]} with nearest-neighbour "
-                                     f"interpolation (class values stay exact), or pair it with its own image")
-            raise UserError(f"image {image_path} is {image['hw'][1]}x{image['hw'][0]}{turned} but its mask is "
-                            f"{mask['hw'][1]}x{mask['hw'][0]}: they must have the same size{fix}")
+            raise UserError(size_mismatch(image_path, image["hw"], mask["hw"], pairs, facts))
     if all(v <= {0} for v in values):
         raise UserError(f"every mask is all 0: there is no foreground to learn, and IoU would be 1.0 for a model "
                         f"that predicts none, less for any that does (it cannot rank models); check that the masks "
@@ -8571,7 +8646,8 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
     check_writable(out_dir)
     hold_output(out_dir)
     check_no_unpaired_masks(paths, out_dir, overlay)
-    names = [name for p in paths for name in prediction_names(p)]
+    # one name once: a.png's overlay is also the mask of an input named a_overlay.png (moved twice, it failed)
+    names = list(dict.fromkeys(name for p in paths for name in prediction_names(p)))
     there = [name for name in names if (out_dir / name).exists() or (out_dir / name).is_symlink()]
     foreign = [name for name in there if not ((out_dir / name).is_file() and written_by_predict(out_dir / name))]
     if foreign:
@@ -8585,8 +8661,8 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
 
 @contextlib.contextmanager
 def earlier_masks_back_if_none_written(moved, out_dir, writer):
-    """A predict that fails or is stopped before its first mask is written (a full disk, Ctrl-C, a model
-    that cannot take the images) puts the earlier masks it moved to `moved` (previous/<time>/) back: the
+    """A predict that fails, is stopped or ends before its first mask is written (a full disk, Ctrl-C, a model
+    that cannot take the images, every image unreadable) puts the earlier masks it moved to `moved` (previous/<time>/) back: the
     folder is as it was found. Each retry on a full disk had moved them one folder further and written
     nothing, until the output folder held only previous/. Once a mask is written, the moved ones stay there
     (a mask never stands beside an older run's masks of the same images)."""
@@ -8596,6 +8672,8 @@ def earlier_masks_back_if_none_written(moved, out_dir, writer):
         if moved is not None and writer.written == 0:
             put_back_predictions(moved, out_dir)
         raise
+    if moved is not None and writer.written == 0:  # every image failed (each named): none replaced them
+        put_back_predictions(moved, out_dir)
 
 
 def put_back_predictions(moved, out_dir):

@@ -493,6 +493,20 @@ def test_a_mask_of_another_size_gets_the_fix(make_data, make_cfg):
                             "image"), message
 
 
+def test_a_transposed_mask_is_not_told_to_be_resized_and_other_mismatches_are_counted(make_data, make_cfg):
+    """A mask of 64x48 beside its 48x64 image was told to be resized to 48x64, which squashes it onto the
+    image; and each run named one mismatched pair, so a folder of them took a run per pair."""
+    root = make_data("turned", count=6, size=64)
+    images, masks = sorted((root / "images").iterdir()), sorted((root / "masks").iterdir())
+    for image, mask in zip(images[:3], masks[:3]):
+        cv2.imwrite(str(image), cv2.imread(str(image))[:48])
+        cv2.imwrite(str(mask), cv2.imread(str(mask), cv2.IMREAD_GRAYSCALE)[:48].T.copy())
+    message = data_error(make_cfg(data_dir=str(root)))
+    assert message.endswith("is 64x48 but its mask is 48x64: they must have the same size: its width and height "
+                            "are the image's swapped (a mask turned or transposed by a quarter?): turn it to match "
+                            "the image, or pair it with its own image (2 other pair(s) differ in size too)"), message
+
+
 @pytest.mark.parametrize("tag", [3, 6])
 def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp_path, capsys, tag):
     """Square JPEGs with Orientation 6 (a quarter turn) and any with 3 (a half turn) read turned, as viewers

@@ -604,7 +604,11 @@ def rgb_image(h=40, w=48):
 def test_a_truncated_compressed_tiff_is_one_line_not_a_traceback(tmp_path):
     path = tmp_path / "z.tif"
     tifffile.imwrite(path, rgb_image(), photometric="rgb", compression="zlib")
-    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])  # zlib.error inside tifffile
+    with tifffile.TiffFile(path) as tif:
+        start = tif.pages[0].dataoffsets[0] + tif.pages[0].databytecounts[0] // 2
+    data = bytearray(path.read_bytes())
+    data[start:start + 64] = bytes(64)  # zlib.error inside tifffile
+    path.write_bytes(bytes(data))
     one_line_error(train_unet.read_image, path, 3, match=r"cannot read image .*z.tif \(corrupt TIFF data: .*\): fix "
                                                          r"or remove it")
 
@@ -660,6 +664,42 @@ def test_a_truncated_jpeg_is_refused_and_a_whole_one_with_a_trailer_is_read(tmp_
     exif[0x0112] = 6  # shown turned a quarter clockwise
     Image.fromarray(image).save(turned, exif=exif, quality=95)
     assert train_unet.read_image(turned, 3).shape == (48, 40, 3)
+
+
+def test_a_damaged_jpeg_is_refused_and_named_and_other_stderr_output_is_kept(tmp_path, capfd):
+    """A JPEG damaged in its middle (its end marker intact) decoded into wrong pixels with one libjpeg line on
+    stderr that named no file: predict wrote its mask, training trained on it. Also cut and closed with an end
+    marker. What else reaches fd 2 during the decode is written back."""
+    image = rgb_image()
+    data = cv2.imencode(".jpg", image[..., ::-1])[1].tobytes()
+    damaged = bytearray(data)
+    for i in range(len(data) // 3, len(data) // 3 + 100):
+        damaged[i] ^= 0x33
+    closed = data[:len(data) * 3 // 4] + b"\xff\xd9"
+    for name, bad in [("damaged.jpg", bytes(damaged)), ("closed.jpg", closed)]:
+        one_line_error(train_unet.read_image, write(tmp_path / name, bad), 3,
+                       match=rf"^cannot read image .*{name} \(a damaged JPEG: libjpeg says 'Corrupt JPEG data: "
+                             rf".*', and fills what it cannot read with made-up pixels\): remove it, or replace it")
+    assert "Corrupt JPEG" not in capfd.readouterr().err  # said once, in the error
+
+    def printing():
+        os.write(2, b"another line\n")
+        return "decoded"
+    assert train_unet.stderr_of(printing) == ("decoded", ["another line\n"])
+    whole = write(tmp_path / "whole.jpg", data)
+    assert np.abs(train_unet.read_image(whole, 3).astype(int) - image).mean() < 8
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("compression", ["jpeg", None])
+def test_a_tiff_cut_short_is_refused_whatever_its_codec(tmp_path, compression):
+    """Cut within its JPEG-compressed strip, a TIFF decoded with the rest made up (max difference 119), and
+    an uncompressed one was read by OpenCV with a warning of its own; its strips run past the file's end."""
+    path = tmp_path / "cut.tif"
+    tifffile.imwrite(path, rgb_image(), photometric="rgb", compression=compression)
+    path.write_bytes(path.read_bytes()[:int(path.stat().st_size * 0.9)])
+    one_line_error(train_unet.read_image, path, 3, match=r"^cannot read image .*cut.tif \(a truncated TIFF: its "
+                                                         r"image data run past the end of the file, \d+ bytes\)")
 
 
 def write(path, data):

@@ -515,6 +515,35 @@ def test_a_predict_that_writes_nothing_leaves_the_earlier_masks_in_place(checkpo
         assert files_in(out) == before and not (out / "previous").exists()
 
 
+def test_a_predict_whose_every_image_fails_leaves_the_earlier_masks_in_place(checkpoint, data_dir, tmp_path, capsys):
+    """Every input unreadable now (emptied files): each image was named as failed, yet the earlier masks had
+    moved to previous/<time>/ and the output folder was left empty."""
+    out = tmp_path / "pred"
+    run_predict(checkpoint, data_dir, out)
+    before = files_in(out)
+    for image in (data_dir / "images").iterdir():
+        image.write_bytes(b"")
+    result = run_predict(checkpoint, data_dir, out)
+    assert result["predicted"] == 0 and len(result["failed"]) == 12
+    assert "no mask was written: the earlier masks are back in" in capsys.readouterr().out
+    assert files_in(out) == before and not (out / "previous").exists()
+
+
+def test_an_overlay_of_one_image_and_the_mask_of_another_move_aside_once(checkpoint, data_dir, tmp_path):
+    """x.png's overlay from an earlier run is also the name of the mask of a new input named x_overlay.png:
+    moved aside twice, the second move failed with 'fix its permissions'."""
+    inp, out = tmp_path / "in", tmp_path / "pred"
+    inp.mkdir()
+    first = sorted((data_dir / "images").iterdir())[0]
+    shutil.copy(first, inp / "x.png")
+    run_predict(checkpoint, tmp_path, out, input=str(inp), overlay=True)
+    earlier = files_in(out)
+    shutil.copy(first, inp / "x_overlay.png")
+    assert run_predict(checkpoint, tmp_path, out, input=str(inp))["predicted"] == 2
+    (kept,) = (out / "previous").iterdir()
+    assert files_in(kept) == earlier and sorted(p.name for p in out.glob("*.png")) == ["x.png", "x_overlay.png"]
+
+
 def test_a_predict_that_wrote_masks_keeps_the_earlier_ones_moved(checkpoint, data_dir, tmp_path, monkeypatch, capsys):
     """Once a mask is written, the earlier masks stay in previous/ (none stands beside a new run's)."""
     out = tmp_path / "pred"
