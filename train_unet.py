@@ -8247,8 +8247,23 @@ def predict_batch(model, images, cfg, prec, hw):
     check_model_config(model, cfg)
     images = images if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) else list(images)  # a generator
     check_model_images(images, cfg)
+    note_dark_floats(images, cfg)
+    per = PREDICT_CONFIG["batch_size"]  # predict's batches: a whole test set in one forward took ~2 MB per 64² image
     with eval_mode(model):
-        return [mask.cpu().numpy() for mask in predict_masks(model, images, cfg, prec, hw)] if len(images) else []
+        return [mask.cpu().numpy() for start in range(0, len(images), per)
+                for mask in predict_masks(model, images[start:start + per], cfg, prec, hw)]
+
+
+def note_dark_floats(images, cfg):
+    """A note where the checkpoint has an intensity_range and float images reach under 1/16 of 0-1: read_image
+    without the range scales a 16-bit file from 0-65535, so 12-bit data come out 16 times too dark, and the
+    masks all background, silently (predict's own reading uses the range)."""
+    dark = [i for i, image in enumerate(images) if image.dtype == np.float32 and 0 <= image.min()
+            and image.max() < 1 / 16]
+    if cfg.get("intensity_range") is not None and dark:
+        print(f"note: {len(dark)} float image(s) (e.g. image {dark[0]}) reach under 1/16 of the 0-1 the model "
+              f"takes: read by read_image without cfg['intensity_range']? A 16-bit file is then scaled from 0-65535: "
+              f"read it with read_image(path, {cfg['in_channels']}, cfg['intensity_range'])", flush=True)
 
 
 @contextlib.contextmanager
@@ -8319,7 +8334,8 @@ def check_scaled_floats(image, i, want, intensity_range=None):
     """A float32 image as read_image scales it: finite (one NaN pixel made the whole mask background), and not
     8- or 16-bit values cast to float unscaled (cv2.imread(...).astype(np.float32): half the pixels wrong).
     Scaled values may leave [0, 1] a little (an intensity_range narrower than an image): with an intensity_range,
-    only whole numbers above 1 are taken as unscaled; without one (read_image's floats are then in [0, 1]),
+    whole numbers above 1, or most pixels more than FLOAT_INPUT_SLACK outside, are taken as unscaled (raw 12-bit
+    data resized as float: 90% of the mask foreground); without one (read_image's floats are then in [0, 1]),
     any value more than FLOAT_INPUT_SLACK outside is (unscaled pixels resized: 20% of the mask wrong)."""
     if image.dtype != np.float32:
         return
@@ -8333,6 +8349,11 @@ def check_scaled_floats(image, i, want, intensity_range=None):
     if intensity_range is None and (top > 1 + FLOAT_INPUT_SLACK or low < -FLOAT_INPUT_SLACK):
         raise UserError(f"image {i} is float32 with values from {low:.4g} to {top:.4g}, where the model takes them in "
                         f"[0, 1] (it was trained with no intensity_range): scale them (8-bit: / 255), or {fix}")
+    beyond = np.count_nonzero((image < -FLOAT_INPUT_SLACK) | (image > 1 + FLOAT_INPUT_SLACK)) / image.size
+    if intensity_range is not None and beyond > 0.5:  # a range maps an image like the training ones mostly into 0-1
+        raise UserError(f"image {i} is float32 with {beyond:.0%} of its pixels beyond 0-1 by over {FLOAT_INPUT_SLACK:g} "
+                        f"(values from {low:.4g} to {top:.4g}), where intensity_range={intensity_range[0]:g},"
+                        f"{intensity_range[1]:g} maps the training images to 0-1: unscaled pixels? {fix}")
 
 
 @torch.inference_mode()

@@ -279,9 +279,40 @@ def test_predict_batch_refuses_float_images_it_would_get_wrong(binary_model, hw,
         train_unet.predict_batch(model, [resized], cfg, fp32, hw)
     with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with values from -0\.6 "):
         train_unet.predict_batch(model, [past - 0.6], cfg, fp32, hw)
-    assert cfg["intensity_range"] is None  # given one, values past it are read_image's own: taken
-    masks = train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 50]}, fp32, hw)
+    assert cfg["intensity_range"] is None  # given one, values a little past it are read_image's own: taken
+    masks = train_unet.predict_batch(model, [resized / 200], {**cfg, "intensity_range": [0, 200]}, fp32, hw)
     assert masks[0].shape == (44, 44)
+    # but not most pixels far past it: raw 12-bit data resized as float (205-3360, range 200,3399) gave 90% of
+    # the mask foreground, unsaid (user test)
+    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with 100% of its pixels beyond 0-1 by over "
+                                                   r"0\.5 \(values from .* to .*\), where intensity_range=0,50 maps "
+                                                   r"the training images to 0-1: unscaled pixels\? pass the uint8"):
+        train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 50]}, fp32, hw)
+
+
+def test_predict_batch_notes_images_read_without_the_range_and_predicts_in_predicts_batches(
+        binary_model, hw, fp32, capsys, monkeypatch):
+    """read_image(path, 3) without the checkpoint's range scales 12-bit data in a 16-bit file from 0-65535:
+    the masks were all background, unsaid (predict itself uses the range). And a list of 512 images ran as
+    one forward (1.8 GB at 64 px): it now runs in predict's batches, with the same masks."""
+    ckpt, data = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    ranged = {**cfg, "intensity_range": [200, 3399]}
+    dark = np.full((40, 40, 3), 3399 / 65535, np.float32)
+    train_unet.predict_batch(model, [np.zeros((8, 8, 3), np.uint8), dark], ranged, fp32, hw)
+    assert capsys.readouterr().out == ("note: 1 float image(s) (e.g. image 1) reach under 1/16 of the 0-1 the model "
+                                       "takes: read by read_image without cfg['intensity_range']? A 16-bit file is "
+                                       "then scaled from 0-65535: read it with read_image(path, 3, "
+                                       "cfg['intensity_range'])\n")
+    train_unet.predict_batch(model, [dark], cfg, fp32, hw)  # no range: no such note
+    assert capsys.readouterr().out == ""
+    images = [train_unet.read_image(p, 3) for p in sorted((data / "images").glob("*.png"))] * 2
+    sizes, real = [], train_unet.predict_masks
+    whole = [m.cpu().numpy() for m in real(model, images, cfg, fp32, hw)]
+    monkeypatch.setattr(train_unet, "predict_masks", lambda m, batch, *a: sizes.append(len(batch)) or real(m, batch, *a))
+    masks = train_unet.predict_batch(model, images, cfg, fp32, hw)
+    assert len(images) > 8 and sizes == [8] * (len(images) // 8) + ([len(images) % 8] if len(images) % 8 else [])
+    assert all(np.array_equal(a, b) for a, b in zip(masks, whole)) and len(masks) == len(images)
 
 
 def test_predict_batch_takes_device_names_iterables_and_a_model_in_training_mode(binary_model, hw, fp32):
