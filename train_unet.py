@@ -4321,15 +4321,36 @@ def checked_facts(paths, cfg, write, share=False):
             return {"hw": list(mask.shape[:2]), "values": values.tolist(), "counts": counts.tolist(),
                     "dtype": str(mask.dtype), **({"codec": codec} if codec else {})}
         return image_facts(path, cfg["in_channels"])
+
+    def check_or_fail(path):
+        try:
+            return check(path)
+        except UserError as exc:
+            return exc
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
-        for path, found in zip(todo, pool.map(check, todo)):
-            facts[path] = {"stamp": stamps[path], **found}
+        for path, found in zip(todo, pool.map(check_or_fail, todo)):
+            facts[path] = found if isinstance(found, UserError) else {"stamp": stamps[path], **found}
+    failed = [(p, f) for p, f in facts.items() if isinstance(f, UserError)]
+    if failed:
+        if write:  # the files read so far are not read again by the run after the fix
+            save_check_cache(cache_paths, caches, {p: f for p, f in facts.items() if not isinstance(f, UserError)})
+        raise files_failed(failed)
     if share:
         facts = {p: entry for part in gather_setup(facts) for p, entry in part.items()}
     CHECKED_HERE.update(facts)
     if write:
         save_check_cache(cache_paths, caches, facts)
     return facts
+
+
+def files_failed(failed):
+    """The data check's error for the files it could not read: the first one's, with how many others (each
+    run named one: a folder with several damaged files took a run per file)."""
+    (_, first), others = failed[0], [Path(p).name for p, _ in failed[1:]]
+    if not others:
+        return first
+    return UserError(f"{user_message(first)}; {len(others)} other file(s) cannot be read either ("
+                     + ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") + ")")
 
 
 def start_up_facts(pairs, cfg):
@@ -8763,13 +8784,16 @@ def output_paths(paths, out_dir, overlay=False):
     clash = next((o for o in outputs if o.resolve() in inputs), None)
     if clash is not None:
         raise UserError(f"predicting would overwrite the input {clash}: choose another output=... folder")
-    names = {}
+    names, clashes = {}, []
     for p in paths:
         for name in prediction_names(p)[:2 if overlay else 1]:
             if name in names:
-                raise UserError(f"inputs {names[name].name} and {p.name} would both write {out_dir / name}: "
-                                f"rename one")
+                clashes.append((names[name], p, name))
             names[name] = p
+    if clashes:  # all counted: a folder of a.png beside a.jpg, b.png beside b.tif... took a run per pair
+        (a, b, name), more = clashes[0], [f"{x.name}/{y.name}" for x, y, _ in clashes[1:]]
+        raise UserError(f"inputs {a.name} and {b.name} would both write {out_dir / name}: rename one" + (
+            f" ({len(more)} more such pair(s): {', '.join(more[:3])}{', ...' if len(more) > 3 else ''})" if more else ""))
     return outputs
 
 

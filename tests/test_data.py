@@ -1,5 +1,7 @@
 """Data: folder layout, checks that name the bad file, mask conventions, SegDataset output."""
 import hashlib
+import json
+import os
 import zlib
 from pathlib import Path
 
@@ -505,6 +507,22 @@ def test_a_transposed_mask_is_not_told_to_be_resized_and_other_mismatches_are_co
     assert message.endswith("is 64x48 but its mask is 48x64: they must have the same size: its width and height "
                             "are the image's swapped (a mask turned or transposed by a quarter?): turn it to match "
                             "the image, or pair it with its own image (2 other pair(s) differ in size too)"), message
+
+
+def test_every_unreadable_file_is_counted_and_the_readable_ones_are_not_read_again(make_data, make_cfg):
+    """The data check stopped at the first bad file: an empty image named, a truncated one met only by the
+    next run, a run per file; and the files it had read were read again by each run (nothing was cached)."""
+    root = make_data("broken", count=8, size=32)
+    images = sorted((root / "images").iterdir())
+    images[2].write_bytes(b"")
+    images[5].write_bytes(images[5].read_bytes()[:40])
+    (root / "masks" / images[6].name).write_bytes(b"")
+    message = data_error(make_cfg(data_dir=str(root)))
+    assert message.startswith(f"cannot read image {images[2]} (") and message.endswith(
+        f"; 2 other file(s) cannot be read either ({images[5].name}, {images[6].name})"), message
+    cached = set(json.loads((root / train_unet.CHECK_CACHE_NAME).read_text())["files"])
+    every = {os.path.abspath(p) for folder in ("images", "masks") for p in (root / folder).iterdir()}
+    assert cached == every - {os.path.abspath(p) for p in (images[2], images[5], root / "masks" / images[6].name)}
 
 
 @pytest.mark.parametrize("tag", [3, 6])

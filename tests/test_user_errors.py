@@ -397,7 +397,13 @@ def test_predict_never_overwrites_inputs_and_validates_its_options(trained, tmp_
     (twin / "a.png").write_bytes(src.read_bytes())
     (twin / "a.jpg").write_bytes(cv2.imencode(".jpg", cv2.imread(str(src)))[1].tobytes())
     one_line_error(train_unet.predict, {**opts, "input": str(twin), "output": str(tmp_path / "o")},
-                   match=r"inputs a.jpg and a.png would both write .*a.png: rename one")
+                   match=r"inputs a.jpg and a.png would both write .*a.png: rename one$")
+    for stem in "bc":  # every clash counted: each run named one (user test)
+        shutil.copy(twin / "a.png", twin / f"{stem}.png")
+        shutil.copy(twin / "a.png", twin / f"{stem}.bmp")
+    one_line_error(train_unet.predict, {**opts, "input": str(twin), "output": str(tmp_path / "o")},
+                   match=r"inputs a.jpg and a.png would both write .*a.png: rename one \(2 more such pair\(s\): "
+                         r"b.bmp/b.png, c.bmp/c.png\)$")
     one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "o"), "batch_size": 0},
                    match="batch_size=0 must be")
     one_line_error(train_unet.predict, {**opts, "output": str(tmp_path / "o"), "amp_dtype": "fp8"},
