@@ -1713,6 +1713,12 @@ def quiet_readers():
         opencv_log.setLogLevel(opencv_log.LOG_LEVEL_FATAL)
 
 
+@functools.lru_cache(maxsize=None)
+def readers_quieted():
+    """quiet_readers, once per process."""
+    quiet_readers()
+
+
 def keep_freed_memory():
     """Have glibc keep freed memory in the process for the next forward instead of returning it to the
     kernel; the peak memory stays about the same. The script's commands call it once (main); True if set. A
@@ -3418,6 +3424,7 @@ def decode_image(path, channels=3):
     """Pixels at their stored depth, RGB order. TIFF goes through tifffile, the field's reader,
     which also tells multi-page stacks apart; OpenCV reads the rest, and the TIFFs read_tiff leaves to it
     (palette colours, CMYK), which OpenCV's TIFF decoder turns by their Orientation tag whatever the flags."""
+    readers_quieted()  # a library caller's (a notebook's) too: OpenCV's log lines came before its one-line error
     image = read_tiff(path) if is_tiff(path) else None
     if image is None:
         # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
@@ -3819,6 +3826,7 @@ def read_mask(path, num_classes):
 def decode_mask(path):
     """A mask's stored values. Palette files (VOC and labelme PNGs) give their indices, not colours;
     TIFFs follow read_tiff's rules (level 0, no stacks)."""
+    readers_quieted()
     mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
     if mask is None:
         mask = opencv_read(path, cv2.IMREAD_UNCHANGED, "mask")

@@ -702,6 +702,25 @@ def test_a_tiff_cut_short_is_refused_whatever_its_codec(tmp_path, compression):
                                                          r"image data run past the end of the file, \d+ bytes\)")
 
 
+def test_a_library_read_of_a_damaged_file_is_its_one_line_alone(tmp_path):
+    """In a notebook, read_image on a cut BMP or a TIFF of garbage raised its one-line error after OpenCV's
+    and tifffile's own log lines ('[ERROR:0@2.7] global loadsave.cpp ...'): only the script's main quieted
+    them. A fresh process, as a notebook's kernel is."""
+    import subprocess
+    import sys
+
+    bmp = cv2.imencode(".bmp", rgb_image())[1].tobytes()
+    write(tmp_path / "cut.bmp", bmp[:100])
+    write(tmp_path / "garbage.tif", b"II*\x00" + b"\xff" * 50)
+    code = ("import sys, train_unet\nfor name in sys.argv[1:]:\n    try:\n        train_unet.read_image(name, 3)\n"
+            "    except train_unet.UserError as exc:\n        print(exc)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cut.bmp"), str(tmp_path / "garbage.tif")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.splitlines() == [f"cannot read image {tmp_path / name} (corrupt or not an image): fix or "
+                                        f"remove it" for name in ("cut.bmp", "garbage.tif")]
+    assert done.stderr == ""
+
+
 def write(path, data):
     path.write_bytes(data)
     return path
