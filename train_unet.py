@@ -906,8 +906,9 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
         if found is None:
             wide_integers_unmapped([*train_pairs, *val_pairs], cfg)
         elif notes is not None:
-            notes.append(range_leaves_out(train_pairs, val_pairs, cfg, found) if cfg["intensity_range"] else
-                         range_set_by_few(train_pairs, cfg, found))
+            notes.append((range_unused(train_pairs, val_pairs, cfg) or range_leaves_out(train_pairs, val_pairs, cfg,
+                                                                                      found))
+                         if cfg["intensity_range"] else range_set_by_few(train_pairs, cfg, found))
         return found
     saved = state["config"].get("intensity_range")
     if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
@@ -4565,6 +4566,19 @@ def range_set_by_few(pairs, cfg, found):
     return (f"intensity_range={found} is set by {' and '.join(text for _, text in by)}; the other {others} "
             f"training image(s) lie within [{low}, {high}], under half of it, so they reach the model squashed: if "
             f"{low}-{high} is the data's range (a hot pixel, a saturated frame?), set intensity_range={low},{high}")
+
+
+def range_unused(train_pairs, val_pairs, cfg):
+    """A note where intensity_range is given but no image is an integer image wider than 8 bits, the only kind
+    it maps (predict says the same of its images): the run trained as without it, unsaid. Else None."""
+    pairs = [*train_pairs, *val_pairs]
+    facts = start_up_facts(pairs, cfg)
+    if any(facts[os.path.abspath(image)].get("range") is not None for image, _ in pairs):
+        return None
+    low, high = cfg["intensity_range"]
+    return (f"intensity_range={low:g},{high:g} is not used: every image is 8-bit or float, and the range maps "
+            f"integer images wider than 8 bits (8-bit images are divided by 255, float images mapped by their own "
+            f"min and max); the checkpoint keeps it for predict's wider images")
 
 
 def range_leaves_out(train_pairs, val_pairs, cfg, given):

@@ -192,6 +192,18 @@ def test_a_given_range_that_leaves_pixels_outside_gets_a_note_in_training(make_c
         assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) == given and notes == [None]
 
 
+def test_a_given_range_on_8_bit_images_is_noted_as_unused_in_training(make_cfg, depths):
+    """intensity_range=0,4095 on a set of 8-bit images trained as without it, unsaid, and was saved in the
+    checkpoint (predict already said 'was not used' of such images)."""
+    cfg = make_cfg(data_dir=str(depths[8]), intensity_range=[0, 4095])
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    notes = []
+    assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) == [0, 4095]
+    assert notes == ["intensity_range=0,4095 is not used: every image is 8-bit or float, and the range maps integer "
+                     "images wider than 8 bits (8-bit images are divided by 255, float images mapped by their own min "
+                     "and max); the checkpoint keeps it for predict's wider images"]
+
+
 @pytest.mark.parametrize("dtype", [np.uint16, np.int16, np.int8])
 def test_the_bulk_span_says_exactly_which_ranges_leave_over_1_percent_outside(dtype):
     """range_leaves_out's rule: a range whose low lies above bulk[0], or whose high lies below bulk[1], leaves
