@@ -3493,50 +3493,104 @@ def opencv_decode(path, flags, kind):
 
 # The warnings libjpeg gives for damaged data, which it decodes all the same into wrong pixels
 JPEG_DAMAGE = ("Corrupt JPEG data", "Premature end of JPEG file")
-STDERR_HELD = threading.Lock()  # fd 2 is the process's: one decode at a time watches it
 
 
 def jpeg_decode(data, flags, path, kind):
     """cv2.imdecode of a JPEG, refused where libjpeg finds its data damaged (a flipped bit, a bad sector): it
     decodes such a file into wrong pixels and prints one warning to stderr that names no file, and OpenCV
-    returns the image. The warning is caught from file descriptor 2 while the JPEG decodes; anything else
-    printed there meanwhile (another thread's output) is written back after. Under predict's reader threads
-    JPEG decodes take turns (the lock); the loader's workers are processes, each with its own."""
-    with STDERR_HELD:
-        array, said = stderr_of(lambda: cv2.imdecode(np.frombuffer(data, np.uint8), flags))
+    returns the image. The warning is caught from file descriptor 2 (WATCHED_DECODES); a JPEG decoded while
+    one was said is decoded again alone, to tell which it was."""
+    decode = lambda: cv2.imdecode(np.frombuffer(data, np.uint8), flags)  # noqa: E731
+    array, said = WATCHED_DECODES.decode(decode)
+    if any(line.startswith(JPEG_DAMAGE) for line in said):
+        array, said = WATCHED_DECODES.decode(decode, alone=True)
     damage = [line.strip() for line in said if line.startswith(JPEG_DAMAGE)]
-    kept = "".join(line for line in said if not line.startswith(JPEG_DAMAGE))
-    if kept:
-        with contextlib.suppress(OSError):  # a stderr whose reader has gone
-            os.write(2, kept.encode())
     if damage:
         raise UserError(f"cannot read {kind} {path} (a damaged JPEG: libjpeg says '{damage[0]}', and fills what it "
                         f"cannot read with made-up pixels): remove it, or replace it with an intact copy")
     return array
 
 
-def stderr_of(fn):
-    """fn(), and the lines printed to file descriptor 2 while it ran (C libraries print there, not to
-    sys.stderr); no lines where fd 2 cannot be watched (closed, or no room for the temporary file)."""
-    try:
-        caught = tempfile.TemporaryFile()
-    except OSError:
-        return fn(), []
-    with caught:
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            sys.stderr.flush()  # what Python printed before goes out before
-        try:
-            saved = os.dup(2)
-        except OSError:
-            return fn(), []
-        os.dup2(caught.fileno(), 2)
+class WatchedDecodes:
+    """Decodes in rounds while fd 2 (the process's stderr, where libjpeg prints) is caught in a temporary file:
+    the threads that decode at once (the data check's, predict's readers) share a round and each waits for
+    its end, when fd 2 is put back, what was caught is read, and what is not a JPEG warning is written back
+    (another thread's output meanwhile, a progress bar's). Decoding one at a time had cost the readers'
+    parallel decoding; the round's lines go to each of its decodes, and one that got a warning is decoded
+    again alone (alone=True) to tell whose it was. Where fd 2 cannot be caught (closed), decodes run unwatched."""
+
+    def __init__(self):
+        self.cond, self.active, self.alone, self.wanting, self.round = threading.Condition(), 0, False, 0, None
+
+    def decode(self, fn, alone=False):
+        """(fn(), the lines fd 2 got in its round)."""
+        with self.cond:
+            self.wanting += alone  # a decode waiting to be alone holds back new rounds
+            while self.alone or (self.active if alone else self.wanting):
+                self.cond.wait()
+            self.wanting -= alone
+            if self.active == 0:
+                self.round, self.alone = self.opened(), alone
+            self.active, mine = self.active + 1, self.round
         try:
             result = fn()
         finally:
-            os.dup2(saved, 2)
+            lines = self.closed_round(mine)
+        return result, lines
+
+    def closed_round(self, mine):
+        """The round's lines, once its last decode has ended (the last one closes it)."""
+        with self.cond:
+            self.active -= 1
+            if self.active == 0:
+                mine["lines"], self.round, self.alone = self.put_back(mine), None, False
+                self.cond.notify_all()
+            while "lines" not in mine:
+                self.cond.wait()
+        return mine["lines"]
+
+    @staticmethod
+    def opened():
+        """A round: fd 2 into a new temporary file, or no file where it cannot be caught."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            sys.stderr.flush()  # what Python printed before goes out before
+        try:
+            caught = tempfile.TemporaryFile()
+        except OSError:
+            return {"file": None}
+        try:
+            saved = os.dup(2)
+        except OSError:
+            caught.close()
+            return {"file": None}
+        try:
+            os.dup2(caught.fileno(), 2)
+        except OSError:
             os.close(saved)
-        caught.seek(0)
-        return result, caught.read().decode("utf-8", "replace").splitlines(keepends=True)
+            caught.close()
+            return {"file": None}
+        return {"file": caught, "saved": saved}
+
+    @staticmethod
+    def put_back(mine):
+        """fd 2 as it was; the lines caught, those not libjpeg's warnings written back to it."""
+        if mine["file"] is None:
+            return []
+        os.dup2(mine["saved"], 2)
+        os.close(mine["saved"])
+        with mine["file"] as caught:
+            caught.seek(0)
+            lines = caught.read().decode("utf-8", "replace").splitlines(keepends=True)
+        kept = "".join(line for line in lines if not line.startswith(JPEG_DAMAGE))
+        if kept:
+            with contextlib.suppress(OSError):  # a stderr whose reader has gone
+                os.write(2, kept.encode())
+        return lines
+
+
+WATCHED_DECODES = WatchedDecodes()
+if hasattr(os, "register_at_fork"):  # a loader worker forked mid-round would inherit its count and its lock
+    os.register_at_fork(after_in_child=WATCHED_DECODES.__init__)
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

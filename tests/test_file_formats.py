@@ -685,10 +685,40 @@ def test_a_damaged_jpeg_is_refused_and_named_and_other_stderr_output_is_kept(tmp
     def printing():
         os.write(2, b"another line\n")
         return "decoded"
-    assert train_unet.stderr_of(printing) == ("decoded", ["another line\n"])
+    assert train_unet.WATCHED_DECODES.decode(printing) == ("decoded", ["another line\n"])
+    assert capfd.readouterr().err == "another line\n"  # written back
     whole = write(tmp_path / "whole.jpg", data)
     assert np.abs(train_unet.read_image(whole, 3).astype(int) - image).mean() < 8
     assert capfd.readouterr().err == ""
+
+
+def test_jpegs_decode_at_once_and_only_the_damaged_one_is_refused(tmp_path):
+    """Watching fd 2 one decode at a time would have cost predict's readers and the data check their
+    parallel decoding: the threads decoding at once share a round (here two meet at a barrier inside it, which
+    one at a time could not pass), and the one JPEG libjpeg warned of, among eight decoded together, is found
+    by decoding again alone."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    barrier = threading.Barrier(2, timeout=20)
+    with ThreadPoolExecutor(2) as pool:
+        assert [f.result()[0] for f in [pool.submit(train_unet.WATCHED_DECODES.decode, barrier.wait)
+                                        for _ in range(2)]] in ([0, 1], [1, 0])
+    data = cv2.imencode(".jpg", rgb_image()[..., ::-1])[1].tobytes()
+    damaged = bytearray(data)
+    for i in range(len(data) // 3, len(data) // 3 + 100):
+        damaged[i] ^= 0x33
+    paths = [write(tmp_path / f"{i}.jpg", bytes(damaged) if i == 5 else data) for i in range(8)]
+
+    def read(path):
+        try:
+            return train_unet.read_image(path, 3).shape
+        except UserError as exc:
+            return str(exc)
+    for _ in range(3):
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(read, paths))
+        assert [r for r in results if r != (40, 48, 3)] == [results[5]] and "5.jpg (a damaged JPEG" in results[5]
 
 
 @pytest.mark.parametrize("compression", ["jpeg", None])
