@@ -538,7 +538,6 @@ def set_up_training(cfg, explicit):
     # 5. Model, optimizer, LR schedule, scaler: new, or resumed exactly; then the loss and the logger.
     steps_per_epoch = optimizer_steps_per_epoch(len(loaders[0]), cfg["accumulation_steps"])
     run = setup_run(cfg, hw, prec, (samples, steps_per_epoch), state, notes)
-    notes.append(check_checkpoint_room(run, cfg) if DIST.is_main else None)
     run.class_names, run.logger, run.data_split = class_names, RunLogger.create(cfg), data_split
     run.auto_keys = auto_keys
     notes.append(run.logger.gap_note(state))
@@ -1001,7 +1000,9 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
                      + other_modes(state, cfg, prec))
         notes.append(set_aside_other_runs_files(cfg["checkpoint_dir"], state) if DIST.is_main else None)
         notes.append(set_aside_edited_history(cfg["checkpoint_dir"], state) if DIST.is_main else None)
-    else:
+        notes.append(check_checkpoint_room(run, cfg, replaced=True) if DIST.is_main else None)
+    else:  # the room first: a run refused for it had moved the earlier run to previous/ first, unsaid
+        notes.append(check_checkpoint_room(run, cfg, replaced=False) if DIST.is_main else None)
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
         what = "an earlier run" if not moved or (Path(moved) / "history.csv").exists() else \
             "what an earlier run that finished no epoch wrote (config.json, its TensorBoard log)"
@@ -1207,13 +1208,15 @@ def checkpoint_sizes(run):
     return best, best + 2 * sum(p.nbytes for p in run.model.parameters() if p.requires_grad)
 
 
-def check_checkpoint_room(run, cfg):
-    """A disk too small for the run's checkpoints, found before it trains: its first epoch's best.pt and
-    last.pt that cannot fit are refused (the run trained a whole epoch, then stopped at the write); a note
-    where a later last.pt, written beside the one it replaces, would not. Files already there count."""
+def check_checkpoint_room(run, cfg, replaced):
+    """A disk too small for the run's checkpoints, found before it trains (and, for a new run, before the
+    earlier run's files move aside): its first epoch's best.pt and last.pt that cannot fit are refused (the run
+    trained a whole epoch, then stopped at the write); a note where a later last.pt, written beside the one it
+    replaces, would not. A resumed run's own files count as room (`replaced`); an earlier run's, which move to
+    previous/ on the same disk, do not."""
     folder = Path(cfg["checkpoint_dir"])
     best, last = checkpoint_sizes(run)
-    held = sum(p.stat().st_size for p in (folder / "best.pt", folder / "last.pt") if p.is_file())
+    held = sum(p.stat().st_size for p in (folder / "best.pt", folder / "last.pt") if p.is_file()) if replaced else 0
     free = shutil.disk_usage(folder).free + held
     sizes = f"best.pt about {size_text(best)}, last.pt about {size_text(last)}"
     if free < best + last:

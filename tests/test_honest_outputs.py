@@ -723,6 +723,22 @@ def test_a_disk_too_small_for_the_checkpoints_is_found_before_training(make_cfg,
     assert "free:" not in capsys.readouterr().out
 
 
+def test_a_new_run_refused_for_room_leaves_the_earlier_run_where_it_was(make_cfg, monkeypatch):
+    """A new run on a disk without room for its checkpoints was refused only after the earlier run had moved to
+    previous/<time>/, unsaid (resume=True then found no last.pt). And the earlier run's files, which move to
+    previous/ on the same disk, were counted as room."""
+    cfg = make_cfg(epochs=1)
+    train_unet.train(cfg)
+    folder = Path(cfg["checkpoint_dir"])
+    before = files_in(folder)
+    best, last = (folder / "best.pt").stat().st_size, (folder / "last.pt").stat().st_size
+    usage = train_unet.shutil.disk_usage
+    monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: usage(path)._replace(free=last + 2**20))
+    with pytest.raises(UserError, match=r"too little for the run's checkpoints"):
+        train_unet.train(cfg)
+    assert files_in(folder) == before and not (folder / "previous").exists() and best < last
+
+
 def test_a_full_disk_under_any_other_write_is_one_line(monkeypatch, capsys):
     def fails(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", "/runs/history.csv")
