@@ -248,6 +248,10 @@ def main(argv=None):
             print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a full disk under any write that has no message of its own (history, logs)
+        if exc.errno == errno.EISDIR and exc.filename2:  # a rename onto a folder made meanwhile
+            print(f"error: cannot write {exc.filename2}: a folder of that name is in the way: move or rename it",
+                  file=sys.stderr)
+            return 2
         if exc.errno not in (*FULL_DISK, errno.EMFILE):
             raise
         print(f"error: {system_limit_message(exc)}", file=sys.stderr)
@@ -675,6 +679,10 @@ def resume_state(cfg, ckpt_dir, typed=()):
                 f"resume it" if archived and not path.exists() else ""
         raise UserError(f"resume=True but {path} {'is not a file' if path.exists() else 'does not exist'}: "
                         f"start without resume, or set checkpoint_dir to the run you want to continue{moved}")
+    in_the_way = [name for name in ("best.pt", "history.csv", "config.json") if (ckpt_dir / name).is_dir()]
+    if in_the_way:  # found at the first epoch's end, as a traceback (best.pt's was a line)
+        raise UserError(f"{ckpt_dir / in_the_way[0]} is a folder, where the resumed run writes its file of that "
+                        f"name: move or rename it")
     state = load_checkpoint(path, fix=f"restore it from a copy to resume, or train without resume=True (a new run "
                                       f"moves it to {ckpt_dir / 'previous'}/)")
     check_resumable(state, path)

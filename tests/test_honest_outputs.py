@@ -5,6 +5,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -737,6 +738,30 @@ def test_a_new_run_refused_for_room_leaves_the_earlier_run_where_it_was(make_cfg
     with pytest.raises(UserError, match=r"too little for the run's checkpoints"):
         train_unet.train(cfg)
     assert files_in(folder) == before and not (folder / "previous").exists() and best < last
+
+
+@pytest.mark.parametrize("name", ["history.csv", "config.json", "best.pt"])
+def test_a_folder_in_the_way_of_a_resumed_runs_file_is_refused_before_training(make_cfg, name, monkeypatch, capsys):
+    """history.csv or config.json made a folder: the resume trained an epoch, then ended in a traceback
+    (IsADirectoryError from the rename). Refused at the start now, in one line; one made meanwhile is one too."""
+    cfg = make_cfg(epochs=1)
+    train_unet.train(cfg)
+    path = Path(cfg["checkpoint_dir"]) / name
+    path.unlink()
+    path.mkdir()
+    trained = []
+    monkeypatch.setattr(train_unet, "run_epoch", lambda *args, **kwargs: trained.append(1) or 1 / 0)
+    with pytest.raises(UserError, match=rf"^{re.escape(str(path))} is a folder, where the resumed run writes its "
+                                        rf"file of that name: move or rename it$"):
+        train_unet.train({**cfg, "resume": True, "epochs": 2})
+    assert not trained
+
+    def in_the_way(*args):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", "/runs/.history.csv.x.tmp", None, "/runs/history.csv")
+    monkeypatch.setattr(train_unet, "train_main", in_the_way)
+    assert train_unet.main(["epochs=1"]) == 2
+    assert capsys.readouterr().err.endswith("error: cannot write /runs/history.csv: a folder of that name is in the "
+                                            "way: move or rename it\n")
 
 
 def test_a_full_disk_under_any_other_write_is_one_line(monkeypatch, capsys):
