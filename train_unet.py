@@ -1885,8 +1885,9 @@ def parse_value(key, text, defaults):
 def resume_file_hint(key, value):
     """resume= names the run's last.pt or its folder: resume=True continues the run in checkpoint_dir."""
     text = str(value).strip() if isinstance(value, (str, os.PathLike)) else ""
-    if key != "resume" or not (text.endswith(".pt") or "/" in text or os.sep in text or Path(text).is_dir()):
-        return ""  # resume=maybe: no path
+    if key != "resume" or not text or not (text.endswith(".pt") or "/" in text or os.sep in text
+                                           or Path(text).is_dir()):
+        return ""  # resume=maybe: no path; resume= or None (Path("") is the current folder)
     path = Path(text)
     folder = path.parent if path.suffix == ".pt" else path
     return (f": to continue the run in {folder}, give checkpoint_dir={cli_value(folder)} resume=True"

@@ -1588,6 +1588,15 @@ def test_resume_given_a_run_says_how_to_continue_it(value, said):
     assert message.endswith(said if value != "maybe" else "must be true or false")
 
 
+def test_resume_empty_or_none_names_no_run_in_the_current_folder():
+    """resume= and CONFIG's "resume": None were told 'to continue the run in ., give checkpoint_dir=.': Path("")
+    is the current folder, where no run was."""
+    assert one_line_error(train_unet.parse_overrides, ["resume="], match="is not true or false").endswith(
+        "is not true or false (default False)")
+    assert one_line_error(train_unet.validate_config, {"resume": None}, match="must be").endswith(
+        "resume=None must be true or false")
+
+
 @pytest.mark.parametrize("call, args, said", [
     ("detect_hardware", ("gpu",), "device='gpu' is not supported: use auto, cpu, cuda, cuda:N or mps"),
     ("decide_precision", ("False",), "use_amp='False' must be true or false"),
