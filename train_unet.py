@@ -408,7 +408,7 @@ def interrupts_held():
     held = []
     # SIGCHLD too: a stop sent to the whole process group also ends the DataLoader's workers, and torch's
     # handler for it raises (stopped_with_its_workers) mid-write. An ignored signal stays ignored.
-    wanted = [signal.SIGINT, signal.SIGTERM, *([signal.SIGCHLD] if hasattr(signal, "SIGCHLD") else [])]
+    wanted = [signal.SIGINT, *STOP_SIGNALS, *([signal.SIGCHLD] if hasattr(signal, "SIGCHLD") else [])]
     previous = {sig: signal.getsignal(sig) for sig in wanted if signal.getsignal(sig) is not signal.SIG_IGN}
     for sig in previous:
         signal.signal(sig, lambda signum, frame: held.append(signum))
@@ -418,8 +418,9 @@ def interrupts_held():
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if any(sig != getattr(signal, "SIGCHLD", None) for sig in held):
-        if signal.SIGTERM in held:
-            STOP_SIGNAL.append("SIGTERM")  # named as sigterm_as_exit names one (stop_word)
+        stops = [sig for sig in held if sig in STOP_SIGNALS]
+        if stops:
+            STOP_SIGNAL.append(signal.Signals(stops[0]).name)  # named as sigterm_as_exit names one (stop_word)
         raise KeyboardInterrupt
     if held and callable(previous[signal.SIGCHLD]):  # a child ended meanwhile: its handler judges it now
         previous[signal.SIGCHLD](signal.SIGCHLD, None)
@@ -1608,36 +1609,47 @@ def first_line(exc, limit=160):
     return line if len(line) <= limit else line[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:(") + "..."
 
 
-STOP_SIGNAL = []  # "SIGTERM" once sigterm_as_exit's handler has run: the stop is then not a Ctrl-C
+STOP_SIGNAL = []  # "SIGTERM" or "SIGHUP" once sigterm_as_exit's handler has run: the stop is then not a Ctrl-C
+
+# Signals that stop a command as Ctrl-C does (sigterm_as_exit): SIGHUP where the system has it (a closed
+# terminal, a dropped ssh session), unless ignored (nohup), which keeps it ignored
+STOP_SIGNALS = (signal.SIGTERM, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []))
 
 
 def stop_word():
     """How a stop is named: a Ctrl-C interrupts; a SIGTERM is a stop from outside (a scheduler, `kill`), and
-    under torchrun most often torchrun stopping the others after one process ended (its report says which)."""
+    under torchrun most often torchrun stopping the others after one process ended (its report says which);
+    a SIGHUP, the terminal that closed."""
     if not STOP_SIGNAL:
         return "interrupted"
+    if STOP_SIGNAL[0] == "SIGHUP":
+        return "stopped by SIGHUP (its terminal closed: nohup, tmux or screen keep a run going)"
     return "stopped by SIGTERM" + (" (under torchrun: another process ended, or the job was stopped)"
                                    if "LOCAL_RANK" in os.environ else "")
 
 
 @contextlib.contextmanager
 def sigterm_as_exit():
-    """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends the run like
-    Ctrl-C: Python's exit handlers then remove the temporary image caches (DecodedImages), which a
-    plain SIGTERM would leave behind. Checkpoints are written atomically either way."""
+    """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) and SIGHUP (a closed
+    terminal: it ended the process at once, its epoch lost) end the run like Ctrl-C: Python's exit handlers
+    then remove the temporary image caches (DecodedImages), which a plain SIGTERM would leave behind.
+    Checkpoints are written atomically either way."""
     if threading.current_thread() is not threading.main_thread():  # signals reach only the main thread
         yield
         return
 
     def stop(signum, frame):
-        STOP_SIGNAL.append("SIGTERM")
+        STOP_SIGNAL.append(signal.Signals(signum).name)
         raise KeyboardInterrupt
     STOP_SIGNAL.clear()  # a notebook's earlier command's stop is not this one's
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in previous:
+        signal.signal(sig, stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 # glibc's malloc gives large freed blocks back to the kernel (its heap trim, and blocks above its moving
@@ -1698,7 +1710,9 @@ class OutputReaderGone:
             return None
         try:
             return call(*args)
-        except BrokenPipeError:
+        except OSError as exc:  # EIO: a terminal that closed (SIGHUP's stop then says its line nowhere)
+            if not isinstance(exc, BrokenPipeError) and exc.errno != errno.EIO:
+                raise
             self.gone = True
             with contextlib.suppress(OSError, ValueError):  # Python's flush at exit finds the null device
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())

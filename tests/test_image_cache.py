@@ -173,9 +173,11 @@ def test_user_message_takes_the_workers_message_out_of_its_traceback(text, want)
     assert train_unet.user_message(UserError(text)) == (text if want is None else want)
 
 
-def test_a_terminated_run_removes_its_caches(data_dir, tmp_path):
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGHUP"])
+def test_a_terminated_run_removes_its_caches(data_dir, tmp_path, sent):
     """SIGTERM (torchrun stopping the other ranks, a cluster pre-empting the job) ends a run like Ctrl-C,
-    so the exit handlers remove its temporary caches instead of leaving them on the disk."""
+    so the exit handlers remove its temporary caches instead of leaving them on the disk. SIGHUP (a closed
+    terminal, a dropped ssh session) ended the process at once: its epoch lost, its caches left, no word."""
     import signal
     import subprocess
     import sys
@@ -192,10 +194,12 @@ def test_a_terminated_run_removes_its_caches(data_dir, tmp_path):
     while not list(temp.glob("unet_amp_decoded_*/*.npy")) and time.monotonic() < deadline and run.poll() is None:
         time.sleep(0.2)
     assert list(temp.glob("unet_amp_decoded_*/*.npy")), "the run made no cache"
-    run.send_signal(signal.SIGTERM)
+    run.send_signal(getattr(signal, sent))
     _, err = run.communicate(timeout=60)
     resumable = (tmp_path / "ck" / "last.pt").is_file()
     assert run.returncode == 130, err
-    assert ("stopped by SIGTERM: checkpoints written so far are intact" if resumable else  # not a Ctrl-C
-            "stopped by SIGTERM: no epoch had finished, so there is no checkpoint to resume: train again") in err
+    said = "stopped by SIGTERM" if sent == "SIGTERM" else "stopped by SIGHUP (its terminal closed: nohup, tmux or " \
+                                                          "screen keep a run going)"
+    assert (f"{said}: checkpoints written so far are intact" if resumable else  # not a Ctrl-C
+            f"{said}: no epoch had finished, so there is no checkpoint to resume: train again") in err
     assert not list(temp.glob("unet_amp_decoded_*"))

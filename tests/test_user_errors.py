@@ -1,5 +1,6 @@
 """What a demanding user runs into: wrong types, unsafe outputs, inexact resumes, misleading hints."""
 import contextlib
+import errno
 import io
 import math
 import os
@@ -7,6 +8,7 @@ import re
 import subprocess
 import sys
 import shutil
+import time
 from pathlib import Path
 
 import cv2
@@ -1279,6 +1281,41 @@ def test_a_dead_worker_names_a_small_dev_shm(make_cfg, monkeypatch):
            "container with --shm-size=2g); to need less memory" in said
     monkeypatch.setattr(train_unet.shutil, "disk_usage", lambda path: usage._replace(free=2**33))
     assert "/dev/shm" not in str(train_unet.worker_death(exc, make_cfg()))
+
+
+def test_a_hangup_stops_like_a_sigterm_unless_ignored_and_a_closed_terminal_is_not_written_to(monkeypatch):
+    """SIGHUP (a closed terminal) ended a run at once, its epoch lost and its caches left. Now it stops as
+    SIGTERM does, held by interrupts_held like the others; ignored (nohup) it stays ignored; and a write to
+    the closed terminal (EIO) no longer raises."""
+    import signal
+
+    monkeypatch.setattr(train_unet, "STOP_SIGNAL", [])
+    before = signal.getsignal(signal.SIGHUP)
+    with pytest.raises(KeyboardInterrupt):
+        with train_unet.sigterm_as_exit():
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)
+    assert train_unet.stop_word().startswith("stopped by SIGHUP (its terminal closed")
+    assert signal.getsignal(signal.SIGHUP) == before
+    train_unet.STOP_SIGNAL.clear()
+    with pytest.raises(KeyboardInterrupt):
+        with train_unet.interrupts_held():
+            os.kill(os.getpid(), signal.SIGHUP)
+    assert train_unet.stop_word().startswith("stopped by SIGHUP")
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with train_unet.sigterm_as_exit():
+            os.kill(os.getpid(), signal.SIGHUP)  # nohup's: nothing happens
+            time.sleep(0.2)
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+    class ClosedTerminal(io.StringIO):
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+    out = train_unet.OutputReaderGone(ClosedTerminal(), "stderr")
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert out.write("stopped\n") == len("stopped\n") and out.gone
 
 
 def test_held_interrupts_are_raised_after_the_block_and_handlers_come_back(monkeypatch):
