@@ -1353,8 +1353,28 @@ def finish_epoch(run, row, cfg):
             save_checkpoint(ckpt_dir / "last.pt", state)
             write_history(ckpt_dir / "history.csv", run.history)
         print(epoch_summary(row, cfg, improved))
+        for note in filter(None, [diverged_note(run.history, cfg)]):
+            print(note)
         run.logger.log_epoch(row)  # in the hold too: TensorBoard has every epoch history.csv has
         run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
+
+
+# A val loss past this (times the largest class weight, which scales the loss) is a model blown up: the losses
+# here start near 1 (Dice at most 1, cross-entropy about ln(classes)). learning_rate=10 ran at 1e29 to 1e10, its
+# IoU the same every epoch, with no word, while 1e6 went non-finite and was stopped (refuse_nonfinite_validation).
+DIVERGED_VAL_LOSS = 1e4
+
+
+def diverged_note(history, cfg):
+    """The note for the first epoch whose val loss is finite but past DIVERGED_VAL_LOSS, else None."""
+    limit = DIVERGED_VAL_LOSS * max([1.0, *[float(w) for w in (cfg.get("class_weights") or [])
+                                           if isinstance(w, (int, float))]])
+    big = [row for row in history if math.isfinite(row["val_loss"]) and row["val_loss"] > limit]
+    if len(big) != 1 or big[0] is not history[-1]:
+        return None
+    return (f"note: val loss {big[0]['val_loss']:.3g} in epoch {big[0]['epoch']}: the model has diverged (the loss "
+            f"starts near 1); likely learning_rate={cfg['learning_rate']} too high (grad_clip_norm="
+            f"{cfg['grad_clip_norm']}): try one 10 times lower")
 
 
 def refuse_nonfinite_validation(run, row, cfg):

@@ -500,6 +500,23 @@ def test_nan_guard_off_applies_the_nan_step_and_never_falls_back(data, tmp_path,
     assert "done: no epoch validated finite;" in log and "every epoch's val loss was NaN/inf" in log
 
 
+def test_a_val_loss_blown_up_but_finite_gets_one_note_naming_the_learning_rate(data, tmp_path, monkeypatch):
+    """learning_rate=10 ran at val losses of 1e29, 1e15, 1e10, its IoU the same every epoch, and finished as
+    a normal run: only a non-finite loss was caught. A class weight scales the limit (the loss with it)."""
+    real_evaluate, losses = train_unet.evaluate, iter([9.5e29, 1.6e15, 2.0])
+
+    def evaluate(*args, **kwargs):
+        return {**real_evaluate(*args, **kwargs), "loss": next(losses)}
+    monkeypatch.setattr(train_unet, "evaluate", evaluate)
+    cfg = cfg_for(data, tmp_path / "ckpt", epochs=3, use_amp=False, learning_rate=10.0)
+    _, log = train_logged(cfg)
+    assert log.count("note: val loss") == 1 and "note: val loss 9.5e+29 in epoch 1: the model has diverged (the loss " \
+        "starts near 1); likely learning_rate=10.0 too high (grad_clip_norm=1.0): try one 10 times lower" in log
+    history, cfg = [{"epoch": 1, "val_loss": 5e4}], {**train_unet.CONFIG, **cfg}
+    assert train_unet.diverged_note(history, {**cfg, "class_weights": [1.0, 10.0]}) is None
+    assert train_unet.diverged_note(history, cfg).startswith("note: val loss 5e+04 in epoch 1")
+
+
 @pytest.mark.parametrize("guard", [True, False])
 def test_a_nonfinite_validation_is_never_best_and_stops_a_guarded_run(data, tmp_path, monkeypatch, guard):
     """A model that gives NaN in eval mode (a BatchNorm running mean gone NaN: the training steps, which use
