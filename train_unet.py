@@ -1251,7 +1251,8 @@ def announce_run(cfg, hw, run, sizes, extra):
     # drop_last (build_loaders): a partial last batch is not trained; which samples miss out changes per epoch
     left = samples - trained
     print(f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}; "
-          f"{n_batches} batches of {cfg['batch_size']}, {steps_per_epoch} optimizer steps/epoch"
+          f"{n_batches} batch{'es' * (n_batches != 1)} of {cfg['batch_size']}, {steps_per_epoch} optimizer "
+          f"step{'s' * (steps_per_epoch != 1)}/epoch"
           + (f"; {left} random training image(s) left out each epoch (full batches only"
              + (", an equal share per process)" if DIST.world > 1 else ")")
              if left and cfg["data_mode"] == "fit" else "")
@@ -4256,7 +4257,8 @@ def check_pair_facts(pairs, facts, cfg):
                         f"0/255 masks use num_classes=1" + (f"; or: {palette}" if palette else ""))
     notes = [mixed_binary_masks(pairs, values, cfg), exif_turned_images(pairs, facts), absent_classes(values, cfg),
              colour_read_as_grey(pairs, facts), extra_channels_dropped(pairs, facts),
-             thin_in_fit_mode(pairs, facts, cfg), maybe_lossy_masks(pairs, facts)]
+             thin_in_fit_mode(pairs, facts, cfg), enlarged_in_fit_mode(pairs, facts, cfg),
+             maybe_lossy_masks(pairs, facts)]
     for note in filter(None, notes if DIST.is_main else ()):
         print(note)
 
@@ -4343,6 +4345,23 @@ def thin_in_fit_mode(pairs, facts, cfg):
     return (f"note: {len(thin)} of {len(pairs)} image(s) are so elongated that fit mode (longest side to image_size="
             f"{cfg['image_size']}) leaves them under {FIT_THIN_SIDE} px across (e.g. {Path(image).name}: {w}x{h} -> "
             f"{fw}x{fh}): their detail across is lost; data_mode=patch trains on them at full resolution")
+
+
+def enlarged_in_fit_mode(pairs, facts, cfg):
+    """A note where fit mode enlarges every image FIT_ENLARGED times or more (image_size=512 on 128 px images:
+    16 times the compute and memory per image, no detail gained), else None."""
+    largest = max(max(facts[os.path.abspath(image)]["hw"]) for image, _ in pairs)
+    if cfg["data_mode"] != "fit" or cfg["image_size"] < FIT_ENLARGED * largest:
+        return None
+    keeps = max(MODEL_STRIDE, math.ceil(largest / MODEL_STRIDE) * MODEL_STRIDE)
+    times = cfg["image_size"] / largest
+    return (f"note: every image is at most {largest} px on its longer side: fit mode enlarges them to image_size="
+            f"{cfg['image_size']} ({times:.3g} times), at about {times ** 2:.0f} times the compute and memory per "
+            f"image, with no detail gained: image_size={keeps} keeps them as they are")
+
+
+# fit mode enlarging every image this many times or more gets a note (enlarged_in_fit_mode)
+FIT_ENLARGED = 2
 
 
 # fit mode resizes an image's longest side to image_size: one so elongated that its short side then falls under

@@ -525,6 +525,17 @@ def test_every_unreadable_file_is_counted_and_the_readable_ones_are_not_read_aga
     assert cached == every - {os.path.abspath(p) for p in (images[2], images[5], root / "masks" / images[6].name)}
 
 
+def test_images_fit_mode_enlarges_many_times_get_a_note(make_data, make_cfg, capsys):
+    """image_size=512 on 128 px images enlarged them 4 times (16 times the compute: 1.2 img/s), unsaid."""
+    root = make_data("small", count=6, size=48)
+    prepare_data(make_cfg(data_dir=str(root), image_size=96))
+    assert "note: every image is at most 48 px on its longer side: fit mode enlarges them to image_size=96 (2 times), " \
+           "at about 4 times the compute and memory per image, with no detail gained: image_size=64 keeps them as " \
+           "they are" in capsys.readouterr().out
+    prepare_data(make_cfg(data_dir=str(root), image_size=64))
+    assert "enlarges" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("tag", [3, 6])
 def test_images_turned_by_exif_where_the_size_check_cannot_see_it_get_a_note(tmp_path, capsys, tag):
     """Square JPEGs with Orientation 6 (a quarter turn) and any with 3 (a half turn) read turned, as viewers

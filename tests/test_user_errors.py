@@ -1777,6 +1777,8 @@ def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, caps
     assert "2 batches of 4, 2 optimizer steps/epoch; 2 random training image(s) left out each epoch" in out
     train_unet.train(make_cfg(batch_size=5))
     assert "left out" not in capsys.readouterr().out
+    train_unet.train(make_cfg(batch_size=10))  # it said "1 batches of 10, 1 optimizer steps/epoch"
+    assert "1 batch of 10, 1 optimizer step/epoch" in capsys.readouterr().out
 
 
 def test_early_stopping_counts_the_epochs_without_improvement_not_the_patience(capsys):
