@@ -1012,10 +1012,12 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
         notes.append(check_checkpoint_room(run, cfg, replaced=True) if DIST.is_main else None)
     else:  # the room first: a run refused for it had moved the earlier run to previous/ first, unsaid
         notes.append(check_checkpoint_room(run, cfg, replaced=False) if DIST.is_main else None)
+        stopped = stopped_run_words(Path(cfg["checkpoint_dir"]) / "last.pt") if DIST.is_main else ""
         moved = archive_previous_run(cfg["checkpoint_dir"]) if DIST.is_main else None
-        what = "an earlier run" if not moved or (Path(moved) / "history.csv").exists() else \
+        epochs = moved and any((Path(moved) / name).exists() for name in ("history.csv", "best.pt", "last.pt"))
+        what = "an earlier run" if not moved or epochs else \
             "what an earlier run that finished no epoch wrote (config.json, its TensorBoard log)"
-        notes.append(moved and f"{what} in {cfg['checkpoint_dir']} was moved to {moved}"
+        notes.append(moved and f"{what} in {cfg['checkpoint_dir']} was moved to {moved}" + stopped
                      + archive_size_note(Path(moved).parent))
     run.eval_model = torch.compile(model) if cfg["compile_model"] else model
     run.run_model = run.eval_model
@@ -1023,6 +1025,23 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
         ids = [hw.device] if hw.kind == "cuda" else None
         run.run_model = nn.parallel.DistributedDataParallel(run.eval_model, device_ids=ids)
     return run
+
+
+def stopped_run_words(last):
+    """' (it had stopped after epoch 1 of 4: ...)' where the last.pt a new run moves aside is of a run stopped
+    before its epochs (Ctrl-C, a crash) and not by early stopping, else '': started again without resume=True,
+    it was moved with no word that it could have continued."""
+    try:
+        state = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+        done, epochs = int(state["epoch"]), int(state["config"]["epochs"])
+        patience = state["config"].get("early_stopping_patience")
+        early = patience is not None and int(state["epochs_since_best"]) >= int(patience)
+    except Exception:  # noqa: BLE001 - none, or not one this script can read: nothing to say of it
+        return ""
+    if done >= epochs or early:
+        return ""
+    return (f" (it had stopped after epoch {done} of {epochs}: to continue it instead, move its files back and "
+            f"give resume=True)")
 
 
 def set_aside_other_runs_files(ckpt_dir, state):

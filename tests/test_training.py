@@ -673,6 +673,29 @@ def test_a_run_stopped_in_its_first_epoch_is_not_called_an_earlier_run(make_cfg,
     assert "note         an earlier run in " in capsys.readouterr().out
 
 
+def test_a_new_run_says_the_run_it_moves_aside_had_stopped_before_its_epochs(make_cfg, capsys, interrupt_at,
+                                                                             monkeypatch, tmp_path):
+    """A run stopped after epoch 1 of 3, started again without resume=True: the note said only that an earlier
+    run was moved, not that it could have continued. A finished run, or one that stopped early, gets no such
+    words; nor does a last.pt killed in its first write leave 'finished no epoch' (its best.pt was moved)."""
+    cfg = make_cfg(epochs=3)
+    real = interrupt_at(2)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg)
+    monkeypatch.setattr(train_unet, "run_epoch", real)
+    capsys.readouterr()
+    train(cfg)
+    assert "(it had stopped after epoch 1 of 3: to continue it instead, move its files back and give resume=True)" \
+        in capsys.readouterr().out
+    train(cfg)
+    out = capsys.readouterr().out
+    assert "note         an earlier run in " in out and "it had stopped" not in out
+    (Path(cfg["checkpoint_dir"]) / "last.pt").unlink()  # killed in last.pt's first write: best.pt alone
+    (Path(cfg["checkpoint_dir"]) / "history.csv").unlink()
+    train(cfg)
+    assert "note         an earlier run in " in capsys.readouterr().out
+
+
 def test_a_library_train_interrupted_says_what_the_command_line_says(make_cfg, interrupt_at):
     """A notebook's interrupt of train() was a bare KeyboardInterrupt(); the command line's 'checkpoints
     written so far are intact; resume=True continues' was never said."""
