@@ -2131,7 +2131,8 @@ def check_types(cfg, defaults):
               isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
               if kind is float else isinstance(value, kind) and not isinstance(value, bool))
         if not ok:
-            alternatives = [names.get(kind, kind.__name__)] + ["auto"] * (key in AUTO_KEYS and defaults is CONFIG) \
+            word = "a finite number" if kind is float and isinstance(value, float) else names.get(kind, kind.__name__)
+            alternatives = [word] + ["auto"] * (key in AUTO_KEYS and defaults is CONFIG) \
                 + ["None"] * takes_none(key, defaults)
             allowed = " or ".join([", ".join(alternatives[:-1]), alternatives[-1]] if len(alternatives) > 1
                                   else alternatives)

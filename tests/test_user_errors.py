@@ -32,7 +32,7 @@ def one_line_error(fn, *args, match):
     ("use_amp", "False", "use_amp='False' must be true or false"),
     ("seed", 1.5, "seed=1.5 must be a whole number"),
     ("batch_size", True, "batch_size=True must be a whole number"),
-    ("init_scale", math.inf, "init_scale=inf must be a number"),
+    ("init_scale", math.inf, "init_scale=inf must be a finite number"),
     ("data_dir", None, "data_dir=None must be a string"),
     ("max_train_images", 2.5, "max_train_images=2.5 must be a whole number or None"),
 ])
