@@ -3135,6 +3135,9 @@ def check_enough_samples(train, cfg):
         per = f" ({samples // DIST.world} per process)" if DIST.enabled else ""
         more = "add images" if cfg["data_mode"] == "fit" else "raise patches_per_image"
         fix = f"lower batch_size or {more}"
+        fits = samples // DIST.world  # the largest batch each process fills
+        if fits == 1 and cfg["image_size"] < 2 * MODEL_STRIDE:  # batch_size=1 is refused at this size (value_rules)
+            fix = f"give batch_size=1 image_size={2 * MODEL_STRIDE}, or {more}"
         if cfg["batch_size"] == 1 and DIST.enabled and samples:  # not one each: batch_size cannot go lower
             fix = f"run on at most {samples} process(es), or {more}"
         if cfg["resume"]:  # a resume keeps batch_size and patches_per_image (changed_resume_keys)

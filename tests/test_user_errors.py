@@ -1769,6 +1769,17 @@ def test_the_checkpoint_dir_suggested_for_a_split_data_sets_folder_is_outside_th
                    match=rf"choose another checkpoint_dir \(e.g. {tmp_path / 'checkpoints' / 'c'}\)$")
 
 
+def test_a_training_set_of_one_image_at_32_px_gets_a_fix_that_is_not_refused(make_cfg):
+    """1 training image at image_size=32, batch_size=2: 'lower batch_size', and batch_size=1 was then refused
+    at 32 px ('use batch_size >= 2 or image_size >= 64'): advice in a circle (user test)."""
+    pairs = [("0.png", "0.png")]
+    one_line_error(train_unet.check_enough_samples, pairs, make_cfg(batch_size=2, image_size=32),
+                   match=r"fewer than batch_size=2: give batch_size=1 image_size=64, or add images$")
+    one_line_error(train_unet.check_enough_samples, pairs * 2, make_cfg(batch_size=4, image_size=32),
+                   match=r"fewer than batch_size=4: lower batch_size or add images$")
+    train_unet.validate_config(make_cfg(batch_size=1, image_size=64))  # the fix is taken
+
+
 def test_the_data_line_says_how_many_images_each_epoch_leaves_out(make_cfg, capsys):
     """10 training images in batches of 4: 2 of them sat out every epoch without a word."""
     train_unet.train(make_cfg(batch_size=4))
