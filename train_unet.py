@@ -7310,7 +7310,11 @@ def current_umask():
 
 def save_checkpoint(path, state):
     """torch.save under atomic_write. A failed write is a one-line UserError (torch's zip writer reports
-    a full disk as a RuntimeError, "unexpected pos", not an OSError); the file it replaces stays intact."""
+    a full disk as a RuntimeError, "unexpected pos", not an OSError); the file it replaces stays intact. Its
+    config is saved a plain dict: a TypedConfig (parse_overrides') is a class weights_only loading refuses (the
+    benchmark's untrained inference model could not be loaded back)."""
+    if isinstance(state.get("config"), dict) and type(state["config"]) is not dict:
+        state = {**state, "config": dict(state["config"])}
     try:
         atomic_write(path, lambda tmp: torch.save(state, tmp))
     except (OSError, RuntimeError) as exc:

@@ -350,6 +350,20 @@ def test_the_inference_image_is_the_same_pixels_as_png_or_tif(tmp_path):
     assert images["png"].shape == (50, 50, 3) and np.array_equal(images["png"], images["tif"])
 
 
+def test_the_untrained_inference_model_of_a_benchmark_without_fp32_loads(tmp_path):
+    """configs without fp32 (configs=bf16): the inference table's untrained model was saved with the
+    benchmark's parsed config, a TypedConfig, which loading refused ('holds a pickled __main__.TypedConfig'):
+    the benchmark stopped after its training table (user test)."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=4, size=32)
+    base = train_unet.parse_overrides([f"data_dir={data}", "image_size=32", "encoder_weights=None"])
+    assert type(base) is not dict
+    opts = {"inference_images": 2, "inference_size": 40, "inference_format": "png"}
+    _, _, checkpoint = train_unet.inference_inputs(base, opts, tmp_path / "bench" / "inference")
+    assert checkpoint.name == "fresh.pt" and type(train_unet.load_checkpoint(checkpoint)["config"]) is dict
+    model, cfg = train_unet.load_model(checkpoint, "cpu")
+    assert cfg["image_size"] == 32
+
+
 def test_inference_predicts_all_the_data_sets_images_not_only_the_training_subset(tmp_path, capsys):
     """max_train_images limits training, not the inference folder; asking for more images than the data
     set has says so."""
