@@ -270,6 +270,22 @@ def test_a_row_says_when_its_time_cannot_be_trusted():
     assert "1 timed epoch" in table(busy_two) and "noisy: timed epochs 1.5x slower than the first" in table(busy_two)
 
 
+def test_sub_second_epochs_read_with_three_digits_and_a_one_epoch_footer_says_so(capsys):
+    """Epochs of 0.25 s and 0.27 s read 0.2s and 0.3s beside a Speedup of 1.10x (or 0.4s three times beside
+    1.00x, 1.04x and 0.86x); with epochs=1 the footer still said 'median training pass over epochs 2..N'."""
+    fp32 = train_unet.summarize_history("fp32", history([0.5, 0.27, 0.27]), INFO)
+    bf16 = train_unet.summarize_history("bf16", history([0.5, 0.25, 0.25]), INFO)
+    table = train_unet.format_benchmark_table(train_unet.add_speedups([fp32, bf16]))
+    assert "| 0.27s " in table and "| 0.25s " in table
+    assert train_unet.seconds_text(123.4) == "123s" and train_unet.seconds_text(12.34) == "12.3s"
+    hw = train_unet.detect_hardware("cpu")
+    train_unet.print_benchmark_summary(train_unet.add_speedups([fp32, bf16]), None, hw)
+    assert "Time/Epoch: median training pass over epochs 2..N" in capsys.readouterr().out
+    one = train_unet.summarize_history("fp32", history([0.5]), INFO)
+    train_unet.print_benchmark_summary(train_unet.add_speedups([one]), None, hw)
+    assert "Time/Epoch: its one epoch, start-up included (epochs=1); Speedup" in capsys.readouterr().out
+
+
 def test_a_row_timed_slower_than_its_first_epoch_and_the_rows_measured_against_it_say_so():
     """A review's fp32 row: epochs of 0.85 s, then 29.0 s and 29.1 s (the machine got busy), no note, and
     every other row 34-50x faster than it, no note either."""
