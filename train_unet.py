@@ -10387,19 +10387,20 @@ def read_sidecar(path):
 
 
 def onnx_not_its_sidecars(onnx_path, sidecar_path, meta):
-    """The UserError for an .onnx whose SHA-256 is not the one its sidecar records: cut short (fewer bytes
-    than export wrote: an interrupted copy), damaged (onnxruntime cannot read it: a sidecar from before
-    onnx_bytes), else another export's .onnx beside this sidecar."""
+    """The UserError for an .onnx whose SHA-256 is not the one its sidecar records: another export's .onnx
+    beside this sidecar where onnxruntime loads it (a smaller one, a patch-mode model's beside a fit-mode
+    sidecar, was called cut short), else cut short (fewer bytes than export wrote: an interrupted copy), else
+    damaged (a sidecar from before onnx_bytes)."""
     size, wrote = onnx_path.stat().st_size, meta.get("onnx_bytes")
-    if isinstance(wrote, int) and size < wrote:
-        return UserError(f"{onnx_path} is cut short: {size} of the {wrote} bytes export wrote (an interrupted "
-                         f"copy?): copy it again from where it was exported, or export again")
     ort, = onnx_modules("onnxruntime")
     quiet = ort.SessionOptions()
     quiet.log_severity_level = 3  # errors only: a damaged graph's warnings would come before the one line
     try:
         ort.InferenceSession(str(onnx_path), quiet, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - onnxruntime's load errors share no base class (onnx_session)
+        if isinstance(wrote, int) and size < wrote:
+            return UserError(f"{onnx_path} is cut short: {size} of the {wrote} bytes export wrote (an interrupted "
+                             f"copy?): copy it again from where it was exported, or export again")
         return UserError(f"{onnx_path} is damaged ({type(exc).__name__}: {first_line(exc)}), and its SHA-256 is not "
                          f"the one {sidecar_path.name} records: copy it again from where it was exported, or export "
                          f"again")

@@ -346,7 +346,7 @@ def test_an_architecture_the_exporter_cannot_trace_is_one_line(tmp_path, make_cf
 
 
 @pytest.mark.parametrize("case", ["no_sidecar", "not_json", "other_format", "other_model", "a_pt_file", "a_typo",
-                                  "cut_short", "cut_short_old_sidecar", "damaged"])
+                                  "cut_short", "cut_short_old_sidecar", "damaged", "smaller_other_model"])
 def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path, capfd):
     folder = tmp_path / "export"
     folder.mkdir()
@@ -361,6 +361,8 @@ def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path, 
         sidecar.write_text(json.dumps({**meta, "version": 99}))
     elif case == "other_model":  # the sidecar of another export of the same model: all but its SHA-256 alike
         sidecar.write_text(json.dumps({**meta, "onnx_sha256": "0" * 64}))
+    elif case == "smaller_other_model":  # a patch-mode .onnx (fewer bytes) beside a fit-mode sidecar: "cut short"
+        sidecar.write_text(json.dumps({**meta, "onnx_sha256": "0" * 64, "onnx_bytes": meta["onnx_bytes"] + 1000}))
     elif case == "damaged":  # it was said to belong to another export
         onnx.write_bytes(onnx.read_bytes()[:-1] + b"\x00")
     elif case.startswith("cut_short"):  # an interrupted copy: it was said to belong to another export
@@ -373,6 +375,7 @@ def test_a_bad_export_is_refused_by_predict_in_one_line(case, binary, tmp_path, 
         given = binary["ckpt"]
     match = {"no_sidecar": "model.json not found: export writes it", "not_json": "not readable JSON",
              "other_format": "not a sidecar", "other_model": "belongs to another", "a_pt_file": "runs an exported model",
+             "smaller_other_model": "belongs to another model.onnx",
              "a_typo": "checkpoint=.*modle.onnx not found: give the .onnx",
              "cut_short": f"model.onnx is cut short: 4000 of the {binary['onnx'].stat().st_size} bytes export wrote "
                           r"\(an interrupted copy\?\): copy it again",
@@ -601,6 +604,29 @@ def run_tool(sidecar, source, output, disk_full_for=None):
            f"{full}sys.argv = ['onnx_predict.py'] + sys.argv[1:]; runpy.run_path({tool!r}, run_name='__main__')")
     return subprocess.run([sys.executable, "-c", run, str(sidecar), str(source), str(output)], capture_output=True,
                           text=True, timeout=300)
+
+
+def test_the_numpy_tool_refuses_a_mismatched_or_cut_pair_and_common_slips_in_one_line(binary, patch, tmp_path):
+    """A patch-mode .onnx beside a fit-mode sidecar gave fit-preprocessed masks, unsaid (predict checks the
+    SHA-256); the .onnx given for the .json, an input folder not there and a cut-short .onnx were tracebacks."""
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    shutil.copy(patch["onnx"], pair / "model.onnx")
+    shutil.copy(binary["sidecar"], pair / "model.json")
+    images = binary["data"] / "images"
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copy(binary["sidecar"], cut / "model.json")
+    (cut / "model.onnx").write_bytes(Path(binary["onnx"]).read_bytes()[:1000])
+    for args, said in [((pair / "model.json", images), "model.onnx is not the model its sidecar belongs to (its "
+                                                          "SHA-256 differs): keep each export's .onnx and .json"),
+                       ((cut / "model.json", images), "model.onnx is cut short: 1000 of the "),
+                       ((binary["onnx"], images), f"is the model; give its sidecar, the .json export wrote beside it: "
+                                                  f"{binary['sidecar']}"),
+                       ((binary["sidecar"], tmp_path / "nothere"), "nothere not found: give an image, or a folder")]:
+        done = run_tool(*args, tmp_path / "out")
+        assert done.returncode == 1 and done.stderr.startswith("error: ") and said in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
 
 
 def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(binary, tmp_path):

@@ -12,10 +12,14 @@ layout it refuses) is skipped and named, the others are predicted, and the exit 
 files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 
+The .onnx must be the one export wrote beside the sidecar (its SHA-256): another export's, or one cut short
+in a copy, is refused. A sidecar whose run predicts with tta= gets a note: this tool predicts without it.
+
 Masks are marked PNGs, as predict's: a rerun replaces its own earlier masks (and predict's), but a file of
 a mask's name that neither wrote (a ground-truth mask), or an output folder holding the images, is refused
 before anything is written; a mask that cannot be written is named, as an unreadable image is.
 """
+import hashlib
 import json
 import os
 import struct
@@ -101,11 +105,16 @@ def predict(session, meta, path):
 
 
 def main(sidecar, source, output):
-    meta = json.loads(Path(sidecar).read_text())
+    meta = load_sidecar(Path(sidecar))
     if meta["config"]["data_mode"] != "fit":
-        raise SystemExit("a patch-mode model: use python train_unet.py predict backend=onnxruntime")
-    session = ort.InferenceSession(str(Path(sidecar).with_name(meta["onnx"])), providers=["CPUExecutionProvider"])
+        raise SystemExit("error: a patch-mode model: use python train_unet.py predict backend=onnxruntime")
+    if meta["config"].get("tta", "none") != "none":
+        print(f"note: the export's run predicts with tta={meta['config']['tta']}; this tool predicts each image once, "
+              f"without it (train_unet.py predict backend=onnxruntime applies it)", file=sys.stderr)
+    session = load_session(Path(sidecar).with_name(meta["onnx"]), meta)
     source, output = Path(source), Path(output)
+    if not source.exists():
+        raise SystemExit(f"error: {source} not found: give an image, or a folder of images")
     paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS)
     earlier = check_output(paths, output)
     output.mkdir(parents=True, exist_ok=True)
@@ -124,26 +133,68 @@ def main(sidecar, source, output):
         raise SystemExit(1)
 
 
+def load_sidecar(path):
+    """The export's sidecar (model.json), or the one-line reason it cannot be: the .onnx given in its place
+    (a traceback from the JSON decoder), a file that is not one."""
+    twin = path.with_suffix(".json")
+    if path.suffix.lower() == ".onnx":
+        raise SystemExit(f"error: {path} is the model; give its sidecar, the .json export wrote beside it"
+                         + (f": {twin}" if twin.is_file() else ""))
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise SystemExit(f"error: cannot read {path} as an export's sidecar ({exc}): give the .json export wrote "
+                         f"beside the .onnx") from None
+    if not isinstance(meta, dict) or not all(key in meta for key in ("onnx", "config", "preprocessing", "mask")):
+        raise SystemExit(f"error: {path} is not an export's sidecar: give the .json export wrote beside the .onnx")
+    return meta
+
+
+def load_session(onnx, meta):
+    """onnxruntime's session of the sidecar's .onnx, once that file is checked to be the very one export wrote
+    beside it (its SHA-256): a patch-mode .onnx beside a fit-mode sidecar gave masks of fit-mode preprocessing,
+    silently, and a cut-short file a traceback from onnxruntime."""
+    if not onnx.is_file():
+        raise SystemExit(f"error: {onnx} not found (the sidecar's model): keep the .onnx export wrote beside it")
+    digest, size = hashlib.sha256(), onnx.stat().st_size
+    with open(onnx, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    quiet = ort.SessionOptions()
+    quiet.log_severity_level = 3  # errors only: a damaged graph's warnings would come before the one line
+    try:
+        session = ort.InferenceSession(str(onnx), quiet, providers=["CPUExecutionProvider"])
+    except Exception as exc:  # noqa: BLE001 - onnxruntime's own errors: one line, not its traceback
+        wrote = meta.get("onnx_bytes")
+        raise SystemExit(f"error: {onnx} is cut short: {size} of the {wrote} bytes export wrote; copy it again"
+                         if isinstance(wrote, int) and size < wrote else
+                         f"error: onnxruntime cannot load {onnx} ({str(exc).strip().splitlines()[0]})") from None
+    if digest.hexdigest() != meta.get("onnx_sha256"):  # loads, but another export's (a smaller one too)
+        raise SystemExit(f"error: {onnx} is not the model its sidecar belongs to (its SHA-256 differs): keep each "
+                         f"export's .onnx and .json together")
+    return session
+
+
 def check_output(paths, output):
     """Refused before anything is written: an output folder that holds the images (masks would land among
     them, over an image of the same stem), two inputs of one stem (a.jpg and a.png would both write a.png),
     and a file of a mask's name this tool (or train_unet.py predict) did not write: a ground-truth mask.
     Returns the earlier masks of these images, which it replaces."""
     if output.exists() and not output.is_dir():
-        raise SystemExit(f"{output} is a file: give the folder the masks go to")
+        raise SystemExit(f"error: {output} is a file: give the folder the masks go to")
     if output.resolve() in {q for p in paths for q in (p.resolve().parent, p.absolute().parent.resolve())}:
-        raise SystemExit(f"{output} holds the input images: choose another output folder")
+        raise SystemExit(f"error: {output} holds the input images: choose another output folder")
     stems = {}
     for path in paths:
         if path.stem in stems:
-            raise SystemExit(f"{stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
+            raise SystemExit(f"error: {stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
                              f"rename one, or predict them apart")
         stems[path.stem] = path
     there = [output / f"{stem}.png" for stem in stems if os.path.lexists(output / f"{stem}.png")]
     foreign = [path for path in there if not (path.is_file() and marked(path))]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise SystemExit(f"{output} holds {foreign[0].name}{more}, with no mark of this tool's or predict's masks (a "
+        raise SystemExit(f"error: {output} holds {foreign[0].name}{more}, with no mark of this tool's or predict's masks (a "
                          "ground truth? an image? a mask of an older version, unmarked?): choose another output "
                          "folder, or move them away")
     return set(there)
