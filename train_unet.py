@@ -9265,8 +9265,8 @@ def claim_output_folder(out_dir, writes):
     for name in (n for n in earlier if n in BENCHMARK_SETTINGS):  # a run still training there is not moved away
         hold_folder(out_dir / name, f"{out_dir / name}", "a training run")
     moved = archive_previous_run(out_dir, earlier)
-    if moved:
-        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}")
+    if moved:  # with the archive's size past ARCHIVE_NOTE_BYTES, as training says it: ~1.5 GB a default benchmark
+        print(f"[benchmark] earlier results in {out_dir} were moved to {moved}" + archive_size_note(Path(moved).parent))
 
 
 def benchmark_rows(names, base, hw, opts, train_args, out_dir, result):

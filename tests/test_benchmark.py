@@ -366,6 +366,19 @@ def test_the_inference_image_is_the_same_pixels_as_png_or_tif(tmp_path):
     assert images["png"].shape == (50, 50, 3) and np.array_equal(images["png"], images["tif"])
 
 
+def test_a_benchmarks_earlier_results_moved_aside_say_how_much_previous_holds(tmp_path, capsys, monkeypatch):
+    """Each benchmark moved the one before to previous/ (about 1.5 GB a default run): ten filled a disk, with
+    no word of the archive's size, which training says past ARCHIVE_NOTE_BYTES."""
+    out = tmp_path / "bench"
+    (out / "previous" / "20200101-000000").mkdir(parents=True)
+    (out / "previous" / "20200101-000000" / "big.pt").write_bytes(b"x" * 5000)
+    (out / "benchmark.json").write_text("{}")
+    monkeypatch.setattr(train_unet, "ARCHIVE_NOTE_BYTES", 4096)
+    with train_unet.run_folders_held():
+        train_unet.claim_output_folder(out, ["fp32"])
+    assert f"({out / 'previous'} now holds 2 earlier runs, " in capsys.readouterr().out
+
+
 def test_the_untrained_inference_model_of_a_benchmark_without_fp32_loads(tmp_path):
     """configs without fp32 (configs=bf16): the inference table's untrained model was saved with the
     benchmark's parsed config, a TypedConfig, which loading refused ('holds a pickled __main__.TypedConfig'):
