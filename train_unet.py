@@ -10017,7 +10017,7 @@ def export(opts):
         except OSError as exc:
             raise UserError(f"cannot write {path.with_suffix('.json')} ({exc.strerror or exc}): "
                             f"{write_fix(exc, 'output')}; nothing written or moved") from None
-        there = [p.name for p in (path, path.with_suffix(".json")) if p.exists()]
+        there = [p.name for p in (path, path.with_suffix(".json")) if p.exists()] + earlier_partner(path)
         with interrupts_held():  # a Ctrl-C between the move and the renames would leave neither export there
             moved = archive_previous_run(path.parent, there)  # after the check and writes: a failed export moves none
             os.replace(side_tmp, path.with_suffix(".json"))
@@ -10037,11 +10037,29 @@ def ema_words(cfg):
     return f" (its EMA weights, ema_decay={cfg['ema_decay']})" if cfg.get("ema_decay") is not None else ""
 
 
+def earlier_partner(path):
+    """[the .onnx an earlier sidecar of this name belongs to], where it is not `path` (m.onnx, for an export
+    to m.ONNX: both write m.json, and the move of m.json alone left m.onnx without its sidecar), else []."""
+    try:
+        name = json.loads(path.with_suffix(".json").read_text()).get("onnx")
+    except (OSError, ValueError, AttributeError):
+        return []
+    partner = path.with_name(name) if isinstance(name, str) and name and Path(name).name == name else None
+    return [name] if partner is not None and name != path.name and partner.is_file() else []
+
+
+# Suffixes of files, not folders: export's output=x/model.pt made a folder of that name and put model.onnx in it
+NOT_FOLDER_SUFFIXES = (".json", ".txt", ".pt", ".pth", ".ckpt", ".pb", ".ort", ".tflite", ".engine", ".bin", ".onx")
+
+
 def export_path(output):
     """The .onnx file export's output= names (a folder: <folder>/model.onnx). Refused: a file name that is all
     suffix ('.onnx': predict would not take it as an .onnx), and one whose sidecar would be config.json, the
     record a training run keeps in its folder (a resume there would write over the sidecar)."""
     path = Path(output) if output.lower().endswith(".onnx") else Path(output) / "model.onnx"
+    if Path(output).suffix.lower() in NOT_FOLDER_SUFFIXES and not Path(output).is_dir():
+        raise UserError(f"output={output} names a {Path(output).suffix} file, where export writes an .onnx file and "
+                        f"its .json: give {Path(output).with_suffix('.onnx')}, or a folder")
     if path.suffix.lower() != ".onnx":
         raise UserError(f"output={output} names no file before .onnx: give {path.parent / 'model.onnx'}, or the "
                         f"folder {path.parent}")

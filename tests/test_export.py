@@ -745,12 +745,26 @@ def test_an_export_whose_sidecar_cannot_be_written_leaves_the_earlier_export_in_
 @pytest.mark.parametrize("output, match", [
     ("dot/.onnx", r"output=.*dot/\.onnx names no file before \.onnx: give .*dot/model\.onnx, or the folder"),
     ("run/config.onnx", r"output=.*run/config\.onnx would write its sidecar as .*run/config\.json, the name of a "
-                        r"training run's record: choose another name \(.*run/model\.onnx\)")])
+                        r"training run's record: choose another name \(.*run/model\.onnx\)"),
+    ("x/foo.txt", r"output=.*x/foo\.txt names a \.txt file, where export writes an \.onnx file and its \.json: give "
+                  r".*x/foo\.onnx, or a folder$")])  # it made a folder foo.txt/ (user test)
 def test_an_export_name_predict_would_refuse_or_a_resume_overwrite_is_refused(binary, tmp_path, output, match):
     """output=dot/.onnx wrote a pair predict refused ('give checkpoint=model.onnx'); output=<run>/config.onnx
     moved the run's config.json aside, and the run's resume then wrote over the sidecar (user report)."""
     one_line_error(export, binary["ckpt"], tmp_path / output, match=match)
     assert not (tmp_path / output).parent.exists()
+
+
+def test_an_export_whose_sidecar_name_is_an_earlier_pairs_moves_both_of_that_pair(binary, tmp_path, capsys):
+    """m.ONNX beside an earlier m.onnx: both write m.json, and only m.json moved aside, leaving m.onnx without
+    its sidecar (user test)."""
+    out = tmp_path / "x2"
+    export(binary["ckpt"], out / "m.onnx")
+    first = {name: (out / name).read_bytes() for name in ("m.onnx", "m.json")}
+    export(binary["ckpt"], out / "m.ONNX")
+    (moved,) = (out / "previous").iterdir()
+    assert {name: (moved / name).read_bytes() for name in first} == first
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["m.ONNX", "m.json"]
 
 
 def test_predict_says_when_the_exported_checkpoint_has_changed_since(binary, tmp_path, capsys):
