@@ -9360,6 +9360,10 @@ def parse_benchmark_args(args):
                         f"comma-separated list of {', '.join(BENCHMARK_SETTINGS)}")
     check_once_each("configs", opts["configs"], names)  # two runs of one name would share its output folder
     check_inference_keys(opts)
+    if inference_modes(opts) and opts["inference_size"] < base["image_size"]:  # it timed one 10x10 image
+        raise UserError(f"inference_size={opts['inference_size']} is below image_size={base['image_size']}: the "
+                        f"sliding window's image must hold at least one window; give inference_size="
+                        f"{base['image_size']} or more (the default is {BENCHMARK_CONFIG['inference_size']})")
     return opts, base, train_args, names
 
 
