@@ -118,7 +118,7 @@ def test_a_user_error_in_a_notebook_cell_shows_its_one_line_not_a_traceback():
     assert error.traceback[0].startswith("UserError: ") and "/nonexistent/best.pt" in error.traceback[0]
 
 
-@pytest.mark.parametrize("case", ["typo", "interrupted"])
+@pytest.mark.parametrize("case", ["typo", "interrupted", "benchmark"])
 def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
     """Given a folder with no finished epoch, it used to train a preset=debug run there and plot it as the
     user's: in a mistyped path it made a fake run; in a run stopped in epoch 1 it moved the user's files
@@ -127,8 +127,15 @@ def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
     if case == "interrupted":  # what SIGTERM in epoch 1 leaves
         (run / "tensorboard").mkdir(parents=True)
         (run / "config.json").write_text("{}")
+    if case == "benchmark":  # a benchmark's folder: it said 'no finished epoch ... stopped in its first epoch'
+        (run / "fp32").mkdir(parents=True)
+        (run / "fp32" / "history.csv").write_text("epoch\n1\n")
+        (run / "benchmark.json").write_text("{}")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    said = ("no finished epoch in .*no history.csv" if case == "interrupted" else  # a typo: no such folder, said
+    said = ("no finished epoch in .*no history.csv" if case == "interrupted" else
+            rf"RUN_DIR={re.escape(str(run))} is a benchmark's folder: set RUN_DIR to one of its runs "
+            rf"\({re.escape(str(run / 'fp32'))}\), or open fp32_vs_bf16.ipynb with UNET_AMP_BENCH_DIR="
+            if case == "benchmark" else  # a typo: no such folder, said
             rf"RUN_DIR={re.escape(str(run))} not found \(a relative RUN_DIR is taken from the repository, .*\): give "
             rf"the run's checkpoint_dir from there, or as an absolute path")
     with pytest.raises(nbclient.exceptions.CellExecutionError, match=said):
@@ -239,6 +246,24 @@ def test_benchmark_notebook_with_no_trained_row_says_so(tmp_path):
                                                       "histories": {}, "bare_loop_s_per_step": {}, "complete": True}))
     _, text = execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
     assert f"no trained configuration in {bench} to show predictions from" in text
+    assert "no configuration trained (all skipped or probed): no training curves to plot" in text
+
+
+def test_benchmark_notebook_plots_the_curves_of_the_configs_it_has_without_fp32_or_bf16(tmp_path, tiny_run):
+    """configs=fp32_cl,bf16_cl: the curves cell drew three empty plots, with matplotlib's 'No artists with
+    labels found to put in legend' (user test)."""
+    bench = tmp_path / "bench"
+    shutil.copytree(tiny_run, bench / "bf16_cl")
+    history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
+    row = {"config": "bf16_cl", "status": "ok", "batch": 4, "precision": "bf16", "channels_last": True,
+           "compile": False, "time_per_epoch_s": 1.0, "first_epoch_s": 1.5, "images_per_s": 10.0,
+           "speedup_vs_fp32": None, "peak_mem_mb": 100.0, "peak_mem_kind": "process_peak_rss",
+           "final_val_iou": 0.5, "final_val_dice": 0.6}
+    (bench / "benchmark.json").write_text(json.dumps({"device": "cpu", "settings": {}, "rows": [row],
+                                                      "histories": {"bf16_cl": history}, "bare_loop_s_per_step": {},
+                                                      "complete": True}))
+    outputs, text = execute("fp32_vs_bf16.ipynb", {"UNET_AMP_BENCH_DIR": str(bench)})
+    assert "neither fp32 nor bf16 was trained: the curves of bf16_cl" in text and "No artists" not in text
 
 
 def test_every_make_target_the_readme_names_exists():
