@@ -9269,6 +9269,20 @@ def claim_output_folder(out_dir, writes):
         print(f"[benchmark] earlier results in {out_dir} were moved to {moved}" + archive_size_note(Path(moved).parent))
 
 
+def csv_number(text):
+    """A CSV cell as an int or a finite float where it reads as one, else as it is (a precision's name, an empty
+    cell, "nan": JSON has no NaN)."""
+    if not isinstance(text, str):
+        return text
+    for kind in (int, float):
+        try:
+            value = kind(text)
+        except ValueError:
+            continue
+        return value if math.isfinite(value) else text
+    return text
+
+
 def benchmark_rows(names, base, hw, opts, train_args, out_dir, result):
     """The table's rows, each into `result` and benchmark.json as it ends (with its per-epoch history where it
     trained): an interrupted benchmark keeps the rows before."""
@@ -9276,8 +9290,8 @@ def benchmark_rows(names, base, hw, opts, train_args, out_dir, result):
     for name in names:
         row, history = benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times)
         result["rows"].append(row)
-        if history is not None:
-            result["histories"][name] = history
+        if history is not None:  # history.csv's cells as numbers where they are ("1", "0.57": strings before)
+            result["histories"][name] = [{key: csv_number(value) for key, value in r.items()} for r in history]
         add_speedups(result["rows"])
         write_json(out_dir / "benchmark.json", result)
     return result["rows"]

@@ -57,6 +57,8 @@ def test_benchmark_rows_files_and_table(bench, capsys):
     assert rows["fp16"]["status"].startswith("skipped:") and "fp16" in rows["fp16"]["status"]
     for name in ("fp32", "bf16") if native else ("fp32",):
         assert rows[name]["epochs"] == 2 and len(result["histories"][name]) == 2
+        first = result["histories"][name][0]  # numbers, not history.csv's strings
+        assert first["epoch"] == 1 and isinstance(first["val_iou"], float) and isinstance(first["precision"], str)
         assert rows[name]["first_epoch_s"] == pytest.approx(float(result["histories"][name][0]["epoch_time_s"]))
         assert rows[name]["peak_mem_kind"] == "process_peak_rss" and rows[name]["peak_mem_mb"] > 0
         assert 0.0 <= rows[name]["final_val_iou"] <= 1.0
