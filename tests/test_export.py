@@ -627,6 +627,14 @@ def test_the_numpy_tool_refuses_a_mismatched_or_cut_pair_and_common_slips_in_one
         done = run_tool(*args, tmp_path / "out")
         assert done.returncode == 1 and done.stderr.startswith("error: ") and said in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1 and not (tmp_path / "out").exists()
+    flip = tmp_path / "flip"  # a run that predicts with tta=flip: the tool's masks are without it, said
+    flip.mkdir()
+    shutil.copy(binary["onnx"], flip / "model.onnx")
+    meta = json.loads(Path(binary["sidecar"]).read_text())
+    (flip / "model.json").write_text(json.dumps({**meta, "config": {**meta["config"], "tta": "flip"}}))
+    done = run_tool(flip / "model.json", images, tmp_path / "out")
+    assert done.returncode == 0 and "note: the export's run predicts with tta=flip; this tool predicts each image " \
+        "once, without it" in done.stderr
 
 
 def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(binary, tmp_path):
