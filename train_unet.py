@@ -8542,9 +8542,10 @@ def check_scaled_floats(image, i, want, intensity_range=None):
                         f"[0, 1] (it was trained with no intensity_range): scale them (8-bit: / 255), or {fix}")
     beyond = np.count_nonzero((image < -FLOAT_INPUT_SLACK) | (image > 1 + FLOAT_INPUT_SLACK)) / image.size
     if intensity_range is not None and beyond > 0.5:  # a range maps an image like the training ones mostly into 0-1
-        raise UserError(f"image {i} is float32 with {beyond:.0%} of its pixels beyond 0-1 by over {FLOAT_INPUT_SLACK:g} "
-                        f"(values from {low:.4g} to {top:.4g}), where intensity_range={intensity_range[0]:g},"
-                        f"{intensity_range[1]:g} maps the training images to 0-1: unscaled pixels? {fix}")
+        raise UserError(f"image {i} is float32 with {beyond:.0%} of its pixels beyond 0-1 by over "
+                        f"{FLOAT_INPUT_SLACK:g} (values from {low:.4g} to {top:.4g}), where intensity_range="
+                        f"{intensity_range[0]:g},{intensity_range[1]:g} maps the training images to 0-1: unscaled "
+                        f"pixels? {fix}")
 
 
 @torch.inference_mode()
@@ -8874,8 +8875,9 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
 @contextlib.contextmanager
 def earlier_masks_back_if_none_written(moved, out_dir, writer):
     """A predict that fails, is stopped or ends before its first mask is written (a full disk, Ctrl-C, a model
-    that cannot take the images, every image unreadable) puts the earlier masks it moved to `moved` (previous/<time>/) back: the
-    folder is as it was found. Each retry on a full disk had moved them one folder further and written
+    that cannot take the images, every image unreadable) puts the earlier masks it moved to `moved`
+    (previous/<time>/) back: the folder is as it was found. Each retry on a full disk had moved them one folder
+    further and written
     nothing, until the output folder held only previous/. Once a mask is written, the moved ones stay there
     (a mask never stands beside an older run's masks of the same images)."""
     try:
@@ -8962,8 +8964,9 @@ def output_paths(paths, out_dir, overlay=False):
             names[name] = p
     if clashes:  # all counted: a folder of a.png beside a.jpg, b.png beside b.tif... took a run per pair
         (a, b, name), more = clashes[0], [f"{x.name}/{y.name}" for x, y, _ in clashes[1:]]
-        raise UserError(f"inputs {a.name} and {b.name} would both write {out_dir / name}: rename one" + (
-            f" ({len(more)} more such pair(s): {', '.join(more[:3])}{', ...' if len(more) > 3 else ''})" if more else ""))
+        listed = ", ".join(more[:3]) + (", ..." if len(more) > 3 else "")
+        raise UserError(f"inputs {a.name} and {b.name} would both write {out_dir / name}: rename one"
+                        + (f" ({len(more)} more such pair(s): {listed})" if more else ""))
     return outputs
 
 

@@ -490,7 +490,7 @@ def test_an_inference_rows_peak_memory_is_its_own_predicts_not_this_process(tmp_
     ("inference_images=0", "inference_images=0 must be >= 1"),
     ("inference_rounds=0", "inference_rounds=0 must be >= 1"),
     ("inference_size=10", "inference_size=10 is below image_size=128: the sliding window's image must hold at least "
-                          "one window; give inference_size=128 or more (the default is 1024)"),  # it timed one 10x10 image (user test)
+                          "one window; give inference_size=128 or more (the default is 1024)"),  # it timed 10x10
 ])
 def test_inference_keys_are_refused_before_any_training(arg, message):
     """They were read only after every configuration had trained: a KeyError, an OpenCV assertion or a

@@ -529,9 +529,9 @@ def test_images_fit_mode_enlarges_many_times_get_a_note(make_data, make_cfg, cap
     """image_size=512 on 128 px images enlarged them 4 times (16 times the compute: 1.2 img/s), unsaid."""
     root = make_data("small", count=6, size=48)
     prepare_data(make_cfg(data_dir=str(root), image_size=96))
-    assert "note: every image is at most 48 px on its longer side: fit mode enlarges them to image_size=96 (2 times), " \
-           "at about 4 times the compute and memory per image, with no detail gained: image_size=64 keeps them as " \
-           "they are" in capsys.readouterr().out
+    assert "note: every image is at most 48 px on its longer side: fit mode enlarges them to image_size=96 " \
+           "(2 times), at about 4 times the compute and memory per image, with no detail gained: image_size=64 " \
+           "keeps them as they are" in capsys.readouterr().out
     prepare_data(make_cfg(data_dir=str(root), image_size=64))
     assert "enlarges" not in capsys.readouterr().out
 

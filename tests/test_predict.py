@@ -309,7 +309,8 @@ def test_predict_batch_notes_images_read_without_the_range_and_predicts_in_predi
     images = [train_unet.read_image(p, 3) for p in sorted((data / "images").glob("*.png"))] * 2
     sizes, real = [], train_unet.predict_masks
     whole = [m.cpu().numpy() for m in real(model, images, cfg, fp32, hw)]
-    monkeypatch.setattr(train_unet, "predict_masks", lambda m, batch, *a: sizes.append(len(batch)) or real(m, batch, *a))
+    monkeypatch.setattr(train_unet, "predict_masks",
+                        lambda m, batch, *a: sizes.append(len(batch)) or real(m, batch, *a))
     masks = train_unet.predict_batch(model, images, cfg, fp32, hw)
     assert len(images) > 8 and sizes == [8] * (len(images) // 8) + ([len(images) % 8] if len(images) % 8 else [])
     assert all(np.array_equal(a, b) for a, b in zip(masks, whole)) and len(masks) == len(images)

@@ -194,9 +194,9 @@ def check_output(paths, output):
     foreign = [path for path in there if not (path.is_file() and marked(path))]
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise SystemExit(f"error: {output} holds {foreign[0].name}{more}, with no mark of this tool's or predict's masks (a "
-                         "ground truth? an image? a mask of an older version, unmarked?): choose another output "
-                         "folder, or move them away")
+        raise SystemExit(f"error: {output} holds {foreign[0].name}{more}, with no mark of this tool's or predict's "
+                         "masks (a ground truth? an image? a mask of an older version, unmarked?): choose another "
+                         "output folder, or move them away")
     return set(there)
 
 
