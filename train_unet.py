@@ -1032,7 +1032,9 @@ def stopped_run_words(last):
     before its epochs (Ctrl-C, a crash) and not by early stopping, else '': started again without resume=True,
     it was moved with no word that it could have continued."""
     try:
-        state = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():  # a foreign file's warnings from torch: this says nothing of it either
+            warnings.simplefilter("ignore")
+            state = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
         done, epochs = int(state["epoch"]), int(state["config"]["epochs"])
         patience = state["config"].get("early_stopping_patience")
         early = patience is not None and int(state["epochs_since_best"]) >= int(patience)
@@ -3561,64 +3563,85 @@ def opencv_decode(path, flags, kind):
     return cv2.imdecode(np.frombuffer(data, np.uint8), flags)
 
 
-# The warnings libjpeg gives for damaged data, which it decodes all the same into wrong pixels
-JPEG_DAMAGE = ("Corrupt JPEG data", "Premature end of JPEG file")
+# The warnings libjpeg gives for damaged data, which it decodes all the same into wrong pixels; found anywhere in
+# what fd 2 got (a progress bar's line, written with no newline, may come just before one)
+JPEG_DAMAGE = re.compile(rb"Corrupt JPEG data: [^\r\n]*|Premature end of JPEG file")
+JPEG_DAMAGE_LINE = re.compile(rb"(?:" + JPEG_DAMAGE.pattern + rb")\r?\n?")  # as libjpeg prints it
+JPEG_FILLER = re.compile(rb"Corrupt JPEG data: (\d+) extraneous bytes before marker 0xd9")
 
 
 def jpeg_decode(data, flags, path, kind):
     """cv2.imdecode of a JPEG, refused where libjpeg finds its data damaged (a flipped bit, a bad sector): it
     decodes such a file into wrong pixels and prints one warning to stderr that names no file, and OpenCV
     returns the image. The warning is caught from file descriptor 2 (WATCHED_DECODES); a JPEG decoded while
-    one was said is decoded again alone, to tell which it was."""
+    one was said is decoded again alone, to tell which it was. Padding before the end marker (all 0x00 or
+    0xFF, as some cameras write) draws the same warning with the pixels exact: taken (jpeg_padding)."""
     decode = lambda: cv2.imdecode(np.frombuffer(data, np.uint8), flags)  # noqa: E731
     array, said = WATCHED_DECODES.decode(decode)
-    if any(line.startswith(JPEG_DAMAGE) for line in said):
+    if said:
         array, said = WATCHED_DECODES.decode(decode, alone=True)
-    damage = [line.strip() for line in said if line.startswith(JPEG_DAMAGE)]
+    damage = [m.decode("latin-1") for m in said if not jpeg_padding(m, data)]
     if damage:
         raise UserError(f"cannot read {kind} {path} (a damaged JPEG: libjpeg says '{damage[0]}', and fills what it "
                         f"cannot read with made-up pixels): remove it, or replace it with an intact copy")
     return array
 
 
+def jpeg_padding(message, data):
+    """Whether libjpeg's warning is of N bytes before the end marker that are all 0x00 or all 0xFF: filler, the
+    image whole (a flipped byte draws the same warning, with other bytes)."""
+    found, end = JPEG_FILLER.fullmatch(message), jpeg_end(data)
+    if not found or end is None or end < 0:
+        return False
+    filler = data[end - int(found[1]):end]
+    return len(filler) == int(found[1]) and len(set(filler)) == 1 and filler[:1] in (b"\x00", b"\xff")
+
+
 class WatchedDecodes:
     """Decodes in rounds while fd 2 (the process's stderr, where libjpeg prints) is caught in a temporary file:
     the threads that decode at once (the data check's, predict's readers) share a round and each waits for
-    its end, when fd 2 is put back, what was caught is read, and what is not a JPEG warning is written back
-    (another thread's output meanwhile, a progress bar's). Decoding one at a time had cost the readers'
-    parallel decoding; the round's lines go to each of its decodes, and one that got a warning is decoded
-    again alone (alone=True) to tell whose it was. Where fd 2 cannot be caught (closed), decodes run unwatched."""
+    its end, when fd 2 is put back, what was caught is read, and all but libjpeg's warnings is written back
+    as it came (another thread's output meanwhile, a progress bar's). Decoding one at a time had cost the
+    readers' parallel decoding; the round's warnings go to each of its decodes, and one that got a warning
+    is decoded again alone (alone=True) to tell whose it was. Where fd 2 cannot be caught, decodes run
+    unwatched."""
 
     def __init__(self):
         self.cond, self.active, self.alone, self.wanting, self.round = threading.Condition(), 0, False, 0, None
         self.file = None  # the temporary file rounds catch fd 2 in (opened)
 
     def decode(self, fn, alone=False):
-        """(fn(), the lines fd 2 got in its round)."""
+        """(fn(), libjpeg's warnings fd 2 got in its round)."""
         with self.cond:
             self.wanting += alone  # a decode waiting to be alone holds back new rounds
-            while self.alone or (self.active if alone else self.wanting):
-                self.cond.wait()
-            self.wanting -= alone
+            try:
+                while self.alone or (self.active if alone else self.wanting):
+                    self.cond.wait()
+            finally:  # a Ctrl-C in the wait (a notebook's) must not hold back every later decode
+                self.wanting -= alone
             if self.active == 0:
                 self.round, self.alone = self.opened(), alone
             self.active, mine = self.active + 1, self.round
         try:
             result = fn()
         finally:
-            lines = self.closed_round(mine)
-        return result, lines
+            said = self.closed_round(mine)
+        return result, said
 
     def closed_round(self, mine):
-        """The round's lines, once its last decode has ended (the last one closes it)."""
+        """The round's warnings, once its last decode has ended (the last one closes it)."""
         with self.cond:
             self.active -= 1
             if self.active == 0:
-                mine["lines"], self.round, self.alone = self.put_back(mine), None, False
-                self.cond.notify_all()
-            while "lines" not in mine:
+                try:
+                    mine["said"] = self.put_back(mine)
+                finally:
+                    mine.setdefault("said", [])
+                    self.round, self.alone = None, False
+                    self.cond.notify_all()
+            while "said" not in mine:
                 self.cond.wait()
-        return mine["lines"]
+        return mine["said"]
 
     def opened(self):
         """A round: fd 2 into the process's temporary file (made at the first round, then kept: one made per
@@ -3639,30 +3662,55 @@ class WatchedDecodes:
         return {"saved": saved}
 
     def put_back(self, mine):
-        """fd 2 as it was; the lines caught (the file emptied for the next round), those not libjpeg's
-        warnings written back to it."""
+        """fd 2 as it was; libjpeg's warnings caught (the file emptied for the next round), the rest written back
+        to fd 2 byte for byte."""
         if mine["saved"] is None:
             return []
-        os.dup2(mine["saved"], 2)
-        os.close(mine["saved"])
+        try:
+            os.dup2(mine["saved"], 2)
+        finally:
+            os.close(mine["saved"])
+            mine["saved"] = None
         fd = self.file.fileno()
         size = os.lseek(fd, 0, os.SEEK_CUR)
         if not size:
             return []
         os.lseek(fd, 0, os.SEEK_SET)
-        lines = os.read(fd, size).decode("utf-8", "replace").splitlines(keepends=True)
+        caught = os.read(fd, size)
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
-        kept = "".join(line for line in lines if not line.startswith(JPEG_DAMAGE))
+        kept = JPEG_DAMAGE_LINE.sub(b"", caught)
         if kept:
             with contextlib.suppress(OSError):  # a stderr whose reader has gone
-                os.write(2, kept.encode())
-        return lines
+                os.write(2, kept)
+        return JPEG_DAMAGE.findall(caught)
+
+    def after_fork(self):
+        """In a child forked mid-round (a loader's worker, a subprocess): its fd 2 as it was, and no round."""
+        if self.round is not None and self.round.get("saved") is not None:
+            with contextlib.suppress(OSError):
+                os.dup2(self.round["saved"], 2)
+                os.close(self.round["saved"])
+        self.__init__()
+
+
+def reserve_stderr():
+    """/dev/null on file descriptor 2 where it is closed (a daemon's): else the next file opened gets it, and a
+    watched decode (WATCHED_DECODES) would take that file for stderr."""
+    try:
+        os.fstat(2)
+    except OSError:
+        with contextlib.suppress(OSError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != 2:
+                os.dup2(null, 2)
+                os.close(null)
 
 
 WATCHED_DECODES = WatchedDecodes()
-if hasattr(os, "register_at_fork"):  # a loader worker forked mid-round would inherit its count and its lock
-    os.register_at_fork(after_in_child=WATCHED_DECODES.__init__)
+reserve_stderr()
+if hasattr(os, "register_at_fork"):  # a loader worker forked mid-round would inherit its count, lock and fd 2
+    os.register_at_fork(after_in_child=WATCHED_DECODES.after_fork)
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -3704,20 +3752,27 @@ def utf8_name(name):
 
 
 def jpeg_complete(data):
-    """Whether a JPEG's bytes hold its end-of-image marker (FF D9) after its first scan begins. The
-    segments before the scan are stepped over by their lengths; inside the entropy-coded data an FF byte
-    is always followed by 00 or a restart marker, so the first FF D9 there is the real end (a camera's
-    trailer after it, a motion photo's video, does not matter)."""
+    """Whether a JPEG's bytes hold its end-of-image marker (FF D9) after its first scan begins (jpeg_end), or
+    are not the markers a JPEG has (imdecode judges them)."""
+    return jpeg_end(data) != -1
+
+
+def jpeg_end(data):
+    """The offset of a JPEG's end-of-image marker (FF D9) after its first scan begins; -1 where its data stop
+    before it; None where the bytes are not the markers a JPEG has. The segments before the scan are stepped
+    over by their lengths (an EXIF thumbnail's own markers inside them are not read); inside the entropy-coded
+    data an FF byte is always followed by 00 or a restart marker, so the first FF D9 there is the real end (a
+    camera's trailer after it, a motion photo's video, does not matter)."""
     i = 2
     while i + 4 <= len(data):
         if data[i] != 0xFF:
-            return True  # not the markers a JPEG has here: imdecode judges it
+            return None
         marker = data[i + 1]
         if marker == 0xDA:  # start of scan
-            return data.find(b"\xff\xd9", i) >= 0
+            return data.find(b"\xff\xd9", i)
         i += 1 if marker == 0xFF else 2 if 0xD0 <= marker <= 0xD9 or marker == 0x01 else \
             2 + int.from_bytes(data[i + 2:i + 4], "big")
-    return False  # the file stops among the headers
+    return -1  # the file stops among the headers
 
 
 def unreadable_why(path):
@@ -3783,10 +3838,12 @@ def read_tiff(path, mask=False):
 
 
 def check_tiff_complete(path, tif, page, kind):
-    """A TIFF whose image data (strips or tiles) run past the end of the file is refused: a partial copy or
-    download. Cut within JPEG-compressed data, it decoded with the rest of the image made up, unsaid (other
-    codecs fail on it, an uncompressed one read zeros)."""
+    """A compressed TIFF whose image data (strips or tiles) run past the end of the file is refused: a partial
+    copy or download. Cut within JPEG-compressed data, it decoded with the rest of the image made up, unsaid
+    (other codecs fail on it later, with their own words; a cut uncompressed one fails to read)."""
     size = tif.filehandle.size
+    if page.compression == 1:  # uncompressed: a writer may count a short last strip in full; a cut one fails
+        return
     if any(offset + count > size for offset, count in zip(page.dataoffsets, page.databytecounts)):
         raise UserError(f"cannot read {kind} {path} (a truncated TIFF: its image data run past the end of the "
                         f"file, {size} bytes): fix or remove it")
@@ -4378,11 +4435,12 @@ def enlarged_in_fit_mode(pairs, facts, cfg):
     largest = max(max(facts[os.path.abspath(image)]["hw"]) for image, _ in pairs)
     if cfg["data_mode"] != "fit" or cfg["image_size"] < FIT_ENLARGED * largest:
         return None
-    keeps = max(MODEL_STRIDE, math.ceil(largest / MODEL_STRIDE) * MODEL_STRIDE)
+    least = 2 * MODEL_STRIDE if cfg["batch_size"] == 1 else MODEL_STRIDE  # batch_size=1 at 32 px is refused
+    keeps = max(least, math.ceil(largest / MODEL_STRIDE) * MODEL_STRIDE)
     times = cfg["image_size"] / largest
     return (f"note: every image is at most {largest} px on its longer side: fit mode enlarges them to image_size="
             f"{cfg['image_size']} ({times:.3g} times), at about {times ** 2:.0f} times the compute and memory per "
-            f"image, with no detail gained: image_size={keeps} keeps them as they are")
+            f"image, with no detail gained: image_size={keeps} keeps them about as they are")
 
 
 # fit mode enlarging every image this many times or more gets a note (enlarged_in_fit_mode)
@@ -4502,7 +4560,7 @@ def files_failed(failed):
     (_, first), others = failed[0], [Path(p).name for p, _ in failed[1:]]
     if not others:
         return first
-    return UserError(f"{user_message(first)}; {len(others)} other file(s) cannot be read either ("
+    return UserError(f"{user_message(first)}; {len(others)} other file(s) fail the check too ("
                      + ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") + ")")
 
 
@@ -8524,9 +8582,10 @@ FLOAT_INPUT_SLACK = 0.5
 def check_scaled_floats(image, i, want, intensity_range=None):
     """A float32 image as read_image scales it: finite (one NaN pixel made the whole mask background), and not
     8- or 16-bit values cast to float unscaled (cv2.imread(...).astype(np.float32): half the pixels wrong).
-    Scaled values may leave [0, 1] a little (an intensity_range narrower than an image): with an intensity_range,
-    whole numbers above 1, or most pixels more than FLOAT_INPUT_SLACK outside, are taken as unscaled (raw 12-bit
-    data resized as float: 90% of the mask foreground); without one (read_image's floats are then in [0, 1]),
+    Scaled values may leave [0, 1] (an intensity_range narrower than an image, far at times): with an
+    intensity_range, whole numbers above 1, or most pixels more than FLOAT_INPUT_SLACK outside [0, 1] yet inside
+    the raw range itself, are taken as unscaled (raw 12-bit data resized as float: 90% of the mask foreground);
+    without one (read_image's floats are then in [0, 1]),
     any value more than FLOAT_INPUT_SLACK outside is (unscaled pixels resized: 20% of the mask wrong)."""
     if image.dtype != np.float32:
         return
@@ -8540,12 +8599,14 @@ def check_scaled_floats(image, i, want, intensity_range=None):
     if intensity_range is None and (top > 1 + FLOAT_INPUT_SLACK or low < -FLOAT_INPUT_SLACK):
         raise UserError(f"image {i} is float32 with values from {low:.4g} to {top:.4g}, where the model takes them in "
                         f"[0, 1] (it was trained with no intensity_range): scale them (8-bit: / 255), or {fix}")
-    beyond = np.count_nonzero((image < -FLOAT_INPUT_SLACK) | (image > 1 + FLOAT_INPUT_SLACK)) / image.size
-    if intensity_range is not None and beyond > 0.5:  # a range maps an image like the training ones mostly into 0-1
+    beyond = 0.0 if intensity_range is None else np.count_nonzero(
+        (image >= intensity_range[0]) & (image <= intensity_range[1])
+        & ((image < -FLOAT_INPUT_SLACK) | (image > 1 + FLOAT_INPUT_SLACK))) / image.size
+    if beyond > 0.5:  # most pixels far outside 0-1 yet within the raw range itself: never read_image's own output
         raise UserError(f"image {i} is float32 with {beyond:.0%} of its pixels beyond 0-1 by over "
-                        f"{FLOAT_INPUT_SLACK:g} (values from {low:.4g} to {top:.4g}), where intensity_range="
-                        f"{intensity_range[0]:g},{intensity_range[1]:g} maps the training images to 0-1: unscaled "
-                        f"pixels? {fix}")
+                        f"{FLOAT_INPUT_SLACK:g} but within intensity_range={intensity_range[0]:g},"
+                        f"{intensity_range[1]:g} (values from {low:.4g} to {top:.4g}), which maps the training images "
+                        f"to 0-1: unscaled pixels? {fix}")
 
 
 @torch.inference_mode()
@@ -10072,7 +10133,9 @@ def earlier_partner(path):
     except (OSError, ValueError, AttributeError):
         return []
     partner = path.with_name(name) if isinstance(name, str) and name and Path(name).name == name else None
-    return [name] if partner is not None and name != path.name and partner.is_file() else []
+    if partner is None or name == path.name or not partner.is_file():
+        return []
+    return [] if path.exists() and os.path.samefile(partner, path) else [name]  # one file where case is ignored
 
 
 # Suffixes of files, not folders: export's output=x/model.pt made a folder of that name and put model.onnx in it

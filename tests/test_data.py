@@ -519,7 +519,7 @@ def test_every_unreadable_file_is_counted_and_the_readable_ones_are_not_read_aga
     (root / "masks" / images[6].name).write_bytes(b"")
     message = data_error(make_cfg(data_dir=str(root)))
     assert message.startswith(f"cannot read image {images[2]} (") and message.endswith(
-        f"; 2 other file(s) cannot be read either ({images[5].name}, {images[6].name})"), message
+        f"; 2 other file(s) fail the check too ({images[5].name}, {images[6].name})"), message
     cached = set(json.loads((root / train_unet.CHECK_CACHE_NAME).read_text())["files"])
     every = {os.path.abspath(p) for folder in ("images", "masks") for p in (root / folder).iterdir()}
     assert cached == every - {os.path.abspath(p) for p in (images[2], images[5], root / "masks" / images[6].name)}
@@ -531,7 +531,7 @@ def test_images_fit_mode_enlarges_many_times_get_a_note(make_data, make_cfg, cap
     prepare_data(make_cfg(data_dir=str(root), image_size=96))
     assert "note: every image is at most 48 px on its longer side: fit mode enlarges them to image_size=96 " \
            "(2 times), at about 4 times the compute and memory per image, with no detail gained: image_size=64 " \
-           "keeps them as they are" in capsys.readouterr().out
+           "keeps them about as they are" in capsys.readouterr().out
     prepare_data(make_cfg(data_dir=str(root), image_size=64))
     assert "enlarges" not in capsys.readouterr().out
 

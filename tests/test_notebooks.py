@@ -135,6 +135,7 @@ def test_run_notebook_trains_nothing_in_a_folder_the_user_named(case, tmp_path):
     said = ("no finished epoch in .*no history.csv" if case == "interrupted" else
             rf"RUN_DIR={re.escape(str(run))} is a benchmark's folder: set RUN_DIR to one of its runs "
             rf"\({re.escape(str(run / 'fp32'))}\), or open fp32_vs_bf16.ipynb with UNET_AMP_BENCH_DIR="
+            rf"{re.escape(str(run))} for the whole benchmark"
             if case == "benchmark" else  # a typo: no such folder, said
             rf"RUN_DIR={re.escape(str(run))} not found \(a relative RUN_DIR is taken from the repository, .*\): give "
             rf"the run's checkpoint_dir from there, or as an absolute path")

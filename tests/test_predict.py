@@ -282,12 +282,18 @@ def test_predict_batch_refuses_float_images_it_would_get_wrong(binary_model, hw,
     assert cfg["intensity_range"] is None  # given one, values a little past it are read_image's own: taken
     masks = train_unet.predict_batch(model, [resized / 200], {**cfg, "intensity_range": [0, 200]}, fp32, hw)
     assert masks[0].shape == (44, 44)
-    # but not most pixels far past it: raw 12-bit data resized as float (205-3360, range 200,3399) gave 90% of
-    # the mask foreground, unsaid (user test)
-    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with 100% of its pixels beyond 0-1 by over "
-                                                   r"0\.5 \(values from .* to .*\), where intensity_range=0,50 maps "
-                                                   r"the training images to 0-1: unscaled pixels\? pass the uint8"):
-        train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 50]}, fp32, hw)
+    # but not most pixels far outside 0-1 yet inside the raw range: raw 12-bit data resized as float (205-3360,
+    # range 200,3399) gave 90% of the mask foreground, unsaid (user test)
+    with pytest.raises(train_unet.UserError, match=r"^image 0 is float32 with \d+% of its pixels beyond 0-1 by over "
+                                                   r"0\.5 but within intensity_range=0,255 \(values from .* to .*\), "
+                                                   r"which maps the training images to 0-1: unscaled pixels\? pass"):
+        train_unet.predict_batch(model, [resized], {**cfg, "intensity_range": [0, 255]}, fp32, hw)
+    # read_image's own output under a range narrower than the image: far outside 0-1, outside the raw range too
+    raw = np.zeros((40, 40), np.uint16)
+    raw[10:20, 10:20] = 2400
+    narrow = np.repeat(train_unet.scale_image(raw, "raw", [2000, 2500])[..., None], 3, -1)  # as read_image maps it
+    assert narrow.min() == -4.0 and train_unet.predict_batch(model, [narrow], {**cfg, "intensity_range": [2000, 2500]},
+                                                             fp32, hw)[0].shape == (40, 40)
 
 
 def test_predict_batch_notes_images_read_without_the_range_and_predicts_in_predicts_batches(
