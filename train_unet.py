@@ -95,7 +95,8 @@ try:  # the libraries take seconds to load: Ctrl-C then is a stop like any other
 except KeyboardInterrupt:
     if __name__ != "__main__":
         raise
-    print("interrupted: while loading its libraries; nothing was written", file=sys.stderr)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 alone says it, as for any other stop
+        print("interrupted: while loading its libraries; nothing was written", file=sys.stderr)
     sys.exit(130)
 
 # The LR schedule counts attempted optimizer steps, including those GradScaler skips; PyTorch warns

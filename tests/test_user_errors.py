@@ -1845,6 +1845,9 @@ def test_ctrl_c_while_the_libraries_load_is_a_stop_not_a_traceback():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 130 and run.stdout == ""
     assert run.stderr.strip() == "interrupted: while loading its libraries; nothing was written"
+    other_rank = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})  # torchrun's: said once, by rank 0
+    assert other_rank.returncode == 130 and other_rank.stderr == ""
 
 
 def test_settings_onnxruntime_fixes_are_noted_when_changed(capsys):
