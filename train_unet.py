@@ -5569,6 +5569,13 @@ def patches_of_padding(train, cfg):
             f"so most of each patch is padding, computed and left out of the loss: {', or '.join(fixes)}")
 
 
+def scaled_thin(hw, scale):
+    """(h, w) an image of size hw takes at patch_scale where that leaves a side under MIN_SCALED_SIDE px that
+    was not as stored (check_scaled_sides' rule, for predict's note), else None."""
+    scaled = scaled_size(hw, scale)
+    return scaled if min(hw) >= MIN_SCALED_SIDE > min(scaled) else None
+
+
 def check_scaled_sides(train, sizes, scale):
     """No image patch_scale shrinks below MIN_SCALED_SIDE on a side (0.01 made 64 px images 1 px, unsaid);
     an image already that small as stored is the user's data, and does not hide a larger one shrunk."""
@@ -8764,7 +8771,8 @@ class InputNotes:
                  "outside": ranged and wide and outside_range(path, without_alpha(scaled)),
                  "colour": self.cfg["in_channels"] == 1 and colour_turn and looks_colour(path, values) and path,
                  "extra": extra_channel_not_alpha(path, decoded) and path}
-        fitted = self.cfg["data_mode"] == "fit" and fitted_thin(decoded.shape[:2], self.cfg["image_size"])
+        fitted = fitted_thin(decoded.shape[:2], self.cfg["image_size"]) if self.cfg["data_mode"] == "fit" else \
+            scaled_thin(decoded.shape[:2], self.cfg["patch_scale"])
         found["thin"] = fitted and (path, decoded.shape[:2], fitted)
         with self.lock:
             if not ranged and wide and decoded.dtype.itemsize == 2:  # scaled by the type's range
@@ -8830,11 +8838,16 @@ class InputNotes:
             print(f"note: {self.of_looked('extra')} hold a channel that is not alpha beside their grey or RGB (e.g. "
                   f"{Path(self.extra).name}: a TIFF extra sample such as near-infrared), and it is dropped: "
                   f"{checkpoint} takes in_channels={self.cfg['in_channels']}")
-        if self.thin is not None:
+        if self.thin is not None and self.cfg["data_mode"] == "fit":
             path, (h, w), (fh, fw) = self.thin
             print(f"note: {self.of_looked('thin')} went to the model under {FIT_THIN_SIDE} px across (fit mode: "
                   f"longest side to {self.cfg['image_size']} px; e.g. {Path(path).name}: {w}x{h} -> {fw}x{fh}): their "
                   f"detail across is lost; a model trained with data_mode=patch predicts such images at full resolution")
+        elif self.thin is not None:  # training refuses such images (check_scaled_sides); their masks came out blank
+            path, (h, w), (fh, fw) = self.thin
+            print(f"note: {self.of_looked('thin')} went to the model under {MIN_SCALED_SIDE} px across (patch_scale="
+                  f"{self.cfg['patch_scale']:g}; e.g. {Path(path).name}: {w}x{h} -> {fw}x{fh}), too small to hold a "
+                  f"shape: their masks are not to be trusted; a model trained at a larger patch_scale predicts them")
 
     def of_looked(self, key):
         """'2 of 5 image(s)': how many of the images predicted were found of a kind, as training's notes count."""

@@ -979,6 +979,26 @@ def test_an_image_fit_mode_squeezes_under_16_px_across_gets_a_note_in_training_a
                      "predicts such images at full resolution"]
 
 
+def test_predict_notes_images_a_patch_checkpoints_scale_shrinks_below_a_shape(tmp_path, capsys):
+    """Training refuses an image patch_scale shrinks under 8 px across; predict wrote such an image's mask,
+    all background, with no word (user test). An image that small as stored is the user's data: not counted."""
+    cfg = train_unet.validate_config({"image_size": 32, "encoder_weights": None, "data_mode": "patch",
+                                      "patch_scale": 0.5})
+    ckpt = tmp_path / "patch.pt"
+    train_unet.save_checkpoint(ckpt, {"model": train_unet.build_model(cfg).state_dict(), "config": cfg})
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for name, (h, w) in (("sliver", (10, 300)), ("dot", (1, 1)), ("fine", (64, 64))):
+        cv2.imwrite(str(folder / f"{name}.png"), rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+    train_unet.predict({"checkpoint": str(ckpt), "input": str(folder), "output": str(tmp_path / "out"),
+                        "progress": False, "use_amp": False, "device": "cpu"})
+    notes = [line for line in capsys.readouterr().out.splitlines() if "across" in line]
+    assert notes == ["note: 1 of 3 image(s) went to the model under 8 px across (patch_scale=0.5; e.g. sliver.png: "
+                     "300x10 -> 150x5), too small to hold a shape: their masks are not to be trusted; a model trained "
+                     "at a larger patch_scale predicts them"]
+
+
 def test_the_16_bit_note_names_the_image_holding_12_bit_data_not_the_first_16_bit_one(trained, tmp_path, capsys):
     """A full-range 16-bit a.tif beside 12-bit data in b.png: the note named a.tif, the first, and advised
     0,4095, which would put all of a.tif outside the range; b.png, 16 times too dark, went unnamed."""
