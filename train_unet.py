@@ -854,7 +854,7 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
             raise UserError(f"cannot resume exactly: {cfg['data_dir']} holds files named as those this run trained "
                             f"on in {was}, with other contents: give data_dir={was}, or start a new run in another "
                             f"checkpoint_dir")
-        notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other sizes)"
+        notes.append(f"files in {cfg['data_dir']} changed since this run began (same names, other file sizes)"
                      + (f"; it began in {folder}, which no longer holds them" if moved else "")
                      + ": the resume trains and validates on them as they are now" + (
                          " (if they are another data set, not the run's edited, start a new run in another "

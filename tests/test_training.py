@@ -411,7 +411,7 @@ def test_resume_on_another_data_set_with_the_same_file_names_is_refused(make_cfg
     cv2.imwrite(str(mask), fixed)
     capsys.readouterr()
     assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2
-    assert "changed since this run began (same names, other sizes)" in capsys.readouterr().out
+    assert "changed since this run began (same names, other file sizes)" in capsys.readouterr().out
 
 
 def test_resume_of_a_data_set_moved_and_then_edited_goes_on_with_a_note(make_cfg, data_dir, tmp_path, capsys):
@@ -428,7 +428,7 @@ def test_resume_of_a_data_set_moved_and_then_edited_goes_on_with_a_note(make_cfg
     cv2.imwrite(str(mask), fixed)
     capsys.readouterr()
     assert len(train(make_cfg(epochs=2, resume=True, data_dir=str(tmp_path / "moved")))["history"]) == 2
-    assert re.search(rf"changed since this run began \(same names, other sizes\); it began in "
+    assert re.search(rf"changed since this run began \(same names, other file sizes\); it began in "
                      rf"{re.escape(os.path.realpath(data_dir))}, which no longer holds them: the resume trains",
                      capsys.readouterr().out)
     shutil.move(str(tmp_path / "moved"), str(tmp_path / "again"))  # last.pt now records "moved"
