@@ -702,6 +702,16 @@ def test_a_damaged_jpeg_is_refused_and_named_and_other_stderr_output_is_kept(tmp
     assert capfd.readouterr().err == ""
 
 
+def test_the_jpeg_watch_cost_tool_prints_its_table(capsys):
+    """tools/jpeg_watch_cost.py, BENCHMARKS.md's figures for the watch: runs, and prints both ways' rows."""
+    import runpy
+
+    tool = runpy.run_path(str(ROOT / "tools" / "jpeg_watch_cost.py"))
+    tool["main"](images=4, side=32, rounds=1)
+    out = capsys.readouterr().out
+    assert "| cv2.imdecode alone | " in out and "| jpeg_decode (watched) | " in out
+
+
 def test_an_interrupt_while_a_decode_waits_holds_back_no_later_decode(monkeypatch):
     """A Ctrl-C in a notebook while a decode waited to run alone left it counted as waiting: every later decode
     then waited for it, for ever (review)."""
