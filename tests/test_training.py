@@ -657,17 +657,22 @@ def test_resuming_a_run_that_stopped_early_is_refused_unless_the_patience_grows(
     assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
 
 
-def test_a_run_stopped_in_its_first_epoch_is_not_called_an_earlier_run(make_cfg, capsys, interrupt_at, monkeypatch):
-    """Ctrl-C in epoch 1 leaves config.json and a TensorBoard log; the next run said "an earlier run ... was
-    moved" of them. It now says what was moved."""
-    cfg = make_cfg(epochs=1)
-    real = interrupt_at(1)
+def stopped_then_started_again(cfg, epoch, interrupt_at, monkeypatch, capsys):
+    """A run stopped by Ctrl-C in `epoch`, then started again in its folder without resume: that run's output."""
+    real = interrupt_at(epoch)
     with pytest.raises(KeyboardInterrupt):
         train(cfg)
     monkeypatch.setattr(train_unet, "run_epoch", real)
     capsys.readouterr()
     train(cfg)
-    out = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_a_run_stopped_in_its_first_epoch_is_not_called_an_earlier_run(make_cfg, capsys, interrupt_at, monkeypatch):
+    """Ctrl-C in epoch 1 leaves config.json and a TensorBoard log; the next run said "an earlier run ... was
+    moved" of them. It now says what was moved."""
+    cfg = make_cfg(epochs=1)
+    out = stopped_then_started_again(cfg, 1, interrupt_at, monkeypatch, capsys)
     assert "what an earlier run that finished no epoch wrote (config.json, its TensorBoard log) in " in out
     train(cfg)
     assert "note         an earlier run in " in capsys.readouterr().out
@@ -679,14 +684,8 @@ def test_a_new_run_says_the_run_it_moves_aside_had_stopped_before_its_epochs(mak
     run was moved, not that it could have continued. A finished run, or one that stopped early, gets no such
     words; nor does a last.pt killed in its first write leave 'finished no epoch' (its best.pt was moved)."""
     cfg = make_cfg(epochs=3)
-    real = interrupt_at(2)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg)
-    monkeypatch.setattr(train_unet, "run_epoch", real)
-    capsys.readouterr()
-    train(cfg)
     assert "(it had stopped after epoch 1 of 3: to continue it instead, move its files back and give resume=True)" \
-        in capsys.readouterr().out
+        in stopped_then_started_again(cfg, 2, interrupt_at, monkeypatch, capsys)
     train(cfg)
     out = capsys.readouterr().out
     assert "note         an earlier run in " in out and "it had stopped" not in out
