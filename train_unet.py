@@ -8503,20 +8503,17 @@ def predict_batch(model, images, cfg, prec, hw):
                         f"decide_precision(hw, use_amp=False) for fp32")
     check_model_config(model, cfg)
     images = images if isinstance(images, (list, tuple, np.ndarray, torch.Tensor)) else list(images)  # a generator
-    check_model_images(images, cfg)
-    note_dark_floats(images, cfg)
+    note_dark_floats(check_model_images(images, cfg), cfg)
     per = PREDICT_CONFIG["batch_size"]  # predict's batches: a whole test set in one forward took ~2 MB per 64² image
     with eval_mode(model):
         return [mask.cpu().numpy() for start in range(0, len(images), per)
                 for mask in predict_masks(model, images[start:start + per], cfg, prec, hw)]
 
 
-def note_dark_floats(images, cfg):
-    """A note where the checkpoint has an intensity_range and float images reach under 1/16 of 0-1: read_image
-    without the range scales a 16-bit file from 0-65535, so 12-bit data come out 16 times too dark, and the
-    masks all background, silently (predict's own reading uses the range)."""
-    dark = [i for i, image in enumerate(images) if image.dtype == np.float32 and 0 <= image.min()
-            and image.max() < 1 / 16]
+def note_dark_floats(dark, cfg):
+    """A note where the checkpoint has an intensity_range and float images (their indices, `dark`) reach under
+    1/16 of 0-1: read_image without the range scales a 16-bit file from 0-65535, so 12-bit data come out 16
+    times too dark, and the masks all background, silently (predict's own reading uses the range)."""
     if cfg.get("intensity_range") is not None and dark:
         print(f"note: {len(dark)} float image(s) (e.g. image {dark[0]}) reach under 1/16 of the 0-1 the model "
               f"takes: read by read_image without cfg['intensity_range']? A 16-bit file is then scaled from 0-65535: "
@@ -8562,8 +8559,8 @@ def check_model_config(model, cfg):
 def check_model_images(images, cfg):
     """predict_batch's images as read_image makes them for this model (a library caller may pass its own
     arrays): one channel (HxW) or three (HxWx3) as the model takes, else a UserError naming the fix, not a
-    convolution's shape error."""
-    want = cfg["in_channels"]
+    convolution's shape error. Returns the indices of float images under 1/16 of 0-1 (note_dark_floats)."""
+    want, dark = cfg["in_channels"], []
     if isinstance(images, (np.ndarray, torch.Tensor)):  # iterated, its rows were taken for images
         raise UserError(f"images is one {type(images).__name__} of shape {tuple(images.shape)}: pass a list of "
                         f"images ([image] for one)")
@@ -8579,7 +8576,10 @@ def check_model_images(images, cfg):
             raise UserError(f"image {i} has shape {image.shape}, but the model takes {want} channel(s) "
                             f"({'HxW' if want == 1 else 'HxWx3'}): read it with read_image(path, {want}, "
                             f"cfg['intensity_range']), which converts it")
-        check_scaled_floats(image, i, want, cfg.get("intensity_range"))
+        extremes = check_scaled_floats(image, i, want, cfg.get("intensity_range"))
+        if extremes is not None and 0 <= extremes[0] and extremes[1] < 1 / 16:
+            dark.append(i)
+    return dark
 
 
 # How far past [0, 1] predict_batch takes float pixels from a model trained with no intensity_range, whose
@@ -8593,10 +8593,10 @@ def check_scaled_floats(image, i, want, intensity_range=None):
     Scaled values may leave [0, 1] (an intensity_range narrower than an image, far at times): with an
     intensity_range, whole numbers above 1, or most pixels more than FLOAT_INPUT_SLACK outside [0, 1] yet inside
     the raw range itself, are taken as unscaled (raw 12-bit data resized as float: 90% of the mask foreground);
-    without one (read_image's floats are then in [0, 1]),
-    any value more than FLOAT_INPUT_SLACK outside is (unscaled pixels resized: 20% of the mask wrong)."""
+    without one (read_image's floats are then in [0, 1]), any value more than FLOAT_INPUT_SLACK outside is
+    (unscaled pixels resized: 20% of the mask wrong). Returns a float image's (min, max), else None."""
     if image.dtype != np.float32:
-        return
+        return None
     check_pixels(image, i)  # scale_image's NaN/inf refusal, naming the image by its index
     low, top = float(image.min()), float(image.max())
     fix = (f"pass the uint8 array, or read it with read_image(path, {want}, cfg['intensity_range']), which "
@@ -8615,6 +8615,7 @@ def check_scaled_floats(image, i, want, intensity_range=None):
                         f"{FLOAT_INPUT_SLACK:g} but within intensity_range={intensity_range[0]:g},"
                         f"{intensity_range[1]:g} (values from {low:.4g} to {top:.4g}), which maps the training images "
                         f"to 0-1: unscaled pixels? {fix}")
+    return low, top
 
 
 @torch.inference_mode()
