@@ -1376,8 +1376,9 @@ def finish_epoch(run, row, cfg):
             save_checkpoint(ckpt_dir / "last.pt", state)
             write_history(ckpt_dir / "history.csv", run.history)
         print(epoch_summary(row, cfg, improved))
-        for note in filter(None, [diverged_note(run.history, cfg)]):
-            print(note)
+        diverged = diverged_note(run.history, cfg)
+        if diverged:
+            print(diverged)
         run.logger.log_epoch(row)  # in the hold too: TensorBoard has every epoch history.csv has
         run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
 
