@@ -4252,8 +4252,12 @@ def not_class_indices(values):
 
 
 def format_values(values, limit=8):
-    shown = ", ".join(f"{v:g}" for v in values[:limit])
-    return f"[{shown}{', ...' if len(values) > limit else ''}]"
+    return f"[{first_few([f'{v:g}' for v in values[:limit + 1]], limit)}]"  # one past the limit: ', ...' or not
+
+
+def first_few(items, limit=3):
+    """'a, b, c, ...': the first `limit` of items (strings) for a message, with ', ...' where there are more."""
+    return ", ".join(items[:limit]) + (", ..." if len(items) > limit else "")
 
 
 def mask_hint(path, dtype, values, at_least=0):
@@ -4372,7 +4376,7 @@ def absent_classes(values, cfg):
     absent = [c for c in range(cfg["num_classes"]) if c not in present]
     if not absent:
         return None
-    names = ", ".join(map(str, absent[:5])) + (", ..." if len(absent) > 5 else "")
+    names = first_few([str(v) for v in absent], 5)
     top = int(max(present - {IGNORE_INDEX}))
     fits = (f"if the masks hold classes 0-{top}, num_classes={top + 1} fits them; " if top + 1 < cfg["num_classes"]
             else "")
@@ -4563,7 +4567,7 @@ def files_failed(failed):
     if not others:
         return first
     return UserError(f"{user_message(first)}; {len(others)} other file(s) fail the check too ("
-                     + ", ".join(others[:3]) + (", ..." if len(others) > 3 else "") + ")")
+                     + first_few(others) + ")")
 
 
 def start_up_facts(pairs, cfg):
@@ -8004,7 +8008,7 @@ def masks_within_memory(model, paths, images, inputs, run):
     try:
         return predict_masks(model, images, cfg, prec, hw, inputs) if paths else []
     except torch.cuda.OutOfMemoryError:
-        names = ", ".join(Path(p).name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        names = first_few([Path(p).name for p in paths])
         smaller = f"batch_size={opts['batch_size']} lower, or " if len(paths) > 1 else ""
         raise UserError(f"out of GPU memory predicting {names}: set {smaller}device=cpu (or predict large images "
                         f"with a data_mode=patch checkpoint); the masks of the images before them are written") from None
@@ -9041,9 +9045,8 @@ def output_paths(paths, out_dir, overlay=False):
             names[name] = p
     if clashes:  # all counted: a folder of a.png beside a.jpg, b.png beside b.tif... took a run per pair
         (a, b, name), more = clashes[0], [f"{x.name}/{y.name}" for x, y, _ in clashes[1:]]
-        listed = ", ".join(more[:3]) + (", ..." if len(more) > 3 else "")
         raise UserError(f"inputs {a.name} and {b.name} would both write {out_dir / name}: rename one"
-                        + (f" ({len(more)} more such pair(s): {listed})" if more else ""))
+                        + (f" ({len(more)} more such pair(s): {first_few(more)})" if more else ""))
     return outputs
 
 
