@@ -1020,7 +1020,7 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
             "what an earlier run that finished no epoch wrote (config.json, its TensorBoard log)"
         notes.append(moved and f"{what} in {cfg['checkpoint_dir']} was moved to {moved}" + stopped
                      + archive_size_note(Path(moved).parent))
-    run.eval_model = torch.compile(model) if cfg["compile_model"] else model
+    run.eval_model = compiled(model, cfg["compile_model"])
     run.run_model = run.eval_model
     if DIST.enabled:  # wrapped after compile; gradients are all-reduced in buckets during backward
         ids = [hw.device] if hw.kind == "cuda" else None
@@ -6161,6 +6161,18 @@ def hub_cache_only(unreachable):
         hub.HF_HUB_OFFLINE = saved
 
 
+def compiled(model, compile_model):
+    """torch.compile(model) where compile_model is on (it compiles at the first call). Where no GPU answers
+    but a CUDA toolkit is installed, torch's C++ builder logged 'No CUDA runtime is found, using
+    CUDA_HOME=...' mid-way through the first batch: noise on a CPU run, whose banner says where it runs."""
+    if not compile_model:
+        return model
+    import logging
+
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    return torch.compile(model)
+
+
 # The loss terms (loss="focal+dice", ...): smp's own implementations, summed with equal weights.
 LOSS_TERMS = ("ce", "dice", "focal", "lovasz", "tversky")
 FOCAL_GAMMA = 2.0                       # smp's default, Lin et al. 2017: well-classified pixels count less
@@ -6523,7 +6535,7 @@ class WeightEMA:
             return
         live = unwrap(model)
         self.model = copy.deepcopy(live).float().eval().requires_grad_(False)
-        self.eval_model = torch.compile(self.model) if compile_model else self.model
+        self.eval_model = compiled(self.model, compile_model)
         self.live, self.shadow = ema_tensors(live), ema_tensors(self.model)
 
     def decay_at(self, n):

@@ -249,6 +249,31 @@ def test_banner_says_which_fp32(restore_cudnn):
     assert "fp32 means   strict fp32" in train_unet.banner(CPU, FP32, cfg())
 
 
+def test_compile_on_a_machine_without_a_gpu_does_not_log_torchs_cuda_home_line(monkeypatch, tmp_path):
+    """compile_model=True on a CPU where a CUDA toolkit is installed: torch's C++ builder logged 'No CUDA
+    runtime is found, using CUDA_HOME=...' in the middle of the first batch's progress bar."""
+    import logging
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path))  # a toolkit 'installed'
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    monkeypatch.setattr(logger, "level", logger.level)  # put back after the test
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    logger.addHandler(handler)
+    try:
+        model = torch.nn.Conv2d(1, 1, 1)
+        assert train_unet.compiled(model, False) is model
+        compiled = train_unet.compiled(model, True)
+        assert compiled is not model and compiled._orig_mod is model
+        assert cpp_extension._find_cuda_home() == str(tmp_path)  # what torch's builder asks at the first call
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen if r.levelno >= logging.WARNING] == []
+
+
 # ------------------------------------------------------------------------------------------------
 # The GPU check
 # ------------------------------------------------------------------------------------------------
