@@ -72,6 +72,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 import weakref
 import zlib
@@ -253,7 +254,7 @@ def main(argv=None):
             print(f"error: cannot write {exc.filename2}: a folder of that name is in the way: move or rename it",
                   file=sys.stderr)
             return 2
-        if exc.errno not in (*FULL_DISK, errno.EMFILE):
+        if exc.errno not in (*FULL_DISK, errno.EMFILE, *NO_PERMISSION, errno.EFBIG):
             raise
         print(f"error: {system_limit_message(exc)}", file=sys.stderr)
         return 2
@@ -357,14 +358,14 @@ def train_main(cfg, explicit=()):
         if DIST.enabled and not getattr(exc, "alike", False):  # say which process failed; torchrun then stops
             raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None  # the others
         raise
-    except (KeyboardInterrupt, RuntimeError) as exc:  # resume=True continues from last.pt, which the first epoch's end writes
+    except (KeyboardInterrupt, RuntimeError, MemoryError) as exc:  # resume=True continues from last.pt
         if isinstance(exc, RuntimeError) and DIST.enabled and peer_failed(exc):
             with contextlib.suppress(KeyboardInterrupt):  # torchrun's SIGTERM meanwhile: this line all the same
                 time.sleep(PEER_FAILED_GRACE_S)  # the failed rank's own error first (not mid-line), and its exit
             raise UserError(f"[rank {DIST.rank}] stopped: another process of this torchrun job ended (its error, "
                             f"where it printed one, and torchrun's report say which)") from None
-        if isinstance(exc, RuntimeError) and not stopped_with_its_workers(exc):
-            died = worker_death(exc, cfg)
+        if isinstance(exc, (RuntimeError, MemoryError)) and not stopped_with_its_workers(exc):
+            died = worker_death(exc, cfg) or out_of_memory(exc, cfg)
             if died:
                 raise (UserError(f"[rank {DIST.rank}] {died}") if DIST.enabled else died) from None
             raise
@@ -458,12 +459,51 @@ def worker_death(exc, cfg):
         return None
     signal_name = (re.search(r"killed by signal: ([^.\n]+)", text) or [None, ""])[1].strip()
     why = {"Killed": ", as the out-of-memory killer ends a process", "Bus error": ": shared memory (/dev/shm) full?"}
-    kept = (f"last.pt is intact: {resume_words(cfg)} continues from it" if (Path(cfg["checkpoint_dir"]) /
-                                                                               "last.pt").is_file()
-            else "no checkpoint was written yet")
+    kept = checkpoint_kept_words(cfg)
     how = f" (signal {signal_name}{why.get(signal_name, '')})" if signal_name else ""
-    return UserError(f"a data loader worker died{how}; {kept}{little_shared_memory()}; to need less memory, use "
-                     f"fewer num_workers (0 reads in the training process) or a smaller batch_size")
+    limit = file_size_limit()  # it bounds the shared-memory files workers hand batches over in too
+    size_limit = f"; the file-size limit here (ulimit -f: {size_text(limit)}) bounds the shared memory workers " \
+                 f"pass batches through: raise it (ulimit -f unlimited)" if limit is not None else ""
+    return UserError(f"a data loader worker died{how}; {kept}{little_shared_memory()}{size_limit}; to need less "
+                     f"memory, use fewer num_workers (0 reads in the training process) or a smaller batch_size")
+
+
+def checkpoint_kept_words(cfg):
+    return (f"last.pt is intact: {resume_words(cfg)} continues from it" if (Path(cfg["checkpoint_dir"]) /
+                                                                           "last.pt").is_file()
+            else "no checkpoint was written yet")
+
+
+def out_of_memory(exc, cfg):
+    """A one-line UserError for memory that ran out in a run: the GPU's (torch.cuda.OutOfMemoryError), or the
+    host's (torch's 'DefaultCPUAllocator: can't allocate memory', numpy's MemoryError: a container's limit, or
+    ulimit -v), or a thread that could not start (ulimit -u, or -v): each was a traceback. None for other errors."""
+    text = str(exc)
+    gpu = isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in text
+    if not (gpu or isinstance(exc, MemoryError) or "can't allocate memory" in text or "can't start new thread" in text):
+        return None
+    if "can't start new thread" in text:
+        what = "could not start a thread (a limit on processes, ulimit -u, or on memory, ulimit -v)"
+        fix = "raise the limit, or use num_workers=0"
+    else:
+        limit = address_space_limit()
+        what = "ran out of " + ("GPU memory" if gpu else "memory" + (
+            f" (this process may use {size_text(limit)}: ulimit -v)" if limit is not None else ""))
+        fix = (f"use a smaller batch_size (accumulation_steps keeps the effective batch)"
+               f"{', batch_size=auto' if gpu else ''} or image_size" + ("" if gpu else ", or fewer num_workers"))
+    return UserError(f"training {what} at batch_size={cfg['batch_size']}, image_size={cfg['image_size']}; "
+                     f"{checkpoint_kept_words(cfg)}: {fix}")
+
+
+def address_space_limit():
+    """The memory this process may map (ulimit -v, RLIMIT_AS), in bytes; None where none is set."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 SHM_LOW_BYTES = 256 * 2**20  # /dev/shm with less free than this is named when a worker dies (Docker: 64 MB)
@@ -1250,6 +1290,10 @@ def check_checkpoint_room(run, cfg, replaced):
     held = sum(p.stat().st_size for p in (folder / "best.pt", folder / "last.pt") if p.is_file()) if replaced else 0
     free = shutil.disk_usage(folder).free + held
     sizes = f"best.pt about {size_text(best)}, last.pt about {size_text(last)}"
+    limit = file_size_limit()
+    if limit is not None and max(best, last) >= limit:  # the write failed after a whole epoch, as on a full disk
+        raise UserError(f"the run's checkpoints ({sizes}) are larger than the file-size limit here ({size_text(limit)}"
+                        f", ulimit -f): raise it (ulimit -f unlimited) or run where none is set")
     if free < best + last:
         raise UserError(f"checkpoint_dir={folder} has {size_text(free)} free, too little for the run's checkpoints "
                         f"({sizes}): free disk space there or choose another checkpoint_dir")
@@ -1717,14 +1761,39 @@ def printable_file_names():
 
 
 def system_limit_message(exc):
-    """The one line for a full disk, or the open-file limit met, where no check before had a message of its
-    own (num_workers=0 checks no limit: at ulimit -n 12 the image cache's np.load met it, in a traceback)."""
+    """The one line for a full disk, the open-file or file-size limit met, or a path this user may not use, where
+    no check before had a message of its own (num_workers=0 checks no limit: at ulimit -n 12 the image cache's
+    np.load met it, in a traceback)."""
+    if exc.errno in NO_PERMISSION:  # a folder of data this user may not list (data copied from another user)
+        return (f"{exc.filename or 'a file or folder'}: permission denied for this user: let it be read (and, for "
+                f"outputs, written: chmod, or run as its owner), or choose another path")
+    if exc.errno == errno.EFBIG:
+        return (f"cannot write {exc.filename or 'a file'}: {file_size_limit_words()}; files are written under "
+                f"temporary names, so those written before are intact")
     if exc.errno == errno.EMFILE:
         limit = raise_open_files_limit()
         return (f"too many open files{f' (the limit here is {limit}, ulimit -n)' if limit else ''}: raise it "
                 f"(ulimit -n 4096; in Docker --ulimit nofile=4096)")
     return (f"cannot write {exc.filename or 'a file'} ({exc.strerror}): free disk space there or choose another "
             f"folder; files are written under temporary names, so those written before are intact")
+
+
+def file_size_limit():
+    """The largest file this process may write (ulimit -f, RLIMIT_FSIZE), in bytes; None where none is set.
+    Past it a write fails with EFBIG, which reads as a full disk (torch's zip writer: 'unexpected pos')."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def file_size_limit_words():
+    limit = file_size_limit()
+    return (f"larger than the file-size limit here (ulimit -f{f': {size_text(limit)}' if limit is not None else ''}"
+            f"), not a full disk: raise it (ulimit -f unlimited) or run where none is set")
 
 
 def guard_output_streams():
@@ -2197,8 +2266,12 @@ def value_rules(cfg):
         ("num_workers", cfg["num_workers"] is None or cfg["num_workers"] >= 0, "must be >= 0 or None"),
         ("max_train_images", cfg["max_train_images"] is None or cfg["max_train_images"] >= 1,
          "must be >= 1, or None for all"),
-        ("init_scale", cfg["init_scale"] > 0, "must be > 0"),
-        ("growth_factor", cfg["growth_factor"] > 1, "must be > 1"),
+        ("init_scale", 0 < cfg["init_scale"] <= MAX_INIT_SCALE,
+         f"must be in (0, 2**{MAX_INIT_SCALE.bit_length() - 1}]: fp16's loss scale to start from (2**16 by default); "
+         f"a larger one only skips steps while it backs off (past float32's range, GradScaler fails)"),
+        ("growth_factor", 1 < cfg["growth_factor"] <= MAX_GROWTH_FACTOR,
+         f"must be in (1, {MAX_GROWTH_FACTOR}]: the loss scale's growth after growth_interval good steps (2.0 by "
+         f"default); a larger one overflows at each growth, and the step is skipped"),
         ("backoff_factor", 0 < cfg["backoff_factor"] < 1, "must be between 0 and 1"),
         ("device", valid_device(cfg["device"]), "must be auto, cpu, cuda, cuda:N or mps"),
         ("patch_scale", 0 < cfg["patch_scale"] <= 4, "must be in (0, 4]: 1.0 = native resolution, 0.5 = half"),
@@ -2219,6 +2292,12 @@ def value_rules(cfg):
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
          f"bottleneck: use batch_size >= 2 or image_size >= 64"),
     ]
+
+
+# fp16's loss-scale keys' bounds: a scale of 1e30 skipped every step of a short run while it halved (unsaid), and
+# 1e39, past float32, failed inside GradScaler. 2**32 is 65536x the default (fp16's whole range): backing off from
+# it skips 16 steps at most. A growth factor past 16 overflows at each growth (growth_interval steps), skipped.
+MAX_INIT_SCALE, MAX_GROWTH_FACTOR = 2**32, 16
 
 
 # Sliding-window settings: checked for training, and at predict time when given (None = the checkpoint's).
@@ -3500,18 +3579,23 @@ def decode_image(path, channels=3):
     which also tells multi-page stacks apart; OpenCV reads the rest, and the TIFFs read_tiff leaves to it
     (palette colours, CMYK), which OpenCV's TIFF decoder turns by their Orientation tag whatever the flags."""
     readers_quieted()  # a library caller's (a notebook's) too: OpenCV's log lines came before its one-line error
-    image = read_tiff(path) if is_tiff(path) else None
-    if image is None:
-        # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
-        # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
-        colour = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
-        image = opencv_read(path, cv2.IMREAD_ANYDEPTH | colour, "image")
-        if image.ndim == 3 and image.shape[2] in (3, 4):  # in place: no second copy of a large scene
-            if image.dtype in CVT_COLOR_DTYPES:
-                code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
-                image = cv2.cvtColor(image, code, dst=image)
-            else:  # signed 16/32-bit, float64: cvtColor refuses them
-                image[..., [0, 2]] = image[..., [2, 0]]
+    with read_errors_named(path, "image"):
+        image = read_tiff(path) if is_tiff(path) else None
+        return image if image is not None else opencv_image(path, channels)
+
+
+def opencv_image(path, channels):
+    """decode_image's OpenCV read: RGB order, the depth kept."""
+    # ANYDEPTH keeps 16-bit and float pixels; the colour flag makes 8-bit files decode exactly as
+    # before (the decoder's own gray conversion); not IMREAD_UNCHANGED, which ignores EXIF rotation.
+    colour = cv2.IMREAD_COLOR if channels == 3 else cv2.IMREAD_GRAYSCALE
+    image = opencv_read(path, cv2.IMREAD_ANYDEPTH | colour, "image")
+    if image.ndim == 3 and image.shape[2] in (3, 4):  # in place: no second copy of a large scene
+        if image.dtype in CVT_COLOR_DTYPES:
+            code = cv2.COLOR_BGR2RGB if image.shape[2] == 3 else cv2.COLOR_BGRA2RGBA
+            image = cv2.cvtColor(image, code, dst=image)
+        else:  # signed 16/32-bit, float64: cvtColor refuses them
+            image[..., [0, 2]] = image[..., [2, 0]]
     return image
 
 
@@ -3530,6 +3614,9 @@ def opencv_read(path, flags, kind):
             raise UserError(f"{kind} {path} has more pixels than OpenCV may read here (OPENCV_IO_MAX_IMAGE_"
                             f"PIXELS, 2**30 unless set before OpenCV was first imported): set it higher before "
                             f"that (importing this script first does), or cut the image into parts") from None
+        if "Insufficient memory" in str(exc) or "Failed to allocate" in str(exc):  # not the file: it was 'fix it'
+            raise UserError(f"cannot read {kind} {path}: not enough memory here to decode it: free memory (or raise "
+                            f"ulimit -v), or cut the image into parts") from None
         raise UserError(too_long_a_side(path, kind) or f"cannot read {kind} {path} ({first_line(exc)}): fix "
                                                        f"or remove it") from None
     if array is None:
@@ -3784,7 +3871,38 @@ def unreadable_why(path):
         return "a folder, not an image"
     if not path.exists():
         return "a broken link" if path.is_symlink() else "not found"
+    if not os.access(path, os.R_OK):  # cv2.imread returns None for it, as for a damaged file
+        return "permission denied: this user may not read it"
     return "an empty file" if path.stat().st_size == 0 else "corrupt or not an image"
+
+
+@contextlib.contextmanager
+def read_errors_named(path, kind):
+    """An OSError met reading a data file as its one-line UserError: no permission to read it (data copied
+    from another user, root's 600 files), or an I/O error (a failing disk, a network share gone). It was a
+    traceback from inside the reader: the data check stopped there, and predict with it, which names an
+    unreadable image and goes on. The open-file limit is left to main's message (system_limit_message)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.EMFILE:
+            raise
+        raise UserError(f"cannot read {kind} {path} ({os_error_words(exc)}): {os_error_fix(exc)}") from None
+
+
+def os_error_words(exc):
+    return "permission denied: this user may not read it" if exc.errno in NO_PERMISSION else \
+        (exc.strerror or type(exc).__name__)
+
+
+def os_error_fix(exc, other="remove it"):
+    """The fix for a file that could not be read: its permissions, or the file itself."""
+    if exc.errno in NO_PERMISSION:
+        return f"let this user read it (chmod a+r, or run as its owner), or {other}"
+    return f"check the disk or share it is on, or {other}"
+
+
+NO_PERMISSION = (errno.EACCES, errno.EPERM)
 
 
 def too_long_a_side(path, kind):
@@ -4013,9 +4131,10 @@ def decode_mask(path):
     """A mask's stored values. Palette files (VOC and labelme PNGs) give their indices, not colours;
     TIFFs follow read_tiff's rules (level 0, no stacks)."""
     readers_quieted()
-    mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
-    if mask is None:
-        mask = opencv_read(path, cv2.IMREAD_UNCHANGED, "mask")
+    with read_errors_named(path, "mask"):
+        mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
+        if mask is None:
+            mask = opencv_read(path, cv2.IMREAD_UNCHANGED, "mask")
     if mask.ndim == 3:
         check_mask_alpha(mask, path)
         mask = mask[..., :3]  # ignore an alpha channel
@@ -5154,8 +5273,9 @@ class SegDataset(Dataset):
         self.resized = image_cache(pairs, cfg)
         self.transform = build_transforms(cfg, train, resize=self.resized is None)
         # In shared memory: persistent DataLoader workers keep their copy of the dataset across
-        # epochs, and must still see the epoch the main process sets.
-        self._epoch = multiprocessing.RawValue("q", 0)
+        # epochs, and must still see the epoch the main process sets. Where shared memory cannot be made
+        # (a read-only /dev/shm), there are no workers (worker_count), and a plain number does.
+        self._epoch = types.SimpleNamespace(value=0) if shared_memory_problem() else multiprocessing.RawValue("q", 0)
 
     @property
     def epoch(self):
@@ -5232,11 +5352,11 @@ def check_patch_cache_room(pairs, sizes, cfg):
 
 
 def size_text(n):
-    """Bytes for people: 850 MB, 1.2 GB, 3.0 TB."""
+    """Bytes for people: 850 MB, 1.2 GB, 3.0 TB; 48 kB under a megabyte (a tiny disk read '0 MB of 0 MB free')."""
     for unit, scale in (("TB", 2**40), ("GB", 2**30)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**20:.0f} MB"
+    return f"{n / 2**20:.0f} MB" if n >= 2**19 else f"{n / 2**10:.0f} kB"
 
 
 def processes_per_node():
@@ -5396,6 +5516,8 @@ def worker_count(cfg, hw):
     """
     if cfg["num_workers"] is not None:
         return cfg["num_workers"]
+    if shared_memory_problem():  # workers hand batches over in it (check_worker_count's note)
+        return 0
     cores = cores_per_process()
     if hw.kind == "cpu":
         return CPU_WORKERS if cores >= 2 else 0
@@ -5465,6 +5587,7 @@ def check_worker_count(cfg):
         print(f"note: num_workers={cfg['num_workers']} on {cores} core(s) per process here: the workers share the "
               f"cores with the training itself and each other, which slows an epoch; num_workers=None picks for "
               f"this machine")
+    check_shared_memory(cfg)
     workers = cfg["num_workers"] if cfg["num_workers"] is not None else min(8, max(1, cores // 2))  # auto's most
     limit = raise_open_files_limit()
     if workers and limit is not None and limit < OPEN_FILES_BASE + OPEN_FILES_PER_WORKER * workers:
@@ -5472,6 +5595,32 @@ def check_worker_count(cfg):
                         f"{workers} data loader worker(s), whose pipes and shared batches need about "
                         f"{OPEN_FILES_PER_WORKER} each: raise it (ulimit -n 4096; in Docker --ulimit "
                         f"nofile=4096) or set num_workers=0")
+
+
+def check_shared_memory(cfg):
+    """Loader workers hand each batch over in shared memory (/dev/shm on Linux): where it cannot be written (a
+    read-only or foreign-owned /dev/shm, a sandbox), num_workers=None reads in the training process (a note), and
+    workers asked for are refused. Every run crashed there in a traceback, num_workers=0 too."""
+    problem = shared_memory_problem()
+    if not problem:
+        return
+    fix = "make /dev/shm writable (a container: --shm-size=2g, or --ipc=host)"
+    if cfg["num_workers"]:
+        raise UserError(f"num_workers={cfg['num_workers']}: loader workers pass batches through shared memory, which "
+                        f"cannot be made here ({problem}): {fix}, or set num_workers=0")
+    if cfg["num_workers"] is None and DIST.is_main:
+        print(f"note: shared memory cannot be made here ({problem}): images are read in the training process "
+              f"(num_workers=0), with no loader workers to overlap it; {fix} for them")
+
+
+@functools.lru_cache(maxsize=None)
+def shared_memory_problem():
+    """Why this process cannot make shared memory (an OSError's words), or None where it can."""
+    try:
+        multiprocessing.RawValue("q", 0)
+    except OSError as exc:
+        return f"{exc.strerror or exc}{f' in {os.path.dirname(exc.filename)}' if exc.filename else ''}"
+    return None
 
 
 # Measured on a 2-core Xeon (tiny run, ulimit -n): 1 worker trained at 28 open files, not 24; 2 workers
@@ -6696,7 +6845,7 @@ def score_masks(pred, truth, num_classes):
 
 class EpochTally:
     """A training pass's loss and IoU/Dice, summed on the device (no host sync per micro-step) and read
-    back once, by result(). Non-finite losses count as 0 and are left out of the mean."""
+    back once, by result(). Non-finite losses count as 0 and are left out of the mean (nan where all were)."""
 
     def __init__(self, num_classes, device):
         self.metric = SegMetric(num_classes, device)
@@ -6722,7 +6871,8 @@ class EpochTally:
         scores = self.metric.all_reduce().compute()
         all_reduce_(self.loss_sum), all_reduce_(self.finite_losses)
         images = self.images * DIST.world
-        return {"loss": self.loss_sum.item() / max(1, self.finite_losses.item()), "iou": scores["iou"],
+        finite = self.finite_losses.item()  # none (nan_guard=False, every loss NaN): nan, not a perfect 0.0
+        return {"loss": self.loss_sum.item() / finite if finite else math.nan, "iou": scores["iou"],
                 "dice": scores["dice"], "time": elapsed, "images_per_s": images / elapsed if elapsed else 0.0,
                 "stats": health.stats()}
 
@@ -7259,6 +7409,9 @@ def check_writable(folder, key="output"):
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{key} {folder} is a file, not a folder: choose another {key}=...")
+    if folder.is_symlink() and not folder.exists():  # mkdir said 'not writable (File exists)'
+        raise UserError(f"{key} {folder} is a broken link (it points to {os.readlink(folder)}, which is not there): "
+                        f"create that folder, or remove the link")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe = folder / f".write_test_{os.getpid()}"
@@ -7406,6 +7559,10 @@ def save_checkpoint(path, state):
         # torch's zip writer's text ("[enforce fail at inline_container.cc:672] . unexpected pos") says no more
         short = "the write stopped short, as on a full disk"
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else short
+        limit = file_size_limit()
+        if getattr(exc, "errno", None) == errno.EFBIG or limit is not None and tensor_bytes(state) >= limit:
+            raise UserError(f"cannot write {path}: about {size_text(tensor_bytes(state))}, "
+                            f"{file_size_limit_words()}; the files written before it are intact") from None
         if not isinstance(exc, OSError) or exc.errno in FULL_DISK:
             why += f": it needs about {size_text(tensor_bytes(state))}, {size_text(free_bytes(Path(path).parent))} free"
         raise UserError(f"cannot write {path} ({why}): {write_fix(exc)}; the files written before it are "
@@ -7447,6 +7604,9 @@ def load_checkpoint(path, map_location="cpu", fix="give a best.pt or last.pt as 
         with warnings.catch_warnings():  # torch's own warnings about the pickle of a file that is no checkpoint
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location=map_location, weights_only=True)
+    except OSError as exc:  # not the file's content: it was called no checkpoint of this trainer
+        raise UserError(f"cannot read checkpoint {path} ({os_error_words(exc)}): "
+                        f"{os_error_fix(exc, other=fix)}") from None
     except Exception as exc:  # noqa: BLE001 - pickle, zip and weights_only errors all mean "not our checkpoint"
         # torch's text is not shown: for any other file it is advice on weights_only and PyTorch versions
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))  # whole, but of objects we never load
@@ -8165,12 +8325,25 @@ def tiff_header(path):
 def available_memory():
     """Bytes of memory free for this process, or None where that is unknown (not Linux): the kernel's
     MemAvailable, and no more than the room under the memory limit of its control group (a container's
-    --memory, a Slurm or Kubernetes job's), where the page cache counts as free, as the kernel frees it."""
+    --memory, a Slurm or Kubernetes job's), where the page cache counts as free, as the kernel frees it; and no
+    more than ulimit -v leaves it to map (a large image failed in numpy, unnamed, before any mask was written)."""
     try:
         free = int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024
     except (OSError, TypeError):
         return None
-    return max(0, min(free, cgroup_room()))
+    return max(0, min(free, cgroup_room(), address_space_room()))
+
+
+def address_space_room():
+    """Bytes this process may still map under ulimit -v (its limit less its VmSize); inf where none is set."""
+    limit = address_space_limit()
+    if limit is None:
+        return math.inf
+    try:
+        mapped = int(re.search(r"^VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
+    except (OSError, TypeError):
+        return math.inf
+    return limit - mapped
 
 
 def cgroup_room(proc="/proc/self/cgroup", sys_root="/sys/fs/cgroup"):
@@ -10228,6 +10401,9 @@ def export_onnx(model, cfg, path):
                               dynamic_axes={"image": dims, "logits": dims})
         onnx.checker.check_model(str(path), full_check=True)  # valid ONNX for other runtimes too
     except Exception as exc:  # the exporter's and the checker's errors share no base class
+        if isinstance(exc, OSError) and exc.errno == errno.EFBIG:
+            raise UserError(f"cannot write the ONNX model into {path.parent}: {file_size_limit_words()}; nothing "
+                            f"written or moved") from None
         if isinstance(exc, OSError) and exc.errno in FULL_DISK:  # a disk, not the architecture
             raise UserError(f"cannot write the ONNX model into {path.parent} ({exc.strerror}): "
                             f"{write_fix(exc, 'output')}; nothing written or moved") from None

@@ -277,6 +277,7 @@ def test_bad_numbers(arg, key):
     ("early_stopping_patience=0", "early_stopping_patience"), ("num_workers=-1", "num_workers"),
     ("growth_factor=1", "growth_factor"), ("backoff_factor=1", "backoff_factor"),
     ("init_scale=0", "init_scale"), ("device=gpu", "device"),
+    ("init_scale=1e39", "init_scale"), ("init_scale=1e30", "init_scale"), ("growth_factor=1e30", "growth_factor"),
 ])
 def test_out_of_range_values(arg, key):
     message = user_error([arg])

@@ -143,10 +143,10 @@ def test_a_step_the_guard_skips_does_not_update_the_ema(cpu_hw):
 
 def test_fp16_without_the_guard_weights_the_update_on_the_device(cpu_hw):
     """fp16 with nan_guard=False: the GradScaler decides on the device, and so does the EMA (no read-back).
-    An init_scale of 2**100 overflows the first step's fp16 gradients (skipped: the shadow does not move);
-    the scale then backs off to 16 and the next steps apply."""
+    An init_scale of 2**32 (the largest allowed) overflows the first step's fp16 gradients (skipped: the shadow
+    does not move); the scale then backs off to 16 and the next steps apply."""
     cfg = tiny(ema_decay=0.9, nan_guard=False, use_amp=True, amp_dtype="float16", force_amp_dtype=True,
-               init_scale=2.0**100, backoff_factor=2.0**-96)
+               init_scale=2.0**32, backoff_factor=2.0**-28)
     run = make_run(cfg, cpu_hw, fp16(cpu_hw))
     start = snapshot(run.model)
     states, applied, shadows = train_steps(run, cfg, cpu_hw, [batch(i) for i in range(3)])

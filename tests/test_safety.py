@@ -570,3 +570,21 @@ def test_a_ctrl_c_while_the_script_exits_ends_it_at_once_with_130():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130 and time.monotonic() - start < 50, (done.returncode, done.stderr[-800:])
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_epoch_whose_every_loss_is_nan_reports_nan_not_a_perfect_zero(cpu_hw):
+    """nan_guard=False, learning_rate=1e30: every loss NaN read 'train loss 0.0000', in history.csv too."""
+    tally = train_unet.EpochTally(1, "cpu")
+    logits, y = torch.zeros(2, 1, 4, 4), torch.zeros(2, 4, 4, dtype=torch.long)
+    for _ in range(3):
+        assert not bool(tally.add(torch.tensor(math.nan), logits, y))
+    assert math.isnan(result_loss(tally, cpu_hw))
+    tally.add(torch.tensor(2.0), logits, y)  # one finite loss: the mean of the finite ones, as before
+    assert result_loss(tally, cpu_hw) == 2.0
+
+
+def result_loss(tally, hw):
+    class NoHealth:  # the step's gradient statistics: not what is tested
+        def stats(self):
+            return None
+    return tally.result(NoHealth(), hw)["loss"]

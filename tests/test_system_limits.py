@@ -1,0 +1,237 @@
+"""What the machine refuses, said in one line: files this user may not read, shared memory that cannot be
+made, memory that runs out (ulimit -v, a GPU's), a file-size limit (ulimit -f), a checkpoint folder that is a
+broken link. Each was a traceback from inside torch, numpy or OpenCV, or a message naming another cause.
+
+Tests run as root here, whom file permissions do not stop: a read refused is the OSError the reader raises."""
+import errno
+import math
+import multiprocessing
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import train_unet
+from train_unet import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def denied(path):
+    return PermissionError(errno.EACCES, "Permission denied", str(path))
+
+
+@pytest.fixture
+def refuse_reading(monkeypatch):
+    """refuse_reading(name): reading a file of that name raises what open() raises for a file of mode 000."""
+    names = set()
+    real = train_unet.opencv_decode
+
+    def decode(path, flags, kind):
+        if Path(path).name in names:
+            raise denied(path)
+        return real(path, flags, kind)
+    monkeypatch.setattr(train_unet, "opencv_decode", decode)
+    return names.add
+
+
+def test_the_data_check_names_every_file_this_user_may_not_read(make_cfg, refuse_reading, tmp_path):
+    cfg = make_cfg()
+    images = sorted((Path(cfg["data_dir"]) / "images").iterdir())
+    masks = sorted((Path(cfg["data_dir"]) / "masks").iterdir())
+    refuse_reading(images[0].name)
+    refuse_reading(masks[3].name)  # a mask of the same name as its image: both read by their own readers
+    with pytest.raises(UserError) as info:
+        train_unet.train(cfg)
+    message = str(info.value)
+    assert "\n" not in message and "cannot read image " in message and images[0].name in message
+    assert "permission denied: this user may not read it" in message and "chmod a+r" in message
+    assert "other file(s) fail the check too" in message  # every unreadable file counted, not one per run
+
+
+def test_predict_names_an_image_it_may_not_read_and_predicts_the_others(make_cfg, refuse_reading, tmp_path,
+                                                                        capsys):
+    cfg = make_cfg()
+    train_unet.train(cfg)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i, image in enumerate(sorted((Path(cfg["data_dir"]) / "images").iterdir())[:3]):
+        (inputs / image.name).write_bytes(image.read_bytes())
+    refuse_reading(sorted(inputs.iterdir())[1].name)
+    result = train_unet.predict({"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(inputs),
+                                 "output": str(tmp_path / "out"), "progress": False, "device": "cpu"})
+    assert len(result["failed"]) == 1 and len(list((tmp_path / "out").glob("*.png"))) == 2
+    assert "permission denied" in capsys.readouterr().out
+
+
+def test_a_folder_this_user_may_not_list_is_one_line_from_main(make_cfg, monkeypatch, capsys):
+    cfg = make_cfg()
+    folder = Path(cfg["data_dir"]) / "images"
+
+    def index(path):
+        raise denied(path)
+    monkeypatch.setattr(train_unet, "index_by_stem", index)
+    assert train_unet.main([f"data_dir={cfg['data_dir']}", f"checkpoint_dir={cfg['checkpoint_dir']}",
+                            "image_size=64", "epochs=1", "device=cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{folder}: permission denied for this user" in err and "Traceback" not in err
+
+
+def test_a_checkpoint_this_user_may_not_read_is_not_called_damaged(tmp_path, monkeypatch):
+    path = tmp_path / "best.pt"
+    torch.save({"model": {}, "config": {}}, path)
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (_ for _ in ()).throw(denied(path)))
+    with pytest.raises(UserError) as info:
+        train_unet.load_checkpoint(path)
+    assert "permission denied" in str(info.value) and "chmod a+r" in str(info.value)
+    assert "not a readable checkpoint" not in str(info.value)
+
+
+def test_an_image_opencv_has_no_memory_for_is_not_called_damaged(tmp_path, monkeypatch):
+    path = tmp_path / "a.bmp"
+    cv2.imwrite(str(path), np.zeros((8, 8, 3), np.uint8))
+
+    def decode(*args):
+        raise cv2.error("OpenCV(4.10.0) alloc.cpp:73: error: (-4:Insufficient memory) Failed to allocate 768000000 "
+                        "bytes in function 'OutOfMemoryError'")
+    monkeypatch.setattr(train_unet, "opencv_decode", decode)
+    with pytest.raises(UserError, match="not enough memory here to decode it") as info:
+        train_unet.read_image(path, 3)
+    assert "fix or remove it" not in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared memory (/dev/shm) that cannot be made
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_shared_memory(monkeypatch):
+    def refused(*args):
+        raise OSError(errno.EROFS, "Read-only file system", "/dev/shm/pym-123-abc")
+    monkeypatch.setattr(multiprocessing, "RawValue", refused)
+    train_unet.shared_memory_problem.cache_clear()
+    yield
+    train_unet.shared_memory_problem.cache_clear()
+
+
+def test_without_shared_memory_training_reads_in_its_own_process(make_cfg, no_shared_memory, capsys):
+    """A read-only /dev/shm: every run crashed at the dataset's shared epoch number, num_workers=0 too."""
+    result = train_unet.train(make_cfg(num_workers=None, epochs=2))
+    assert len(result["history"]) == 2
+    assert "shared memory cannot be made here (Read-only file system in /dev/shm)" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"num_workers=1: loader workers pass batches through shared memory.*"
+                                        r"num_workers=0"):
+        train_unet.train(make_cfg(num_workers=1, checkpoint_dir=str(Path(make_cfg()["checkpoint_dir"]) / "b")))
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory that runs out
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("error, words", [
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                  "to allocate 268435456 bytes. Error code 12 (Cannot allocate memory)"), "ran out of memory"),
+    (MemoryError("Unable to allocate 732. MiB for an array"), "ran out of memory"),
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "ran out of GPU memory"),
+    (RuntimeError("can't start new thread"), "could not start a thread"),
+])
+def test_memory_that_runs_out_in_training_is_one_line(make_cfg, monkeypatch, capsys, error, words):
+    cfg = make_cfg()
+    monkeypatch.setattr(train_unet, "train", lambda *a, **k: (_ for _ in ()).throw(error))
+    with pytest.raises(UserError) as info:
+        train_unet.train_main(cfg)
+    message = str(info.value)
+    assert words in message and "batch_size=4, image_size=64" in message and "no checkpoint was written" in message
+    assert ("batch_size=auto" in message) == ("GPU" in words)
+    monkeypatch.setattr(train_unet, "train", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):  # an internal error still raises
+        train_unet.train_main(cfg)
+
+
+def test_predicts_memory_room_counts_the_address_space_limit(monkeypatch):
+    """ulimit -v: predict's check let a 16000² image through on the machine's free memory, and numpy failed
+    with a traceback before any mask was written."""
+    free = train_unet.available_memory()
+    if free is None:
+        pytest.skip("no /proc/meminfo on this system")
+    monkeypatch.setattr(train_unet, "address_space_limit", lambda: 2**30 + train_unet_vm_size())
+    assert train_unet.available_memory() <= 2**30 + 2**24  # what the process maps may grow a little meanwhile
+    monkeypatch.setattr(train_unet, "address_space_limit", lambda: None)
+    assert train_unet.address_space_room() == math.inf
+
+
+def train_unet_vm_size():
+    import re
+    return int(re.search(r"^VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M)[1]) * 1024
+
+
+def test_a_real_address_space_limit_in_training_is_one_line(make_data, tmp_path):
+    """The run under a real ulimit -v, in its own process: the first batch cannot be allocated."""
+    if not hasattr(resource, "RLIMIT_AS") or not Path("/proc/self/status").exists():
+        pytest.skip("no address-space limit on this system")
+    data = make_data(count=10, size=32)
+    vm = train_unet_vm_size()  # this process has torch and OpenCV loaded, as the child will
+    limit = vm + 1536 * 2**20
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    done = subprocess.run([sys.executable, str(ROOT / "train_unet.py"), f"data_dir={data}", "image_size=1024",
+                           "batch_size=8", "epochs=1", "num_workers=0", "use_amp=False", "progress=False",
+                           "encoder_weights=None", "device=cpu", f"checkpoint_dir={tmp_path / 'ck'}"],
+                          capture_output=True, text=True, preexec_fn=cap, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "ran out of memory" in done.stderr and "ulimit -v" in done.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# A file-size limit (ulimit -f)
+# ------------------------------------------------------------------------------------------------
+def test_a_file_size_limit_below_the_checkpoints_is_refused_before_training(make_data, tmp_path):
+    """ulimit -f 100000 (98 MB): a whole epoch trained, then last.pt (164 MB) failed 'as on a full disk'
+    beside 59 GB free."""
+    data = make_data(count=10, size=32)
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 2**20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    done = subprocess.run([sys.executable, str(ROOT / "train_unet.py"), f"data_dir={data}", "image_size=32",
+                           "batch_size=4", "epochs=1", "num_workers=0", "progress=False", "device=cpu",
+                           f"checkpoint_dir={tmp_path / 'ck'}"],
+                          capture_output=True, text=True, preexec_fn=cap, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "larger than the file-size limit here (20 MB, ulimit -f)" in done.stderr
+    assert "epoch   1/1" not in done.stdout and not (tmp_path / "ck" / "history.csv").exists()
+
+
+def test_a_write_past_the_file_size_limit_is_not_called_a_full_disk(tmp_path):
+    """A real limit in this process (Python ignores SIGXFSZ: the write fails with EFBIG)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, hard))
+    try:
+        with pytest.raises(UserError) as info:
+            train_unet.save_checkpoint(tmp_path / "last.pt", {"model": {"w": torch.zeros(2**19)}})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not (tmp_path / "last.pt").exists() and not list(tmp_path.iterdir())  # no partial file left
+    assert "larger than the file-size limit here (ulimit -f: 1 MB), not a full disk" in str(info.value)
+    error = OSError(errno.EFBIG, "File too large", str(tmp_path / "history.csv"))
+    assert "file-size limit" in train_unet.system_limit_message(error)
+
+
+def test_small_sizes_are_not_zero_megabytes():
+    assert [train_unet.size_text(n) for n in (0, 48 * 2**10, 2**20)] == ["0 kB", "48 kB", "1 MB"]
+
+
+# ------------------------------------------------------------------------------------------------
+# A checkpoint folder that is a broken link
+# ------------------------------------------------------------------------------------------------
+def test_a_checkpoint_dir_that_is_a_broken_link_says_so(tmp_path):
+    link = tmp_path / "ck"
+    link.symlink_to(tmp_path / "not_there")
+    with pytest.raises(UserError, match=r"is a broken link \(it points to .*not_there, which is not there\)"):
+        train_unet.check_writable(link, "checkpoint_dir")
