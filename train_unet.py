@@ -73,6 +73,7 @@ import tempfile
 import threading
 import time
 import types
+import unicodedata
 import warnings
 import weakref
 import zlib
@@ -3544,6 +3545,9 @@ def image_file_count(folder):
 
 
 def index_by_stem(folder):
+    """{stem: path} of a folder's images, each stem in Unicode's composed form (NFC): a name with an accent
+    copied from macOS (é as e + accent, NFD) beside one written on Linux (é as one character) looks the same
+    and pairs; its mask was 'missing', the two names alike on screen."""
     found = {}
     for path in sorted(folder.iterdir()):
         if path.suffix.lower() not in IMAGE_EXTS or path.name.startswith(".") or path.is_dir():
@@ -3551,10 +3555,12 @@ def index_by_stem(folder):
         if not path.exists():  # before pairing, where it would read as a file without a partner
             raise UserError(f"{path} is a broken link (it points to {os.readlink(path)}, which is not there): "
                             f"fix or remove it")
-        if path.stem in found:
-            raise UserError(f"{found[path.stem].name} and {path.name} in {folder} share the stem "
-                            f"{path.stem!r}: keep one file per name")
-        found[path.stem] = path
+        stem = unicodedata.normalize("NFC", path.stem)
+        if stem in found:
+            alike = " (spelt in two Unicode forms that look alike)" if found[stem].stem != path.stem else ""
+            raise UserError(f"{found[stem].name} and {path.name} in {folder} share the stem {stem!r}{alike}: keep "
+                            f"one file per name")
+        found[stem] = path
     return found
 
 

@@ -1945,6 +1945,23 @@ def test_masks_named_in_other_letter_case_are_told_to_be_renamed(make_data):
                          r"SHAPE_0000.png -> shape_0000.png\)$")
 
 
+def test_names_in_two_unicode_forms_pair(make_data):
+    """Images named on Linux (é one character, NFC) and masks copied from macOS (e + accent, NFD): the names look
+    alike, yet '3 image(s) have no mask (e.g. café.png ...)'. They pair; two such files in one folder are named."""
+    import unicodedata
+
+    root = make_data("accents", count=3, size=32)
+    for i, name in enumerate(["über", "café", "naïve"]):
+        (root / "images" / f"shape_{i:04d}.png").rename(root / "images" / f"{unicodedata.normalize('NFC', name)}.png")
+        (root / "masks" / f"shape_{i:04d}.png").rename(root / "masks" / f"{unicodedata.normalize('NFD', name)}.png")
+    pairs = train_unet.find_pairs(root)
+    assert len(pairs) == 3 and all(image.exists() and mask.exists() for image, mask in pairs)
+    assert all(unicodedata.normalize("NFC", image.stem) == unicodedata.normalize("NFC", mask.stem)
+               for image, mask in pairs)
+    (root / "images" / f"{unicodedata.normalize('NFD', 'café')}.jpg").write_bytes(b"")
+    one_line_error(train_unet.find_pairs, root, match="share the stem 'café' \\(spelt in two Unicode forms")
+
+
 @pytest.mark.skipif(os.name == "nt", reason="a folder link needs a privilege on Windows")
 def test_masks_linked_to_the_images_folder_are_named_so(make_data):
     """masks/ a link to images/ (a slip while setting up): each image was read as its own mask, and the
