@@ -1890,6 +1890,7 @@ CHOICES = {
 
 # amp_dtype as the banner and the benchmark name precisions: amp_dtype=bf16 is amp_dtype=bfloat16
 AMP_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+FP32_NAMES = ("float32", "fp32", "f32", "float", "tf32", "full")  # asked of amp_dtype: use_amp=False is meant
 
 
 def amp_dtype_name(value):
@@ -1902,6 +1903,9 @@ def check_choice(key, value):
     allowed = CHOICES[key]
     if value in allowed:
         return
+    if key == "amp_dtype" and str(value).lower() in FP32_NAMES:  # was 'did you mean float16?': the riskiest
+        raise UserError(f"amp_dtype={value!r} is not allowed: fp32 is no mixed precision: set use_amp=False "
+                        f"(amp_dtype chooses the mixed one: {', '.join(allowed)})")
     words = [str(a) for a in allowed if a not in (None, "")]  # "" is preset's None, not a choice to list
     close = difflib.get_close_matches(str(value).lower(), words, n=1)
     raise UserError(f"{key}={value!r} is not allowed: use one of " + ", ".join(["None"] * (None in allowed) + words)
@@ -2553,8 +2557,9 @@ def cpu_bf16_feature():
     """(native, feature or reason). Native only with real bf16 instructions: AMX or AVX512-BF16 on x86,
     the BF16 extension on arm64. Not mkldnn._is_mkldnn_bf16_supported(): that is true on any AVX512 CPU
     (Skylake to Ice Lake), where oneDNN emulates bf16, slower than fp32 (measured: see this section's top)."""
-    if os.environ.get(HIDE_NATIVE_BF16_ENV, "") not in ("", "0"):
-        return False, f"native bf16 hidden by {HIDE_NATIVE_BF16_ENV}=1"
+    hide = os.environ.get(HIDE_NATIVE_BF16_ENV, "")
+    if hide.strip().lower() not in ("", "0", "false", "no", "off"):  # =false hid it, and the banner said =1
+        return False, f"native bf16 hidden by {HIDE_NATIVE_BF16_ENV}={hide}"
     probe = lambda name: bool(getattr(torch.cpu, name, lambda: False)())
     machine = platform.machine().lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):

@@ -270,6 +270,13 @@ def test_bad_numbers(arg, key):
     assert key in message
 
 
+@pytest.mark.parametrize("value", ["float32", "fp32", "FP32"])
+def test_amp_dtype_float32_points_to_use_amp_false_not_to_float16(value):
+    """'did you mean float16?' steered someone asking for the safest precision to the riskiest."""
+    message = user_error([f"amp_dtype={value}"])
+    assert "set use_amp=False" in message and "did you mean" not in message
+
+
 @pytest.mark.parametrize("arg, key", [
     ("learning_rate=0", "learning_rate"), ("learning_rate=nan", "learning_rate"),
     ("weight_decay=-1", "weight_decay"), ("val_fraction=1", "val_fraction"),

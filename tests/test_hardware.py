@@ -98,6 +98,11 @@ def test_hide_switch_hides_native_bf16(fake_cpu, monkeypatch):
     assert "hidden by UNET_HIDE_NATIVE_BF16=1" in train_unet.banner(hw, prec, dict(train_unet.CONFIG))
     monkeypatch.setenv("UNET_HIDE_NATIVE_BF16", "0")
     assert train_unet.detect_hardware("cpu").bf16 is True
+    for off in ("false", "No", " off ", ""):  # =false hid it, and the banner said "=1"
+        monkeypatch.setenv("UNET_HIDE_NATIVE_BF16", off)
+        assert train_unet.detect_hardware("cpu").bf16 is True
+    monkeypatch.setenv("UNET_HIDE_NATIVE_BF16", "yes")
+    assert train_unet.detect_hardware("cpu").bf16_feature == "native bf16 hidden by UNET_HIDE_NATIVE_BF16=yes"
 
 
 def test_this_machine_decision_is_its_probes():
