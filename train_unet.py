@@ -3075,6 +3075,9 @@ def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
         return prec, rule_layout
     on, ratio = faster_layout(times, prec.name, rule_layout[0])
     why = f"auto: {'NHWC' if on else 'NCHW'} measured {ratio:.2f}x {'NCHW' if on else 'NHWC'} in {prec.name} here"
+    if ratio < 1:  # the slower one, within the noise: 'NHWC measured 0.98x NCHW' read as a contradiction
+        why += (f"; kept: the rule of thumb's layout, unless the other measures {CPU_PROBE_LAYOUT_MARGIN:.2f}x "
+                f"or faster")
     return prec, (on, why + ("" if on == rule_layout[0] else " (the rule of thumb said otherwise)"))
 
 
