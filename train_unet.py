@@ -8071,6 +8071,9 @@ def predict_into_output(opts):
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_predictor(opts, hw)
+    # fp32 as the run validated in: strict where it set tf32_matmul_precision=highest (the benchmark's fp32 rows),
+    # else TF32 convolutions on Ampere+ made use_amp=False's masks differ from those its val IoU scored
+    apply_tf32(cfg.get("tf32_matmul_precision"), prec)
     tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
     note_checkpoint_settings(cfg, opts, tiling, given)
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []

@@ -190,6 +190,20 @@ def test_predict_converts_the_model_with_its_inputs(make_cfg):
         assert (a != b).mean() < 0.01  # same model: masks agree up to float summation order
 
 
+def test_predict_runs_fp32_as_the_checkpoint_validated_it(make_cfg, tmp_path, restore_cudnn):
+    """A run with tf32_matmul_precision=highest validates in strict fp32; predict left PyTorch's default (TF32
+    convolutions on Ampere+), so `predict use_amp=False` did not give the masks its val IoU scored."""
+    cfg = make_cfg(tf32_matmul_precision="highest")
+    train_unet.train(cfg)
+    torch.backends.cudnn.allow_tf32 = True  # PyTorch's defaults, as a new process starts
+    torch.set_float32_matmul_precision("high")
+    images = sorted((Path(cfg["data_dir"]) / "images").iterdir())[:1]
+    train_unet.predict({"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(images[0]),
+                        "output": str(tmp_path / "out"), "progress": False, "device": "cpu", "use_amp": False})
+    assert torch.backends.cudnn.allow_tf32 is False and torch.get_float32_matmul_precision() == "highest"
+    assert train_unet.fp32_math(CUDA80) == "strict fp32"
+
+
 # ------------------------------------------------------------------------------------------------
 # Resume across hardware, RNG over a different GPU count
 # ------------------------------------------------------------------------------------------------
