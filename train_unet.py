@@ -710,6 +710,11 @@ def check_class_weights_weigh(cfg):
     if cfg["class_weights"] is not None and not {"ce", "focal"} & set(loss_terms(cfg["loss"])):
         raise UserError(f"class_weights={cfg['class_weights']!r} weighs the ce and focal terms, and loss={cfg['loss']} "
                         f"has neither: add one (e.g. loss={cfg['loss']}+ce), or set class_weights=None")
+    if isinstance(cfg["class_weights"], (list, tuple)):
+        batch = cfg["batch_size"] if isinstance(cfg["batch_size"], int) else 1
+        overflow = weights_overflow(max(float(w) for w in cfg["class_weights"]), batch * cfg["image_size"] ** 2)
+        if overflow:
+            raise UserError(overflow)
 
 
 def resume_state(cfg, ckpt_dir, typed=()):
@@ -1456,13 +1461,15 @@ def refuse_nonfinite_validation(run, row, cfg):
     model = unwrap(run.ema.evaluated(run.eval_model))
     bad = next((n for n, t in [*model.named_parameters(), *model.named_buffers()]
                 if t.is_floating_point() and not torch.isfinite(t).all()), None)
-    where = (f"{bad} is non-finite" if bad else "its outputs overflow while its weights and statistics are finite "
-             "(they grew too large)")
+    weights = overflowing_weights(run.loss_fn, cfg["batch_size"] * cfg["image_size"] ** 2)
+    where = ("the model in eval mode gives NaN/inf, " + (f"{bad} is non-finite" if bad else "its outputs overflow "
+             "while its weights and statistics are finite (they grew too large)")) if bad or not weights else weights
     kept = (f"{Path(cfg['checkpoint_dir']) / 'last.pt'} (epoch {run.epoch}) is intact" if run.epoch else
             "no checkpoint was written")
+    causes = "" if weights and not bad else \
+        f"; likely learning_rate={cfg['learning_rate']} too high (grad_clip_norm={cfg['grad_clip_norm']})"
     raise UserError(f"validation went non-finite in epoch {row['epoch']} (val loss {row['val_loss']}, train loss "
-                    f"{row['train_loss']:.3g}): the model in eval mode gives NaN/inf, {where}; likely learning_rate="
-                    f"{cfg['learning_rate']} too high (grad_clip_norm={cfg['grad_clip_norm']}); {kept}")
+                    f"{row['train_loss']:.3g}): {where}{causes}; {kept}")
 
 
 def epoch_summary(row, cfg, improved):
@@ -7261,9 +7268,9 @@ def fall_back(run, bad, snapshot, hw, cfg, epoch):
     if nxt is None:
         where = diagnose_nonfinite(unwrap(run.model), bad.batch, run.loss_fn)
         kept = f"{ckpt} (epoch {run.epoch}) is intact" if run.epoch else "no checkpoint was written yet"
-        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): "
-                        f"{where}; likely causes: learning_rate={cfg['learning_rate']} "
-                        f"too high, or NaN/inf/garbage in the data; {kept}")
+        causes = "" if "class_weights" in where else \
+            f"; likely causes: learning_rate={cfg['learning_rate']} too high, or NaN/inf/garbage in the data"
+        raise UserError(f"training went non-finite in fp32 at step {bad.step} (epoch {epoch}): {where}{causes}; {kept}")
     events = run.fallbacks
     run.load(snapshot)  # model, optimizer, scheduler, scaler as they were at the start of the epoch
     run.fallbacks = events
@@ -7377,6 +7384,22 @@ def zero_grad_pct(run, model, batch, dtype):
     return 100.0 * float(count_zero_grads(grads)) / max(1, sum(g.numel() for g in grads))
 
 
+def overflowing_weights(loss_fn, pixels):
+    """weights_overflow for the loss's class weights (auto's, or a checkpoint's from before that check)."""
+    weights = getattr(loss_fn, "weights", None)
+    return None if weights is None else weights_overflow(float(weights.max()), pixels)
+
+
+def weights_overflow(largest, pixels):
+    """'class_weights up to W ...' where they are large enough for the loss's sums over a batch's pixels to pass
+    float32's range (a per-pixel loss of up to ~100); else None. class_weights=1e38,1e38 was blamed on the masks
+    (or the model's outputs) and the learning rate, after an epoch."""
+    if largest * pixels * 100 < torch.finfo(torch.float32).max:
+        return None
+    return (f"class_weights up to {largest:g} overflow the loss's sums over a batch's {pixels} pixels: use weights "
+            f"nearer 1 (their ratios are what counts: 1,5 not 1e30,5e30)")
+
+
 def diagnose_nonfinite(model, batch, loss_fn):
     """Re-run one batch in fp32 with hooks (installed only here) to find where NaN/inf first appears."""
     x, y = batch
@@ -7399,7 +7422,8 @@ def diagnose_nonfinite(model, batch, loss_fn):
     try:
         loss = loss_fn(model(x.float()), y)
         if not found and not torch.isfinite(loss):
-            found.append("the loss is non-finite while the model's outputs are finite: check the masks")
+            found.append("the loss is non-finite while the model's outputs are finite: "
+                         + (overflowing_weights(loss_fn, y.numel()) or "check the masks"))
         if not found:
             model.zero_grad(set_to_none=True)
             loss.backward()

@@ -159,6 +159,19 @@ def test_a_wrong_type_typed_into_config_is_refused(monkeypatch, key, value, word
     assert key in message and words in message
 
 
+def test_class_weights_that_overflow_the_loss_are_refused_before_training():
+    """class_weights=1e38,1e38: an epoch, then a fallback, then 'check the masks; likely learning_rate too high'.
+    The loss sums weighted pixels: past float32's range at about 1e38 / (100 x the batch's pixels)."""
+    args = ["image_size=64", "batch_size=4"]
+    with pytest.raises(UserError, match=r"class_weights up to 1e\+38 overflow the loss's sums over a batch's 16384 "
+                                        r"pixels: use weights nearer 1"):
+        train_unet.check_class_weights_weigh(parse_overrides([*args, "class_weights=1e38,1e38"]))
+    train_unet.check_class_weights_weigh(parse_overrides([*args, "class_weights=1,1e20"]))  # large, yet it sums
+    loss = train_unet.SegLoss(1, "ce", [1.0, 1e38])
+    assert "class_weights up to 1e+38" in train_unet.overflowing_weights(loss, 16384)  # auto's, a checkpoint's
+    assert train_unet.overflowing_weights(train_unet.SegLoss(1, "ce", [1.0, 5.0]), 16384) is None
+
+
 def test_class_weights_with_a_loss_they_cannot_weigh_is_refused_at_training_start(capsys):
     """loss=dice+lovasz class_weights=auto trained byte-identical epochs to class_weights=None, while the
     banner printed the weights as if applied. (At training's start: a checkpoint saved so still loads.)"""
