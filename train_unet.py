@@ -2700,7 +2700,10 @@ def _dtype_label(p):
 
 
 def apply_tf32(setting, prec):
-    """Apply tf32_matmul_precision; return a warning when it cannot matter for autocast ops (tf32_note)."""
+    """Apply tf32_matmul_precision; return a warning when it cannot matter for autocast ops (tf32_note).
+    predict applies its checkpoint's: a run set to highest validates in strict fp32 (the benchmark's
+    fp32 rows), and PyTorch's default TF32 convolutions on Ampere+ made use_amp=False's masks differ from those
+    its val IoU scored."""
     if setting is None:
         return None
     torch.set_float32_matmul_precision(setting)
@@ -8095,9 +8098,7 @@ def predict_into_output(opts):
     hw, threads = detect_hardware(opts["device"]), fit_cpu_threads()
     prec = decide_precision(hw, opts["use_amp"], opts["amp_dtype"], opts["force_amp_dtype"])
     model, cfg = load_predictor(opts, hw)
-    # fp32 as the run validated in: strict where it set tf32_matmul_precision=highest (the benchmark's fp32 rows),
-    # else TF32 convolutions on Ampere+ made use_amp=False's masks differ from those its val IoU scored
-    apply_tf32(cfg.get("tf32_matmul_precision"), prec)
+    apply_tf32(cfg.get("tf32_matmul_precision"), prec)  # fp32 as validated (apply_tf32's why)
     tiling = {k: opts[k] for k in TILE_RULES if opts[k] is not None}  # may change at predict time
     note_checkpoint_settings(cfg, opts, tiling, given)
     cfg, notes = {**cfg, **tiling, "tta": opts["tta"]}, []
