@@ -9243,10 +9243,14 @@ def prediction_names(path):
 
 
 def check_paths_given(opts, keys):
-    """An empty path (an unset shell variable: output=$OUT) would mean the current folder: refused."""
+    """An empty path (an unset shell variable: output=$OUT) would mean the current folder: refused. A leading ~
+    is the home folder, in place: the shell expands it only at a word's start (not in key=~/x under make's sh),
+    and `~/tinydata` was 'not found', and checkpoint_dir=~/runs wrote into a folder named ~ here."""
     for key in keys:
         if not str(opts[key]).strip():
             raise UserError(f"{key}= is empty: give a path (an unset shell variable?)")
+        if isinstance(opts[key], (str, Path)) and str(opts[key]).startswith("~"):
+            opts[key] = type(opts[key])(os.path.expanduser(str(opts[key])))
 
 
 def output_paths(paths, out_dir, overlay=False):

@@ -1945,6 +1945,24 @@ def test_masks_named_in_other_letter_case_are_told_to_be_renamed(make_data):
                          r"SHAPE_0000.png -> shape_0000.png\)$")
 
 
+def test_a_leading_tilde_is_the_home_folder(trained, tmp_path, monkeypatch, capsys):
+    """make train ARGS="data_dir=~/x": make's sh leaves ~ in key=~/x as it is: the data set was 'not found', and
+    checkpoint_dir=~/runs (or predict's output=~/masks) wrote into a folder named ~ in the current folder."""
+    cfg, data = trained
+    home = tmp_path / "home"
+    (home / "sets").mkdir(parents=True)
+    shutil.copytree(data, home / "sets" / "tiny")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    assert train_unet.main(["data_dir=~/sets/tiny", "checkpoint_dir=~/runs", "image_size=32", "batch_size=2",
+                            "epochs=1", "progress=False", "use_amp=False"]) == 0
+    assert (home / "runs" / "best.pt").is_file() and not (tmp_path / "~").exists()
+    assert train_unet.main(["predict", "checkpoint=~/runs/best.pt", "input=~/sets/tiny/images", "output=~/masks",
+                            "progress=False"]) == 0
+    assert len(list((home / "masks").glob("*.png"))) == 8 and not (tmp_path / "~").exists()
+    assert f"-> {home / 'masks'}" in capsys.readouterr().out
+
+
 def test_names_in_two_unicode_forms_pair(make_data):
     """Images named on Linux (é one character, NFC) and masks copied from macOS (e + accent, NFD): the names look
     alike, yet '3 image(s) have no mask (e.g. café.png ...)'. They pair; two such files in one folder are named."""
