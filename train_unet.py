@@ -4052,6 +4052,10 @@ def scale_image(image, path="image", intensity_range=None):
     own min/max to [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the
     objects).
     """
+    if intensity_range is not None and not (isinstance(intensity_range, (list, tuple)) and valid_range(intensity_range)):
+        # a library call's (a notebook's): [4095, 0] inverted the image, unsaid; "0,4095" failed in unpacking
+        raise UserError(f"intensity_range={intensity_range!r} must be [low, high] with low < high (the values mapped "
+                        f"to 0 and 1), or None")
     if image.dtype == np.uint8:
         return image
     check_pixels(image, path)

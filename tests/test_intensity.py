@@ -426,3 +426,14 @@ def test_only_an_extreme_standing_apart_is_named_and_the_suggested_range_holds_t
     assert train_unet.range_set_by_few(pairs, {}, [3, 4100]) is None  # nothing stands apart: no note
     ranges.update({"b.tif": [30000, 30100], "a.tif": [30050, 30200], "d.tif": [30020, 30150]})  # c's minimum does
     assert "set by c.tif's minimum (100); the other 3" in train_unet.range_set_by_few(pairs, {}, [100, 30200])
+
+
+@pytest.mark.parametrize("given", [[4095, 0], [5, 5], "0,4095", [4095], (0, float("inf"))])
+def test_a_library_read_checks_its_intensity_range(tmp_path, given):
+    """read_image(path, 1, [4095, 0]) in a notebook inverted the image, unsaid; [5, 5] gave -inf pixels; "0,4095"
+    and [4095] failed in unpacking, a traceback. The command line's rule, one line."""
+    path = tmp_path / "g16.png"
+    cv2.imwrite(str(path), np.arange(4096, dtype=np.uint16).reshape(64, 64))
+    with pytest.raises(train_unet.UserError, match=r"intensity_range=.* must be \[low, high\] with low < high"):
+        train_unet.read_image(path, 1, given)
+    assert train_unet.read_image(path, 1, (0, 4095)).max() == 1.0  # a tuple, as train() takes
