@@ -3216,6 +3216,16 @@ def data_pairs(cfg):
     return train, val
 
 
+def check_not_half_a_split(root, split):
+    """data_dir=d/split/train, its val/ beside it: validation was cut from the training images by val_fraction,
+    and the user's val/ left unread, unsaid (data_dir=d/split/train/images is refused likewise: find_pairs)."""
+    other = {"train": "val", "val": "train"}.get(root.name)
+    if any(split) or other is None or not (root.parent / other / "images").is_dir():
+        return
+    raise UserError(f"data_dir={root} is the {root.name}/ part of a split ({root.parent / other}/ is beside it): give "
+                    f"the folder that holds both, data_dir={cli_value(root.parent)}")
+
+
 # Patches an epoch may hold: the samplers shuffle with torch.randperm(n).tolist(), about 46 bytes a patch
 # as Python ints (10**7: 460 MB measured), and at 1,000 patches/s such an epoch lasts 2.8 hours.
 # patches_per_image=10**9 asked randperm for 80 GB, a traceback from torch.
@@ -3268,6 +3278,7 @@ def split_pairs(cfg):
         have, missing = ("train", "val") if split[0] else ("val", "train")
         raise UserError(f"{root} has {have}/ but no {missing}/: add {root}/{missing}/images and masks, or "
                         f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
+    check_not_half_a_split(root, split)
     if all(split):
         train, val = find_pairs(root / "train"), find_pairs(root / "val")
     else:

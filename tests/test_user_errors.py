@@ -1963,6 +1963,25 @@ def test_a_leading_tilde_is_the_home_folder(trained, tmp_path, monkeypatch, caps
     assert f"-> {home / 'masks'}" in capsys.readouterr().out
 
 
+def test_data_dir_at_the_train_part_of_a_split_is_refused(make_data):
+    """data_dir=d/split/train: '6 train / 2 val images', validation cut from the training images, val/ unread."""
+    root = make_data("split", count=8, size=32)
+    for part, names in (("train", range(6)), ("val", range(6, 8))):
+        for sub in ("images", "masks"):
+            (root / part / sub).mkdir(parents=True)
+            for i in names:
+                (root / sub / f"shape_{i:04d}.png").rename(root / part / sub / f"shape_{i:04d}.png")
+    for sub in ("images", "masks"):
+        (root / sub).rmdir()
+    cfg = {**train_unet.CONFIG, "seed": 0, "val_fraction": 0.2, "max_train_images": None}
+    for part in ("train", "val"):
+        one_line_error(train_unet.split_pairs, {**cfg, "data_dir": str(root / part)},
+                       match=rf"data_dir=.*split/{part} is the {part}/ part of a split .*: give the folder that holds "
+                             rf"both, data_dir=.*split$")
+    train, val = train_unet.split_pairs({**cfg, "data_dir": str(root)})
+    assert len(train) == 6 and len(val) == 2
+
+
 def test_names_in_two_unicode_forms_pair(make_data):
     """Images named on Linux (é one character, NFC) and masks copied from macOS (e + accent, NFD): the names look
     alike, yet '3 image(s) have no mask (e.g. café.png ...)'. They pair; two such files in one folder are named."""
