@@ -342,7 +342,9 @@ def run_command(command, args):
     if command == "export":
         export(parse_overrides(args, defaults=EXPORT_CONFIG))
         return 0
-    raise UserError(f"unknown command {command!r}: use train (the default), predict, benchmark or export, "
+    hint = split_argument_hint([command, *args], 0)
+    raise UserError(f"{command!r} is a key, not a command{hint}" if hint else
+                    f"unknown command {command!r}: use train (the default), predict, benchmark or export, "
                     f"followed by key=value settings")
 
 
@@ -2046,10 +2048,10 @@ def parse_overrides(args, base=None, defaults=None):
     defaults = CONFIG if defaults is None else defaults
     check_argument_list(args)
     cfg, seen = copy.deepcopy(defaults if base is None else base), {}
-    for arg in args:
+    for i, arg in enumerate(args):
         key, sep, text = arg.partition("=")
         if not sep:
-            raise UserError(f"argument {arg!r} is not key=value, e.g. batch_size=2")
+            raise UserError(f"argument {arg!r} is not key=value, e.g. batch_size=2" + split_argument_hint(args, i))
         key = normalize_key(key)
         check_known_key(key, defaults)
         if key in seen:  # the arguments as given, from a command line or a notebook's list
@@ -2078,6 +2080,21 @@ def check_not_quoted(key, text):
     if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
         raise UserError(f"{key}={value} holds its quote marks (the shell passed them on): write {key}={value[1:-1]}, "
                         f"or quote the whole argument where the value has spaces: \"{key}={value[1:-1]}\"")
+
+
+def split_argument_hint(args, i, known=None):
+    """Why args[i] has no '=' where the user wrote a key and its value apart ('epochs = 2', '--epochs 2') or a
+    path with a space unquoted (data_dir=d/my data): the fix, after ': '; else ''."""
+    known = known if known is not None else (*CONFIG, *PREDICT_CONFIG, *EXPORT_CONFIG, *BENCHMARK_CONFIG)
+    arg, following = args[i], args[i + 1:i + 3]
+    key = normalize_key(arg)
+    if key in known and following:
+        value = following[1] if following[0] == "=" and len(following) > 1 else following[0].lstrip("=")
+        return f": write {key}={value}, with no spaces around = (the command line's key=value)"
+    if i > 0 and "=" in args[i - 1]:
+        return (f": a value with a space is one argument in quotes, e.g. \"{args[i - 1]} {arg}\" (or rename the "
+                f"folder without spaces)")
+    return ""
 
 
 def normalize_key(key):

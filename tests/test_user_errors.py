@@ -52,6 +52,22 @@ def test_duplicate_keys_and_help(capsys):
         assert "batch_size" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["epochs", "=", "2"], "'epochs' is a key, not a command: write epochs=2, with no spaces around ="),
+    (["--epochs", "2"], "'--epochs' is a key, not a command: write epochs=2"),
+    (["data_dir=x", "epochs", "=2"], "argument 'epochs' is not key=value, e.g. batch_size=2: write epochs=2"),
+    (["predict", "checkpoint=x", "--input", "y"], "argument '--input' is not key=value, e.g. batch_size=2: write "
+                                                  "input=y"),
+    (["epochs=1", "data_dir=d/my", "data"], 'a value with a space is one argument in quotes, e.g. "data_dir=d/my data"'),
+])
+def test_a_key_and_its_value_written_apart_get_the_fix(argv, words, capsys):
+    """'epochs = 2' said 'unknown command', '--epochs 2' too (though --batch-size=2 is taken), and an unquoted
+    path with a space named its second half only."""
+    assert train_unet.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+
+
 def test_embedded_data_is_never_mixed_into_a_users_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     root = Path(train_unet.EMBEDDED_DATA_DIR)
