@@ -2238,7 +2238,20 @@ def check_types(cfg, defaults):
                 + ["None"] * takes_none(key, defaults)
             allowed = " or ".join([", ".join(alternatives[:-1]), alternatives[-1]] if len(alternatives) > 1
                                   else alternatives)
-            raise UserError(f"{key}={value!r} must be {allowed}{resume_file_hint(key, value)}")
+            raise UserError(f"{key}={value!r} must be {allowed}{resume_file_hint(key, value)}"
+                            + edited_value_hint(key, value, kind, defaults))
+
+
+def edited_value_hint(key, value, kind, defaults):
+    """Where a wrong value is the one edited into CONFIG (or PREDICT_CONFIG) at the top of the file, that says so
+    ("use_amp='False' must be true or false": the user had written False, in quotes, up there)."""
+    if key not in defaults or value != defaults[key] or type(value) is not type(defaults[key]):
+        return ""
+    name = "CONFIG" if defaults is CONFIG else "PREDICT_CONFIG" if defaults is PREDICT_CONFIG else None
+    if name is None:
+        return ""
+    unquoted = f": write {value.strip()} there, without quotes" if isinstance(value, str) and kind is not str else ""
+    return f" (as {name} at the top of {Path(__file__).name} has it{unquoted})"
 
 
 def validate_config(cfg, model_names=True):
@@ -2247,7 +2260,8 @@ def validate_config(cfg, model_names=True):
     check_edited_keys(CONFIG)
     for key in cfg:
         check_known_key(key)
-    cfg = {**CONFIG, **cfg}
+    cfg = plain_values({**CONFIG, **cfg})  # CONFIG's edits as a library dict's: a tuple, a Path, CPU for cpu
+    cfg.update({k: v.strip().lower() for k, v in cfg.items() if (k in CHOICES or k == "device") and isinstance(v, str)})
     cfg["amp_dtype"] = amp_dtype_name(cfg["amp_dtype"])
     check_types(cfg, CONFIG)
     for key in CHOICES:
@@ -6322,8 +6336,9 @@ def build_model(cfg):
                         f"({why}): to run offline use encoder_weights=None, or place the weights in the torch/HF "
                         f"cache first") from None
     except (KeyError, ValueError) as exc:
+        none = " (or encoder_weights=None: random initial weights, no download)" if cfg["encoder_weights"] else ""
         raise UserError(f"cannot build {cfg['arch']}({cfg['encoder_name']}, encoder_weights="
-                        f"{cfg['encoder_weights']!r}): {str(exc)[:200]}") from None
+                        f"{cfg['encoder_weights']!r}): {str(exc)[:200]}{none}") from None
 
 
 # Pretrained weights come from the Hugging Face hub (smp-hub/<encoder>.imagenet; timm's too). Where it cannot

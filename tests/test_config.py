@@ -1,4 +1,6 @@
 """Command line: key=value overrides, type parsing, validation errors, main()'s exit code."""
+from pathlib import Path
+
 import pytest
 
 import train_unet
@@ -157,6 +159,20 @@ def test_a_wrong_type_typed_into_config_is_refused(monkeypatch, key, value, word
     monkeypatch.setitem(CONFIG, key, value)
     message = user_error([])
     assert key in message and words in message
+    assert "(as CONFIG at the top of train_unet.py has it" in message  # where the value is: it was not said
+    if isinstance(value, str):
+        assert f"write {value} there, without quotes" in message
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("intensity_range", (0, 4095), [0, 4095]),  # 'must be a list of numbers or None'; train() took a tuple
+    ("data_dir", Path("d/tiny"), "d/tiny"),    # 'must be a string'; the README says paths are taken
+    ("device", "CPU", "cpu"),                  # refused, where device=CPU on the command line was taken
+    ("preset", "Debug", "debug"),
+])
+def test_config_edits_are_read_as_a_library_dict_and_the_command_line_are(monkeypatch, key, value, expected):
+    monkeypatch.setitem(CONFIG, key, value)
+    assert parse_overrides([])[key] == expected
 
 
 def test_class_weights_that_overflow_the_loss_are_refused_before_training():

@@ -2188,3 +2188,11 @@ def test_the_benchmark_refuses_an_output_among_a_data_sets_or_a_training_runs_fi
                          rf"runs, logs and table would go among its files; choose another output \(e.g. "
                          rf"{re.escape(str(run / 'benchmark'))}\)$")
     assert not (run / "benchmark.json").exists() and not (data / "images" / "benchmark.json").exists()
+
+
+def test_unknown_encoder_weights_offer_none(monkeypatch):
+    """encoder_weights=foo listed smp's names only, not None (the offline default)."""
+    monkeypatch.setattr(train_unet, "unreachable_hub", lambda: None)  # not asked: the name is refused first
+    cfg = train_unet.validate_config({"encoder_weights": "foo", "encoder_name": "resnet18"})
+    one_line_error(train_unet.build_model, cfg, match=r"Available options are.*\(or encoder_weights=None: random "
+                                                      r"initial weights, no download\)$")
