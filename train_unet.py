@@ -3495,8 +3495,14 @@ def write_embedded_dataset(root):
     """
     root = Path(root)
     tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    generate_shapes_dataset(tmp)
+    for stale in root.parent.glob(f".{root.name}.tmp*"):  # a killed first run's (Ctrl-C's is removed below)
+        if stale.name[len(root.name) + 5:].isdigit() and not process_alive(int(stale.name[len(root.name) + 5:])):
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        generate_shapes_dataset(tmp)
+    except BaseException:  # Ctrl-C while writing: a hidden 10 MB folder was left behind for good
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(root, ignore_errors=True)  # empty folders only (has_files checked by the caller)
     os.replace(tmp, root)
     return root

@@ -2196,3 +2196,24 @@ def test_unknown_encoder_weights_offer_none(monkeypatch):
     cfg = train_unet.validate_config({"encoder_weights": "foo", "encoder_name": "resnet18"})
     one_line_error(train_unet.build_model, cfg, match=r"Available options are.*\(or encoder_weights=None: random "
                                                       r"initial weights, no download\)$")
+
+
+def test_an_interrupted_first_run_leaves_no_hidden_half_data_set(tmp_path, monkeypatch):
+    """Ctrl-C while the embedded data set was written left data/.shapes.tmp<pid> (10 MB) for good; a later run
+    wrote data/shapes beside it. Now Ctrl-C removes it, and a killed run's is removed by the next."""
+    root = tmp_path / "data" / "shapes"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = root.with_name(f".shapes.tmp{dead}")
+    (stale / "images").mkdir(parents=True)
+    real = train_unet.generate_shapes_dataset
+
+    def interrupted(folder, **kwargs):
+        (Path(folder) / "images").mkdir(parents=True)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "generate_shapes_dataset", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_unet.write_embedded_dataset(root)
+    assert sorted(p.name for p in root.parent.iterdir()) == []  # the stale one and its own
+    monkeypatch.setattr(train_unet, "generate_shapes_dataset", lambda folder: real(folder, count=4, size=32))
+    assert train_unet.write_embedded_dataset(root) == root and [p.name for p in root.parent.iterdir()] == ["shapes"]
