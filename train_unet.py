@@ -266,12 +266,18 @@ def main(argv=None):
         return 130
 
 
-def exit_at_next_interrupt():
+def exit_at_next_interrupt(code):
     """Once the script's command has returned, Python joins its threads and runs its exit handlers (a cache
     folder's removal): a Ctrl-C meanwhile (a second one, after a stop) printed a traceback from threading's
-    shutdown and ended the process by the signal. It now ends it at once with 130; a cache folder left
-    behind is removed by the next run (remove_stale_caches). Only as a script: a notebook keeps its Ctrl-C."""
-    signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+    shutdown and ended the process by the signal. It now ends it at once with the command's own exit code
+    (130 had followed 'done: ...' with every file written: a script read the run as failed); a cache folder
+    left behind is removed by the next run (remove_stale_caches). Only as a script: a notebook keeps its Ctrl-C."""
+    def exit_now(signum, frame):
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # os._exit flushes nothing: a piped stdout's last lines
+                stream.flush()
+        os._exit(code)
+    signal.signal(signal.SIGINT, exit_now)
 
 
 # Each command's own keys, for `COMMAND --help` (the benchmark takes training keys beside its own).
@@ -10853,7 +10859,7 @@ class OnnxModel:
 if __name__ == "__main__":
     try:
         code = main()
-        exit_at_next_interrupt()
+        exit_at_next_interrupt(code)
         sys.exit(code)
     except BrokenPipeError:  # output piped into `head` or `less` that stopped reading: no traceback for it
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would fail too

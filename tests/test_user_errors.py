@@ -2217,3 +2217,16 @@ def test_an_interrupted_first_run_leaves_no_hidden_half_data_set(tmp_path, monke
     assert sorted(p.name for p in root.parent.iterdir()) == []  # the stale one and its own
     monkeypatch.setattr(train_unet, "generate_shapes_dataset", lambda folder: real(folder, count=4, size=32))
     assert train_unet.write_embedded_dataset(root) == root and [p.name for p in root.parent.iterdir()] == ["shapes"]
+
+
+@pytest.mark.skipif(os.name == "nt", reason="SIGINT to oneself: POSIX")
+@pytest.mark.parametrize("code", [0, 1])
+def test_a_ctrl_c_after_the_command_returned_keeps_its_exit_code(code):
+    """Ctrl-C in the second between 'done: ...' (every file written) and the process's end exited 130: a
+    script or a make rule read the finished run as failed."""
+    script = ("import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); import train_unet\n"
+              f"print('done', flush=False); train_unet.exit_at_next_interrupt({code})\n"
+              "os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    done = subprocess.run([sys.executable, "-c", script, str(Path(train_unet.__file__).parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == code and done.stdout == "done\n"  # printed, not lost to os._exit
