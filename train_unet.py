@@ -2378,13 +2378,19 @@ def valid_device(device):
     return re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", str(device)) is not None
 
 
+ARCH_ALIASES = {"unet++": "UnetPlusPlus", "deeplabv3+": "DeepLabV3Plus"}  # the papers' names for smp's
+
+
 def check_model_names(cfg):
     import segmentation_models_pytorch as smp
 
     archs = [n for n in ("Unet", "UnetPlusPlus", "FPN", "PSPNet", "DeepLabV3", "DeepLabV3Plus",
                          "Linknet", "MAnet", "PAN", "UPerNet", "Segformer") if hasattr(smp, n)]
-    if cfg["arch"] not in archs:
+    named = {a.lower(): a for a in archs}
+    found = named.get(str(cfg["arch"]).lower()) or ARCH_ALIASES.get(str(cfg["arch"]).lower())
+    if found not in archs:
         raise UserError(f"arch={cfg['arch']!r} is not allowed: use one of {', '.join(archs)}")
+    cfg["arch"] = found  # arch=unet, Unet++: as smp names it (it was 'not allowed', with no word of Unet)
     names = smp.encoders.get_encoder_names()
     if cfg["encoder_name"] not in names:
         near = difflib.get_close_matches(cfg["encoder_name"], names, n=3)

@@ -369,3 +369,11 @@ def test_main_negative_seed_is_rejected_or_works(capsys, data_dir, tmp_path):
         assert_clean_exit_2(rc, capsys, "seed")
     else:
         assert rc == 0
+
+
+@pytest.mark.parametrize("given, arch", [("unet", "Unet"), ("Unet++", "UnetPlusPlus"), ("fpn", "FPN"),
+                                         ("deeplabv3+", "DeepLabV3Plus")])
+def test_arch_in_any_case_or_by_its_papers_name_is_smps(given, arch):
+    """arch=unet was 'not allowed: use one of Unet, ...'; Unet++ too."""
+    assert parse_overrides([f"arch={given}"])["arch"] == arch
+    assert "arch='unets' is not allowed: use one of Unet, " in user_error(["arch=unets"])
