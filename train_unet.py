@@ -9738,6 +9738,10 @@ def parse_benchmark_args(args):
         key = normalize_key(arg.partition("=")[0])
         if "=" in arg and key not in TRAINING_KEYS:
             known = (*BENCHMARK_CONFIG, *TRAINING_KEYS)
+            owners = [command for command in ("predict", "export") if key in COMMAND_KEYS[command]()]
+            if owners:  # overlay=True read "did you mean 'tile_overlap'?", checkpoint= "'checkpoint_dir'?"
+                raise UserError(f"{key} is a key of {' and '.join(owners)}, not of the benchmark: python train_unet.py "
+                                f"{owners[0]} {key}=...")
             raise UserError(f"unknown key {key!r}: {near_key(key, known)}the benchmark's keys: "
                             f"{', '.join(BENCHMARK_CONFIG)}; and any training key ({', '.join(TRAINING_KEYS)})")
     base = parse_overrides(train_args)
@@ -9748,6 +9752,7 @@ def parse_benchmark_args(args):
             raise UserError(f"{key}={opts[key]} must be >= {least}")
     if opts["inference_format"] not in ("png", "tif"):
         raise UserError(f"inference_format={opts['inference_format']!r} is not allowed: use png or tif")
+    opts["configs"], opts["inference"] = opts["configs"].lower(), opts["inference"].lower()  # FP32 as fp32
     names = [n.strip() for n in opts["configs"].split(",") if n.strip()]
     unknown = [n for n in names if n not in BENCHMARK_SETTINGS]
     if unknown or not names:

@@ -322,6 +322,12 @@ def test_a_probe_row_says_when_its_steps_were_far_apart():
 def test_unknown_configuration_is_a_clear_error():
     with pytest.raises(train_unet.UserError, match="unknown fp8.*fp32"):
         train_unet.parse_benchmark_args(["configs=fp32,fp8"])
+    opts, _, _, names = train_unet.parse_benchmark_args(["configs=FP32,BF16_cl", "inference=FP32"])  # any case
+    assert names == ["fp32", "bf16_cl"] and train_unet.inference_modes(opts) == ["fp32"]
+    for key, command in (("overlay", "predict"), ("checkpoint", "predict")):  # 'did you mean tile_overlap?'
+        with pytest.raises(train_unet.UserError, match=f"{key} is a key of {command}.*not of the benchmark: python "
+                                                       f"train_unet.py {command} {key}="):
+            train_unet.parse_benchmark_args([f"{key}=x"])
 
 
 def test_notebook_runs_top_to_bottom_on_the_benchmark(bench):
