@@ -8711,8 +8711,10 @@ def list_images(path):
         if hidden else ""
     if not images:
         inside = [f"its subfolders are not read: {', '.join(folders[:3])}"] * bool(folders) + [skipped] * bool(hidden)
+        data_set = "images/" in folders  # a data set's folder: its images are one level down
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}"
-                        + (f" ({'; '.join(inside)})" if inside else ""))
+                        + (f" ({'; '.join(inside)})" if inside else "")
+                        + (f": give input={cli_value(path / 'images')}" if data_set else ""))
     if hidden:
         print(f"note: {skipped}")
     if others:

@@ -1201,6 +1201,9 @@ def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path,
     (tmp_path / "b.png").unlink()
     with pytest.raises(train_unet.UserError, match=r"no images .* \(its subfolders are not read: more/, x.png/\)$"):
         train_unet.list_images(tmp_path)
+    (tmp_path / "images").mkdir()  # a data set's folder given: its images are one level down
+    with pytest.raises(train_unet.UserError, match=r"not read: images/, more/, x.png/\): give input=.*/images$"):
+        train_unet.list_images(tmp_path)
 
 
 @pytest.mark.parametrize("args, defaults, hint", [
