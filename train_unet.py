@@ -876,9 +876,12 @@ def split_record(train_pairs, val_pairs, data_dir):
     # surrogateescape: a name whose bytes are not UTF-8 is hashed as those bytes (strict UTF-8 stopped the run)
     stems = f"{names(train_pairs)}\n--\n{names(val_pairs)}".encode("utf-8", "surrogateescape")
     digest = hashlib.sha256(stems).hexdigest()[:16]
-    sizes = ",".join(str(os.stat(path).st_size) for pair in (*train_pairs, *val_pairs) for path in pair)
+    stats = [os.stat(path) for pair in (*train_pairs, *val_pairs) for path in pair]
+    sizes = ",".join(str(st.st_size) for st in stats)
+    times = ",".join(str(int(st.st_mtime)) for st in stats)  # whole seconds: what a copy that keeps times keeps
     return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest,
-            "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16], "folder": os.path.realpath(data_dir)}
+            "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16], "folder": os.path.realpath(data_dir),
+            "times": hashlib.sha256(times.encode()).hexdigest()[:16]}
 
 
 def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
@@ -913,6 +916,10 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
                      + ": the resume trains and validates on them as they are now" + (
                          " (if they are another data set, not the run's edited, start a new run in another "
                          "checkpoint_dir)" if moved else ""))
+    elif not elsewhere and saved.get("times", record["times"]) != record["times"]:
+        # same names and sizes (an uncompressed BMP or TIFF edited keeps its size), other modification times
+        notes.append(f"files in {cfg['data_dir']} were rewritten since this run began (same names and sizes, other "
+                     f"modification times: edited in place?): the resume trains and validates on them as they are now")
     elif holds and saved.get("folder"):
         # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
         notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "

@@ -414,6 +414,26 @@ def test_resume_on_another_data_set_with_the_same_file_names_is_refused(make_cfg
     assert "changed since this run began (same names, other file sizes)" in capsys.readouterr().out
 
 
+def test_resume_after_an_edit_that_keeps_the_file_size_gets_a_note(make_cfg, tmp_path, capsys):
+    """An uncompressed BMP edited keeps its size: the resume went on with no word of it (the note came only for
+    other sizes)."""
+    data = Path(make_cfg()["data_dir"])
+    for png in sorted((data / "images").iterdir()):
+        cv2.imwrite(str(png.with_suffix(".bmp")), cv2.imread(str(png)))
+        png.unlink()
+    train(make_cfg(epochs=1))
+    image = sorted((data / "images").iterdir())[0]
+    before = image.stat()
+    cv2.imwrite(str(image), 255 - cv2.imread(str(image)))  # inverted: every pixel other, the size the same
+    os.utime(image, (before.st_atime, before.st_mtime + 60))  # in another second than the first write, surely
+    assert image.stat().st_size == before.st_size
+    capsys.readouterr()
+    assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2
+    out = capsys.readouterr().out
+    assert "were rewritten since this run began (same names and sizes, other modification times" in out
+    assert "other file sizes" not in out
+
+
 def test_resume_of_a_data_set_moved_and_then_edited_goes_on_with_a_note(make_cfg, data_dir, tmp_path, capsys):
     """A data folder moved and a label fixed in it: the refusal said to give data_dir= the folder it was moved
     from, which no longer existed (the same edit unmoved was a note). Images added after the move stay refused,
