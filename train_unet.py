@@ -8177,7 +8177,7 @@ def predict_into_output(opts):
     paths = list_images(opts["input"])
     cfg = predict_intensity_range(cfg, opts)
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
-    note_validated_precision(cfg, opts, prec)
+    note_validated_precision(cfg, opts, prec, layout[0])
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
     moved = archive_earlier_predictions(paths, out_dir, opts["overlay"])
@@ -8278,13 +8278,21 @@ def note_checkpoint_settings(cfg, opts, tiling, given=()):
               f"its validation IoU describes, at {len(TTA(validated))}x the forwards")
 
 
-def note_validated_precision(cfg, opts, prec):
+def note_validated_precision(cfg, opts, prec, nhwc):
     """A note where predict runs autocast but the checkpoint was validated in fp32 (eval_amp=False, the
-    default): its val IoU scored fp32's masks, and bf16/fp16 logits flip a few pixels at the edges."""
-    if opts["backend"] == "torch" and prec.amp and not (cfg["eval_amp"] and cfg["use_amp"]):
+    default): its val IoU scored fp32's masks, and bf16/fp16 logits flip a few pixels at the edges. Where it
+    was validated in autocast (eval_amp=True), the layout counts too: bf16 sums in another order in NHWC."""
+    if opts["backend"] != "torch" or not prec.amp:
+        return
+    if not (cfg["eval_amp"] and cfg["use_amp"]):
         why = "eval_amp=False" if cfg["use_amp"] else "use_amp=False"
         print(f"note: masks in {prec.name}; {opts['checkpoint']} was validated in fp32 ({why}): "
               f"use_amp=False gives the masks its val IoU scored ({prec.name} may change a few edge pixels)")
+    elif cfg["channels_last"] in (True, False) and nhwc != cfg["channels_last"]:
+        names = {True: "NHWC", False: "NCHW"}
+        print(f"note: masks in {prec.name} and {names[nhwc]}; {opts['checkpoint']} was validated in "
+              f"{names[cfg['channels_last']]} (eval_amp=True): channels_last={cfg['channels_last']} gives the masks "
+              f"its val IoU scored ({prec.name} sums in another order in the other layout: a few edge pixels)")
 
 
 def masks_within_memory(model, paths, images, inputs, run):

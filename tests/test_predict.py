@@ -711,3 +711,19 @@ def test_predict_in_bf16_says_the_checkpoint_was_validated_in_fp32(binary_model,
                             force_amp_dtype=True, channels_last=False))
     said = f"note: masks in bf16; {ckpt} was validated in fp32 (use_amp=False): use_amp=False gives the masks"
     assert (said in capsys.readouterr().out) == use_amp
+
+
+def test_predict_in_another_layout_than_an_eval_amp_validation_says_so(make_cfg, tmp_path, capsys):
+    """eval_amp=True validated in bf16 and NCHW; predict chose NHWC by the rule at its batch: its masks differed
+    from those the val IoU scored (0.5014 against 0.5012), with no word."""
+    cfg = make_cfg(use_amp=True, amp_dtype="bfloat16", force_amp_dtype=True, eval_amp=True, channels_last=False)
+    train_unet.train(cfg)
+    ckpt = Path(cfg["checkpoint_dir"]) / "best.pt"
+    image = sorted((Path(cfg["data_dir"]) / "images").iterdir())[0]
+    for layout, said in ((True, True), (False, False)):
+        train_unet.predict(opts(ckpt, image, tmp_path / f"out{layout}", use_amp=True, amp_dtype="bfloat16",
+                                force_amp_dtype=True, channels_last=layout))
+        out = capsys.readouterr().out
+        assert ("note: masks in bf16 and NHWC; " in out and "was validated in NCHW (eval_amp=True): "
+                "channels_last=False gives the masks its val IoU scored" in out) == said
+        assert "was validated in fp32" not in out
