@@ -2785,7 +2785,10 @@ def decide_channels_last(cfg, hw, prec):
     assert setting == "auto", setting  # validated before; a bug otherwise
     if hw.kind == "cuda":
         if prec.amp or (hw.capability and hw.capability >= AMPERE):
-            return True, f"auto: {'AMP' if prec.amp else 'TF32'} convolutions on tensor cores want NHWC"
+            cores = hw.capability and hw.capability >= VOLTA  # tensor cores: Volta on; Pascal has none
+            what = "AMP" if prec.amp else "TF32" if fp32_math(hw) == "tf32" else "strict fp32 (TF32 off)"
+            return True, (f"auto: {what} convolutions on tensor cores want NHWC" if cores and what != "strict fp32 "
+                          "(TF32 off)" else f"auto: {what} convolutions on this GPU: NHWC by the rule, not measured")
         # A judgement call, not a measurement: cuDNN's fp32 kernels before Ampere are NCHW-first.
         # `make gpu-check` times fp32 NCHW vs NHWC (bare loop) on a GPU for the README.
         return False, "auto: fp32 without tensor cores gains nothing from NHWC"

@@ -148,6 +148,20 @@ def test_channels_last_decision_table(hw, prec, settings, expected):
     assert layout.split()[1] == ("channels_last" if expected else "contiguous") and why in layout
 
 
+def test_the_gpu_layout_reason_says_what_the_convolutions_run_in(restore_cudnn):
+    """Strict fp32 on an A100 read 'TF32 convolutions on tensor cores want NHWC' beside the banner's 'fp32 means
+    strict fp32'; forced bf16 on a Pascal GPU read 'AMP convolutions on tensor cores', which it has none of."""
+    pascal = dataclasses.replace(CUDA75, name="Fake P100", capability=(6, 0))
+    torch.backends.cudnn.allow_tf32 = True
+    assert decide_channels_last(cfg(), CUDA80, FP32)[1] == "auto: TF32 convolutions on tensor cores want NHWC"
+    train_unet.apply_tf32("highest", FP32)
+    assert decide_channels_last(cfg(), CUDA80, FP32) == (
+        True, "auto: strict fp32 (TF32 off) convolutions on this GPU: NHWC by the rule, not measured")
+    assert decide_channels_last(cfg(), pascal, BF16) == (
+        True, "auto: AMP convolutions on this GPU: NHWC by the rule, not measured")
+    assert decide_channels_last(cfg(), CUDA75, FP16)[1] == "auto: AMP convolutions on tensor cores want NHWC"
+
+
 def test_channels_last_default_is_auto_and_parses_from_the_command_line():
     assert train_unet.CONFIG["channels_last"] == "auto"
     for text, value in (("auto", "auto"), ("true", True), ("False", False), ("on", True), ("0", False)):
