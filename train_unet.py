@@ -998,7 +998,7 @@ def effective_config(cfg, hw, prec, state, n_train, notes):
     kept = resumed_cpu_modes(cfg, hw, prec, state)
     job = training_job_steps(cfg, state, n_train)
     prec, layout = ranks_agree(*(kept or cpu_probe_decision(cfg, hw, prec, notes, job_forwards=job)), hw, notes)
-    notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec)]  # of the final precision
+    notes += [prec.warning, tf32_note(cfg["tf32_matmul_precision"], prec, hw)]  # of the final precision
     return {**cfg, "channels_last": layout[0]}, prec, layout, auto_batch
 
 
@@ -2761,8 +2761,14 @@ def apply_tf32(setting, prec):
     return tf32_note(setting, prec)
 
 
-def tf32_note(setting, prec):
-    """A warning when tf32_matmul_precision is set and cannot matter for autocast ops in `prec`."""
+def tf32_note(setting, prec, hw=None):
+    """A warning when tf32_matmul_precision is set and cannot matter: on hardware without TF32 (a CPU, a GPU
+    before Ampere: it said 'it only changes fp32 matmuls/convolutions' while the banner said fp32 stays strict),
+    or for autocast ops in `prec`."""
+    if setting is not None and hw is not None and not (hw.kind == "cuda" and hw.capability
+                                                       and hw.capability >= AMPERE):
+        return (f"tf32_matmul_precision={setting} changes nothing here: TF32 needs a CUDA GPU of compute "
+                f"capability 8.0 or more")
     if setting is not None and prec.amp:
         return (f"tf32_matmul_precision={setting} has no effect on autocast ops (they run in "
                 f"{prec.name}); it only changes fp32 matmuls/convolutions, e.g. fp32 validation")
