@@ -960,7 +960,7 @@ def setup_precision(cfg, state=None, explicit=()):
     apply_tf32(cfg["tf32_matmul_precision"], prec)
     setup_cudnn(hw)
     kept = prec is not decided
-    notes = [decided.warning if kept else None, prec.reason if kept else None, fit_cpu_threads()]
+    notes = [decided.warning if kept else None, fit_cpu_threads()]  # prec.reason: the banner's precision line
     if cfg["compile_model"] and hw.kind == "cpu":
         notes.append("compile_model=True on CPU: expect about a minute of compiling for little or no gain")
     return cfg, hw, prec, notes
@@ -1172,9 +1172,10 @@ def other_modes(state, cfg, prec):
     if isinstance(was.get("channels_last"), bool) and was["channels_last"] != cfg["channels_last"]:
         said.append(f"it trained {'NHWC' if was['channels_last'] else 'NCHW'}, this run "
                     f"{'NHWC' if cfg['channels_last'] else 'NCHW'} (channels_last={cfg['channels_last']})")
-    if was.get("preset") and was["preset"] != cfg.get("preset"):
-        said.append(f"it ran with preset={was['preset']}, this run with {cfg.get('preset') or 'none'}: give "
-                    f"preset={was['preset']} to keep that preset's settings")
+    differ = [f"{k}={cfg[k]}" for k, v in PRESETS.get(was.get("preset"), {}).items() if cfg.get(k) != v]
+    if was.get("preset") and was["preset"] != cfg.get("preset") and differ:  # none: every setting kept, unsaid
+        said.append(f"it ran with preset={was['preset']}, this run with {cfg.get('preset') or 'none'} ("
+                    f"{', '.join(differ)}): give preset={was['preset']} to keep that preset's settings")
     return "".join(f"; {text}" for text in said)
 
 

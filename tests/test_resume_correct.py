@@ -322,8 +322,9 @@ def test_a_resumed_run_keeps_the_precision_it_was_given(make_cfg, monkeypatch, w
     assert prec.name == expected
     kept = expected == "fp32"
     assert out["use_amp"] is not kept
-    assert any("kept from the checkpoint: last.pt trained in fp32 as set (use_amp=False, from preset=stable); "
-               "give use_amp=True on the command line, or an amp_dtype, to change it" in str(n) for n in notes) is kept
+    assert ("kept from the checkpoint: last.pt trained in fp32 as set (use_amp=False, from preset=stable); "
+            "give use_amp=True on the command line, or an amp_dtype, to change it" in prec.reason) is kept
+    assert not any("kept from the checkpoint" in str(n) for n in notes)  # said in the precision line, once
 
 
 def test_a_preset_given_on_resume_sets_the_precision(make_cfg, monkeypatch):
@@ -346,9 +347,14 @@ def test_a_set_precision_not_native_here_is_not_kept(make_cfg, monkeypatch):
 def test_the_resume_note_says_what_mode_changed():
     was = {"channels_last": False, "preset": "stable"}
     prec = train_unet.Precision.of(torch.bfloat16, "bfloat16 as requested")
-    said = train_unet.other_modes({"precision": "fp32", "config": was}, {"channels_last": True, "preset": None}, prec)
+    now = {"channels_last": True, "preset": None, "use_amp": True, "compile_model": False, "grad_clip_norm": 1.0,
+           "nan_guard": True}
+    said = train_unet.other_modes({"precision": "fp32", "config": was}, now, prec)
     assert said == ("; it trained in fp32, this run in bf16; it trained NCHW, this run NHWC (channels_last=True); "
-                    "it ran with preset=stable, this run with none: give preset=stable to keep that preset's settings")
+                    "it ran with preset=stable, this run with none (use_amp=True): give preset=stable to keep that "
+                    "preset's settings")
+    assert "preset" not in train_unet.other_modes({"precision": "bf16", "config": was}, {**now, "use_amp": False},
+                                                  prec)  # every one of its settings kept: nothing to give
     assert train_unet.other_modes({"precision": "bf16", "config": {**was, "preset": None}},
                                   {"channels_last": False, "preset": None}, prec) == ""
 
@@ -363,7 +369,13 @@ def test_a_stable_run_resumed_without_its_preset_goes_on_in_fp32(make_cfg, capsy
     assert resumed["precision"] == "fp32" and [row["precision"] for row in resumed["history"]] == ["fp32", "fp32"]
     saved = json.loads((Path(cfg["checkpoint_dir"]) / "config.json").read_text())["config"]
     assert saved["use_amp"] is False
-    assert "it ran with preset=stable, this run with none: give preset=stable" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "give preset=stable" not in out and out.count("kept from the checkpoint") == 1  # all kept, said once
+    other = {**cfg, "checkpoint_dir": str(Path(cfg["checkpoint_dir"]).with_name("other"))}
+    train_unet.train(other)
+    train_unet.train({**other, "preset": None, "epochs": 2, "resume": True, "grad_clip_norm": 0.5})
+    assert "it ran with preset=stable, this run with none (grad_clip_norm=0.5): give preset=stable" in \
+        capsys.readouterr().out
 
 
 def test_keys_the_run_did_not_read_are_noted_and_not_compared_on_resume(make_cfg, tmp_path, capsys):
