@@ -1383,7 +1383,10 @@ def finish_run(run, hw, cfg):
     files = [name for name in ("best.pt", "last.pt", "history.csv") if (ckpt_dir / name).is_file()]
     finite = run.best_iou >= 0  # else every validation was non-finite (nan_guard=False): none became best
     best = f"best val IoU {run.best_iou:.4f}" if finite else "no epoch validated finite"
-    print(f"done: {best}; checkpoints in {ckpt_dir}/ ({', '.join(files)})")
+    big = diverged_rows(run.history, cfg)  # noted once, at the first such epoch: the end of the run said nothing
+    diverged = (f" (the model diverged from epoch {big[0]['epoch']}, val loss {big[0]['val_loss']:.3g}: try a "
+                f"learning_rate 10 times lower)") if big else ""
+    print(f"done: {best}{diverged}; checkpoints in {ckpt_dir}/ ({', '.join(files)})")
     if DIST.is_main and "best.pt" not in files:  # a last.pt copied alone, resumed: its best epoch's weights are elsewhere
         print(f"note: no best.pt in {ckpt_dir}: " + (
             f"no epoch of this run beat the val IoU its last.pt records ({run.best_iou:.4f}); use last.pt, or the "
@@ -1455,11 +1458,16 @@ def finish_epoch(run, row, cfg):
 DIVERGED_VAL_LOSS = 1e4
 
 
-def diverged_note(history, cfg):
-    """The note for the first epoch whose val loss is finite but past DIVERGED_VAL_LOSS, else None."""
+def diverged_rows(history, cfg):
+    """The epochs whose val loss is finite but past DIVERGED_VAL_LOSS (times the largest class weight)."""
     limit = DIVERGED_VAL_LOSS * max([1.0, *[float(w) for w in (cfg.get("class_weights") or [])
                                            if isinstance(w, (int, float))]])
-    big = [row for row in history if math.isfinite(row["val_loss"]) and row["val_loss"] > limit]
+    return [row for row in history if math.isfinite(row["val_loss"]) and row["val_loss"] > limit]
+
+
+def diverged_note(history, cfg):
+    """The note for the first epoch whose val loss is finite but past DIVERGED_VAL_LOSS, else None."""
+    big = diverged_rows(history, cfg)
     if len(big) != 1 or big[0] is not history[-1]:
         return None
     return (f"note: val loss {big[0]['val_loss']:.3g} in epoch {big[0]['epoch']}: the model has diverged (the loss "

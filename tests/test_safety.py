@@ -512,6 +512,8 @@ def test_a_val_loss_blown_up_but_finite_gets_one_note_naming_the_learning_rate(d
     _, log = train_logged(cfg)
     assert log.count("note: val loss") == 1 and "note: val loss 9.5e+29 in epoch 1: the model has diverged (the loss " \
         "starts near 1); likely learning_rate=10.0 too high (grad_clip_norm=1.0): try one 10 times lower" in log
+    # the last line too: the note came two epochs before it, and best.pt is a diverged model
+    assert "(the model diverged from epoch 1, val loss 9.5e+29: try a learning_rate 10 times lower); checkpoints" in log
     history, cfg = [{"epoch": 1, "val_loss": 5e4}], {**train_unet.CONFIG, **cfg}
     assert train_unet.diverged_note(history, {**cfg, "class_weights": [1.0, 10.0]}) is None
     assert train_unet.diverged_note(history, cfg).startswith("note: val loss 5e+04 in epoch 1")
