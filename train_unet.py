@@ -255,7 +255,7 @@ def main(argv=None):
             print(f"error: cannot write {exc.filename2}: a folder of that name is in the way: move or rename it",
                   file=sys.stderr)
             return 2
-        if exc.errno not in (*FULL_DISK, errno.EMFILE, *NO_PERMISSION, errno.EFBIG):
+        if exc.errno not in (*FULL_DISK, *OPEN_FILES_LIMITS, *NO_PERMISSION, errno.EFBIG):
             raise
         print(f"error: {system_limit_message(exc)}", file=sys.stderr)
         return 2
@@ -488,7 +488,8 @@ def out_of_memory(exc, cfg):
     host's (torch's 'DefaultCPUAllocator: can't allocate memory', numpy's MemoryError: a container's limit, or
     ulimit -v), or a thread that could not start (ulimit -u, or -v): each was a traceback. None for other errors."""
     text = str(exc)
-    gpu = isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in text
+    gpu = isinstance(exc, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in text or "MPS backend out of " \
+        "memory" in text
     if not (gpu or isinstance(exc, MemoryError) or "can't allocate memory" in text or "can't start new thread" in text):
         return None
     if "can't start new thread" in text:
@@ -499,7 +500,8 @@ def out_of_memory(exc, cfg):
         what = "ran out of " + ("GPU memory" if gpu else "memory" + (
             f" (this process may use {size_text(limit)}: ulimit -v)" if limit is not None else ""))
         fix = (f"use a smaller batch_size (accumulation_steps keeps the effective batch)"
-               f"{', batch_size=auto' if gpu else ''} or image_size" + ("" if gpu else ", or fewer num_workers"))
+               f"{', batch_size=auto' if gpu and cfg['batch_size'] != 'auto' else ''} or image_size"
+               + ("" if gpu else ", or fewer num_workers"))
     return UserError(f"training {what} at batch_size={cfg['batch_size']}, image_size={cfg['image_size']}; "
                      f"{checkpoint_kept_words(cfg)}: {fix}")
 
@@ -919,7 +921,8 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
     elif not elsewhere and saved.get("times", record["times"]) != record["times"]:
         # same names and sizes (an uncompressed BMP or TIFF edited keeps its size), other modification times
         notes.append(f"files in {cfg['data_dir']} were rewritten since this run began (same names and sizes, other "
-                     f"modification times: edited in place?): the resume trains and validates on them as they are now")
+                     f"modification times: edited in place, or copied again without their times): the resume trains "
+                     f"and validates on them as they are now")
     elif holds and saved.get("folder"):
         # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
         notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "
@@ -1313,7 +1316,7 @@ def check_checkpoint_room(run, cfg, replaced):
     free = shutil.disk_usage(folder).free + held
     sizes = f"best.pt about {size_text(best)}, last.pt about {size_text(last)}"
     limit = file_size_limit()
-    if limit is not None and max(best, last) >= limit:  # the write failed after a whole epoch, as on a full disk
+    if limit is not None and max(best, last) + ZIP_SLACK >= limit:  # it failed after a whole epoch, as a full disk
         raise UserError(f"the run's checkpoints ({sizes}) are larger than the file-size limit here ({size_text(limit)}"
                         f", ulimit -f): raise it (ulimit -f unlimited) or run where none is set")
     if free < best + last:
@@ -1802,12 +1805,17 @@ def system_limit_message(exc):
     if exc.errno == errno.EFBIG:
         return (f"cannot write {exc.filename or 'a file'}: {file_size_limit_words()}; files are written under "
                 f"temporary names, so those written before are intact")
+    if exc.errno == errno.ENFILE:
+        return "too many open files on this machine, all processes together (ENFILE): close some, or retry later"
     if exc.errno == errno.EMFILE:
         limit = raise_open_files_limit()
         return (f"too many open files{f' (the limit here is {limit}, ulimit -n)' if limit else ''}: raise it "
                 f"(ulimit -n 4096; in Docker --ulimit nofile=4096)")
     return (f"cannot write {exc.filename or 'a file'} ({exc.strerror}): free disk space there or choose another "
             f"folder; files are written under temporary names, so those written before are intact")
+
+
+ZIP_SLACK = 2**20  # a checkpoint's bytes past its tensors' (torch.save's zip records, the pickle): ~100 B a tensor
 
 
 def file_size_limit():
@@ -2144,7 +2152,18 @@ def check_config_dict(cfg):
                         f"data_dir=...), or parse_overrides(['key=value', ...])")
     for key in cfg:
         check_known_key(key)
-    return {**CONFIG, **plain_values(cfg)}
+    return as_given({**CONFIG, **cfg})
+
+
+def as_given(cfg):
+    """A training config's values as the command line gives them, whoever wrote them (CONFIG's edits, a library
+    dict): plain_values, words of a fixed set in lower case, and a leading ~ in its paths the home folder (the
+    stop and out-of-memory messages look for last.pt in the folder the run writes)."""
+    cfg = plain_values(cfg)
+    cfg.update({k: v.strip().lower() for k, v in cfg.items() if (k in CHOICES or k == "device") and isinstance(v, str)})
+    cfg.update({k: os.path.expanduser(cfg[k]) for k in ("data_dir", "checkpoint_dir")
+                if isinstance(cfg.get(k), str) and cfg[k].startswith("~")})
+    return cfg
 
 
 def plain_values(values):
@@ -2282,8 +2301,7 @@ def validate_config(cfg, model_names=True):
     check_edited_keys(CONFIG)
     for key in cfg:
         check_known_key(key)
-    cfg = plain_values({**CONFIG, **cfg})  # CONFIG's edits as a library dict's: a tuple, a Path, CPU for cpu
-    cfg.update({k: v.strip().lower() for k, v in cfg.items() if (k in CHOICES or k == "device") and isinstance(v, str)})
+    cfg = as_given({**CONFIG, **cfg})  # CONFIG's edits as a library dict's: a tuple, a Path, CPU for cpu, ~/x
     cfg["amp_dtype"] = amp_dtype_name(cfg["amp_dtype"])
     check_types(cfg, CONFIG)
     for key in CHOICES:
@@ -2433,7 +2451,8 @@ def apply_preset(cfg, explicit=()):
 def given_keys(cfg, explicit=()):
     """The keys the user set (on the command line, or away from CONFIG's default in a library call's config):
     a preset leaves them as given."""
-    return set(explicit) | {k for k in cfg if k in CONFIG and cfg[k] != CONFIG[k] and k != "preset"}
+    shipped = as_given(CONFIG)  # an edit at the top read as validate_config reads it (channels_last="Auto")
+    return set(explicit) | {k for k in cfg if k in CONFIG and cfg[k] != shipped[k] and k != "preset"}
 
 
 def preset_table():
@@ -2771,11 +2790,10 @@ def apply_tf32(setting, prec):
 
 
 def tf32_note(setting, prec, hw=None):
-    """A warning when tf32_matmul_precision is set and cannot matter: on hardware without TF32 (a CPU, a GPU
-    before Ampere: it said 'it only changes fp32 matmuls/convolutions' while the banner said fp32 stays strict),
-    or for autocast ops in `prec`."""
-    if setting is not None and hw is not None and not (hw.kind == "cuda" and hw.capability
-                                                       and hw.capability >= AMPERE):
+    """A warning when tf32_matmul_precision is set and cannot matter: on a GPU before Ampere, which has no TF32
+    (it said 'it only changes fp32 matmuls/convolutions' while the banner said fp32 stays strict), or for
+    autocast ops in `prec`. (On a CPU, 'medium' lets oneDNN run fp32 matmuls in bf16: it can matter there.)"""
+    if setting is not None and hw is not None and hw.kind == "cuda" and hw.capability and hw.capability < AMPERE:
         return (f"tf32_matmul_precision={setting} changes nothing here: TF32 needs a CUDA GPU of compute "
                 f"capability 8.0 or more")
     if setting is not None and prec.amp:
@@ -3273,7 +3291,7 @@ def data_pairs(cfg):
         print(f"note: {len(unread)} entr{'y' if len(unread) == 1 else 'ies'} in {root} not read (e.g. "
               f"{', '.join(unread[:3])}): only {', '.join(IMAGE_EXTS)} files directly in images/ and masks/ are used, "
               f"and none whose name starts with '.'")
-    for note in (pairs_in_both(train, val, root), pairs_beside_the_split(root)):
+    for note in (pairs_in_both(train, val, root), pairs_beside_the_split(root), half_a_split_note(root)):
         if note and DIST.is_main:
             print(note)
     check_pairs(train + val, cfg)
@@ -3284,14 +3302,16 @@ def data_pairs(cfg):
     return train, val
 
 
-def check_not_half_a_split(root, split):
+def half_a_split_note(root):
     """data_dir=d/split/train, its val/ beside it: validation was cut from the training images by val_fraction,
-    and the user's val/ left unread, unsaid (data_dir=d/split/train/images is refused likewise: find_pairs)."""
+    and the user's val/ left unread, unsaid. A note, not a refusal: a run may hold val/ out on purpose, and
+    runs begun so resume."""
     other = {"train": "val", "val": "train"}.get(root.name)
-    if any(split) or other is None or not (root.parent / other / "images").is_dir():
-        return
-    raise UserError(f"data_dir={root} is the {root.name}/ part of a split ({root.parent / other}/ is beside it): give "
-                    f"the folder that holds both, data_dir={cli_value(root.parent)}")
+    if other is None or (root / "train").is_dir() or not (root.parent / other / "images").is_dir():
+        return None
+    return (f"note: data_dir={root} is the {root.name}/ part of a split: validation is cut from its images by "
+            f"val_fraction, and {root.parent / other}/ is not read; to train on train/ and validate on val/, give "
+            f"data_dir={cli_value(root.parent)}")
 
 
 # Patches an epoch may hold: the samplers shuffle with torch.randperm(n).tolist(), about 46 bytes a patch
@@ -3346,7 +3366,6 @@ def split_pairs(cfg):
         have, missing = ("train", "val") if split[0] else ("val", "train")
         raise UserError(f"{root} has {have}/ but no {missing}/: add {root}/{missing}/images and masks, or "
                         f"put all pairs in {root}/images and {root}/masks for a split by val_fraction")
-    check_not_half_a_split(root, split)
     if all(split):
         train, val = find_pairs(root / "train"), find_pairs(root / "val")
     else:
@@ -3582,7 +3601,9 @@ def find_pairs(folder):
             names = ", ".join(have[s].name for s in sorted(missing)[:3])
             raise UserError(f"{len(missing)} {what} in {there} (e.g. {names}): {fix} with the same file stem, "
                             f"or remove them")
-    return [(images[s], masks[s]) for s in sorted(images)]
+    # in the order of the images' own stems, as before they were keyed composed (index_by_stem): the seeded split
+    # of a set named in NFD (copied from macOS) stays the one its runs began on
+    return [(images[s], masks[s]) for s in sorted(images, key=lambda s: images[s].stem)]
 
 
 def renamed_partners(images, masks, folder):
@@ -3994,7 +4015,7 @@ def read_errors_named(path, kind):
     try:
         yield
     except OSError as exc:
-        if exc.errno == errno.EMFILE:
+        if exc.errno in OPEN_FILES_LIMITS:
             raise
         raise UserError(f"cannot read {kind} {path} ({os_error_words(exc)}): {os_error_fix(exc)}") from None
 
@@ -4012,6 +4033,7 @@ def os_error_fix(exc, other="remove it"):
 
 
 NO_PERMISSION = (errno.EACCES, errno.EPERM)
+OPEN_FILES_LIMITS = (errno.EMFILE, errno.ENFILE)  # this process's (ulimit -n), the system's: not the file's fault
 
 
 def too_long_a_side(path, kind):
@@ -4137,7 +4159,8 @@ def scale_image(image, path="image", intensity_range=None):
     own min/max to [0, 1] (not percentiles: clipping would saturate the brightest pixels, often the
     objects).
     """
-    if intensity_range is not None and not (isinstance(intensity_range, (list, tuple)) and valid_range(intensity_range)):
+    if intensity_range is not None and not (isinstance(intensity_range, (list, tuple))
+                                            and valid_range(intensity_range)):
         # a library call's (a notebook's): [4095, 0] inverted the image, unsaid; "0,4095" failed in unpacking
         raise UserError(f"intensity_range={intensity_range!r} must be [low, high] with low < high (the values mapped "
                         f"to 0 and 1), or None")
@@ -7691,7 +7714,7 @@ def save_checkpoint(path, state):
         short = "the write stopped short, as on a full disk"
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else short
         limit = file_size_limit()
-        if getattr(exc, "errno", None) == errno.EFBIG or limit is not None and tensor_bytes(state) >= limit:
+        if getattr(exc, "errno", None) == errno.EFBIG or limit is not None and tensor_bytes(state) + ZIP_SLACK >= limit:
             raise UserError(f"cannot write {path}: about {size_text(tensor_bytes(state))}, "
                             f"{file_size_limit_words()}; the files written before it are intact") from None
         if not isinstance(exc, OSError) or exc.errno in FULL_DISK:
@@ -7736,6 +7759,8 @@ def load_checkpoint(path, map_location="cpu", fix="give a best.pt or last.pt as 
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location=map_location, weights_only=True)
     except OSError as exc:  # not the file's content: it was called no checkpoint of this trainer
+        if exc.errno in OPEN_FILES_LIMITS:
+            raise
         raise UserError(f"cannot read checkpoint {path} ({os_error_words(exc)}): "
                         f"{os_error_fix(exc, other=fix)}") from None
     except Exception as exc:  # noqa: BLE001 - pickle, zip and weights_only errors all mean "not our checkpoint"

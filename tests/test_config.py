@@ -377,3 +377,13 @@ def test_arch_in_any_case_or_by_its_papers_name_is_smps(given, arch):
     """arch=unet was 'not allowed: use one of Unet, ...'; Unet++ too."""
     assert parse_overrides([f"arch={given}"])["arch"] == arch
     assert "arch='unets' is not allowed: use one of Unet, " in user_error(["arch=unets"])
+
+
+def test_a_config_edit_read_as_given_is_not_taken_for_the_users_key(monkeypatch):
+    """channels_last="Auto" edited at the top reads as auto; it is CONFIG's value, not the user's: a preset
+    still sets the key (it was kept as 'given', the preset's NHWC left out)."""
+    monkeypatch.setitem(CONFIG, "channels_last", "Auto")
+    assert parse_overrides([])["channels_last"] == "auto"
+    preset = lambda args: train_unet.apply_preset(parse_overrides(args), train_unet.explicit_keys(args))[0]  # noqa
+    assert preset(["preset=fast"])["channels_last"] is True
+    assert preset(["preset=fast", "channels_last=auto"])["channels_last"] == "auto"  # typed: it wins

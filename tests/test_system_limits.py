@@ -235,3 +235,27 @@ def test_a_checkpoint_dir_that_is_a_broken_link_says_so(tmp_path):
     link.symlink_to(tmp_path / "not_there")
     with pytest.raises(UserError, match=r"is a broken link \(it points to .*not_there, which is not there\)"):
         train_unet.check_writable(link, "checkpoint_dir")
+
+
+def test_open_file_limits_are_not_called_a_bad_file(tmp_path, monkeypatch, capsys):
+    """ENFILE (the machine's file table full) read 'cannot read image X (...): check the disk or share it is on,
+    or remove it': the file is fine. It goes to main's line for the limit, as EMFILE does."""
+    path = tmp_path / "a.png"
+    cv2.imwrite(str(path), np.zeros((8, 8, 3), np.uint8))
+    for code in (errno.EMFILE, errno.ENFILE):
+        def decode(*args, code=code):
+            raise OSError(code, os.strerror(code), str(path))
+        monkeypatch.setattr(train_unet, "opencv_decode", decode)
+        with pytest.raises(OSError) as info:
+            train_unet.read_image(path, 3)
+        assert not isinstance(info.value, UserError) and info.value.errno == code
+    assert "all processes together (ENFILE)" in train_unet.system_limit_message(OSError(errno.ENFILE, "x"))
+
+
+def test_out_of_memory_advice_fits_the_run(make_cfg):
+    gpu = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    said = str(train_unet.out_of_memory(gpu, {**make_cfg(), "batch_size": "auto"}))
+    assert "batch_size=auto" not in said.split(": use ")[1]  # the setting in use is no fix
+    assert "batch_size=auto" in str(train_unet.out_of_memory(gpu, make_cfg())).split(": use ")[1]
+    mps = RuntimeError("MPS backend out of memory (MPS allocated: 17.5 GB, other allocations: 1.2 GB)")
+    assert "ran out of GPU memory" in str(train_unet.out_of_memory(mps, make_cfg()))

@@ -58,7 +58,8 @@ def test_duplicate_keys_and_help(capsys):
     (["data_dir=x", "epochs", "=2"], "argument 'epochs' is not key=value, e.g. batch_size=2: write epochs=2"),
     (["predict", "checkpoint=x", "--input", "y"], "argument '--input' is not key=value, e.g. batch_size=2: write "
                                                   "input=y"),
-    (["epochs=1", "data_dir=d/my", "data"], 'a value with a space is one argument in quotes, e.g. "data_dir=d/my data"'),
+    (["epochs=1", "data_dir=d/my", "data"],
+     'a value with a space is one argument in quotes, e.g. "data_dir=d/my data"'),
 ])
 def test_a_key_and_its_value_written_apart_get_the_fix(argv, words, capsys):
     """'epochs = 2' said 'unknown command', '--epochs 2' too (though --batch-size=2 is taken), and an unquoted
@@ -1980,10 +1981,17 @@ def test_a_leading_tilde_is_the_home_folder(trained, tmp_path, monkeypatch, caps
                             "progress=False"]) == 0
     assert len(list((home / "masks").glob("*.png"))) == 8 and not (tmp_path / "~").exists()
     assert f"-> {home / 'masks'}" in capsys.readouterr().out
+    # the config the stop and out-of-memory messages read holds the folder too: they looked for ./~/runs/last.pt
+    for cfg in (train_unet.parse_overrides(["checkpoint_dir=~/runs"]), train_unet.check_config_dict(
+            {"checkpoint_dir": "~/runs", "data_dir": "~/sets/tiny"})):
+        assert cfg["checkpoint_dir"] == str(home / "runs")
+        assert "last.pt is intact" in str(train_unet.out_of_memory(MemoryError(), cfg))
+    assert len(train_unet.prepare_data({"data_dir": "~/sets/tiny", "batch_size": 2})[0]) == 6  # a notebook's call
 
 
-def test_data_dir_at_the_train_part_of_a_split_is_refused(make_data):
-    """data_dir=d/split/train: '6 train / 2 val images', validation cut from the training images, val/ unread."""
+def test_data_dir_at_the_train_part_of_a_split_gets_a_note(make_data):
+    """data_dir=d/split/train: '6 train / 2 val images', validation cut from the training images, val/ unread,
+    unsaid. A note (a run may hold val/ out on purpose; runs begun so resume)."""
     root = make_data("split", count=8, size=32)
     for part, names in (("train", range(6)), ("val", range(6, 8))):
         for sub in ("images", "masks"):
@@ -1992,13 +2000,14 @@ def test_data_dir_at_the_train_part_of_a_split_is_refused(make_data):
                 (root / sub / f"shape_{i:04d}.png").rename(root / part / sub / f"shape_{i:04d}.png")
     for sub in ("images", "masks"):
         (root / sub).rmdir()
+    for part, other in (("train", "val"), ("val", "train")):
+        note = train_unet.half_a_split_note(root / part)
+        assert re.fullmatch(rf"note: data_dir=.*split/{part} is the {part}/ part of a split: validation is cut from "
+                            rf"its images by val_fraction, and .*split/{other}/ is not read; to train on train/ and "
+                            rf"validate on val/, give data_dir=.*split", note)
+    assert train_unet.half_a_split_note(root) is None
     cfg = {**train_unet.CONFIG, "seed": 0, "val_fraction": 0.2, "max_train_images": None}
-    for part in ("train", "val"):
-        one_line_error(train_unet.split_pairs, {**cfg, "data_dir": str(root / part)},
-                       match=rf"data_dir=.*split/{part} is the {part}/ part of a split .*: give the folder that holds "
-                             rf"both, data_dir=.*split$")
-    train, val = train_unet.split_pairs({**cfg, "data_dir": str(root)})
-    assert len(train) == 6 and len(val) == 2
+    assert [len(part) for part in train_unet.split_pairs({**cfg, "data_dir": str(root / "train")})] == [5, 1]
 
 
 def test_names_in_two_unicode_forms_pair(make_data):
@@ -2016,6 +2025,12 @@ def test_names_in_two_unicode_forms_pair(make_data):
                for image, mask in pairs)
     (root / "images" / f"{unicodedata.normalize('NFD', 'café')}.jpg").write_bytes(b"")
     one_line_error(train_unet.find_pairs, root, match="share the stem 'café' \\(spelt in two Unicode forms")
+    nfd = make_data("nfd", count=3, size=32)  # both sides copied from macOS: they paired before, in this order
+    for i, name in enumerate(["ea", "fa", "été"]):
+        for sub in ("images", "masks"):
+            (nfd / sub / f"shape_{i:04d}.png").rename(nfd / sub / f"{unicodedata.normalize('NFD', name)}.png")
+    stems = [image.stem for image, _ in train_unet.find_pairs(nfd)]
+    assert stems == sorted(stems)  # the raw names' order: the seeded split of a run begun on them is kept
 
 
 @pytest.mark.skipif(os.name == "nt", reason="a folder link needs a privilege on Windows")
