@@ -7053,14 +7053,17 @@ def without_indices(names, path="class_names.txt"):
     the names alone, where every line starts with an index, each of 0..N-1 once (in any order: the names
     by their index; a binary file's one line: 1). Numbers beyond N-1 are no indices ('10 cm', 1-based
     lines): the lines as they are, in line order. A repeat, or a gap, among 0..N-1 is refused: the lines
-    had been kept as names, given by line, so '0 background, 2 dog, 1 cat' labelled class 1's scores 'dog'."""
+    had been kept as names, given by line, so '0 background, 2 dog, 1 cat' labelled class 1's scores 'dog' (and
+    '0 background, 1 cat, 2 dog, 4 fish', most of its numbers indices, put 'fish' on class 3)."""
     found = [re.fullmatch(r"(\d+)(?:\s*[:,;=]\s*|\s+)(\S.*)", name) for name in names]
     if not names or not all(found):
         return names
     indices = [int(match.group(1)) for match in found]
     if indices == [1]:
         return [found[0].group(2)]
-    if any(index >= len(names) for index in indices):  # not class indices ('10 cm', or 1-based): names as written
+    within = sum(index < len(names) for index in indices)
+    zero_based = 0 in indices and 2 * within > len(names)  # '0 background, 1 cat, 2 dog, 4 fish': class 3 had none
+    if any(index >= len(names) for index in indices) and not zero_based:  # '10 cm', or 1-based: names as written
         return names
     if sorted(indices) != list(range(len(names))):
         raise UserError(f"{path} numbers its lines {', '.join(map(str, indices))}: a line's number is its class "

@@ -100,6 +100,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     ("0 bg\n2 debris\n1 cell\n", ["bg", "cell", "debris"]),  # by the numbers: 'debris' had labelled class 1
     ("bg\n1 cell\n2 debris\n  \n", ["bg", "1 cell", "2 debris"]),  # not all numbered: names as written
     ("10 cm\n20 cm\n30 cm\n", ["10 cm", "20 cm", "30 cm"]),  # numbers beyond the classes: no indices
+    ("0 cm\n10 cm\n20 cm\n", ["0 cm", "10 cm", "20 cm"]),  # most numbers beyond them: still no indices
     ("1 bg\n2 cell\n3 debris\n", ["1 bg", "2 cell", "3 debris"]),  # 1-based: in line order, as written
 ])
 def test_lines_numbered_with_their_class_index_are_read_as_the_names(tmp_path, text, names):
@@ -128,6 +129,7 @@ def test_a_class_named_mean_is_not_taken_for_the_mean_row():
                              r"the line, or name the class, e.g. unused_1\)"),
     ("0 bg\n1 cat\n1 dog\n", r"class_names.txt numbers its lines 0, 1, 1: a line's number is its class index "
                             r"\(the mask value\), each of 0 to 2 once: number them so, or give the names alone"),
+    ("0 bg\n1 cat\n3 fish\n", r"numbers its lines 0, 1, 3: .* each of 0 to 2 once"),  # 'fish' had named class 2
     ("a\nA b\na\n", "a name of its own once spaces and punctuation become _"),
     ("cell A\ncell_A\nbox\n", r"\('cell_A', 'cell_A', 'box'\)|'cell_A', 'cell_A', 'box'"),  # the same once sanitised
 ])
