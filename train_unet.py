@@ -4744,6 +4744,8 @@ def mixed_binary_masks(pairs, values, cfg):
     is void there, so those masks' foreground is ignored."""
     void_only = sorted((str(mask), 0 in v) for (_, mask), v in zip(pairs, values)
                        if IGNORE_INDEX in v and v <= {0, IGNORE_INDEX})  # the first by name is named
+    if any(IGNORE_INDEX in v and v - {0, IGNORE_INDEX} for v in values):  # masks with classes use 255 as void too:
+        void_only = [(mask, zero) for mask, zero in void_only if not zero]  # 0/255 ones are negatives with void
     classes = sorted(set().union(*values) - {0, IGNORE_INDEX})
     if cfg["num_classes"] < 2 or not void_only or not classes:
         return None

@@ -241,6 +241,22 @@ def test_masks_of_both_binary_conventions_with_classes_get_a_note(make_data, mak
     assert "4 of 8 mask(s) hold only 0 and 255, or only 255 (e.g." in capsys.readouterr().out
 
 
+def test_negatives_with_a_void_border_beside_classes_with_one_get_no_binary_note(make_data, make_cfg, capsys):
+    """Masks with classes 1..2 and a void (255) border, and some background-only ones with the same border: 'hold
+    only 0 and 255 ... their foreground is ignored', though they have none: negatives, void used as void."""
+    root = make_data("negatives", count=8, size=32, num_classes=3)
+    for i, mask in enumerate(sorted((root / "masks").iterdir())):
+        values = cv2.imread(str(mask), cv2.IMREAD_UNCHANGED)
+        values = np.zeros_like(values) if i % 4 == 0 else values
+        values[:2], values[-2:] = 255, 255  # the void border every mask has
+        cv2.imwrite(str(mask), values)
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=3, batch_size=2))
+    assert "mask(s) hold only" not in capsys.readouterr().out
+    cv2.imwrite(str(sorted((root / "masks").iterdir())[1]), np.full((32, 32), 255, np.uint8))  # all void: noted
+    train_unet.prepare_data(make_cfg(data_dir=str(root), num_classes=3, batch_size=2))
+    assert "1 of 8 mask(s) hold only 255" in capsys.readouterr().out
+
+
 def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, make_cfg):
     """JPEG's edge noise in 0/1 class masks read 'holds class 2 ...: set num_classes=3', which then trained on
     that noise as a class; noise within num_classes trained silently."""
