@@ -678,9 +678,11 @@ def same_class_names(state, names, cfg):
     was = (state or {}).get("class_names")
     if was is None or was == names:
         return names
-    raise UserError(f"cannot resume exactly: {Path(cfg['data_dir']) / 'class_names.txt'} names the classes "
-                    f"{', '.join(names)}; this run began with {', '.join(was)} (history.csv's columns): put the "
-                    f"names back to resume (rename after the run), or start a new run in another checkpoint_dir")
+    path = Path(cfg["data_dir"]) / "class_names.txt"
+    now = f"{path} names the classes {', '.join(names)}" if path.is_file() else \
+        f"there is no {path} now (the classes would be numbered {', '.join(names)})"  # it was named, though gone
+    raise UserError(f"cannot resume exactly: {now}; this run began with {', '.join(was)} (history.csv's columns): put "
+                    f"the names back to resume (rename after the run), or start a new run in another checkpoint_dir")
 
 
 def unused_val_fraction(cfg, explicit):

@@ -55,6 +55,10 @@ def test_a_resume_with_renamed_classes_is_refused_and_the_same_names_resume(make
     with pytest.raises(UserError, match="names the classes background, nucleus, membrane; this run began with "
                                         "bg, cellA, cellB"):
         train({**cfg, "epochs": 2, "resume": True})
+    (multi_data / "class_names.txt").unlink()  # it was named as if there, with names it had not
+    with pytest.raises(UserError, match=r"cannot resume exactly: there is no .*class_names.txt now \(the classes "
+                                        r"would be numbered 0, 1, 2\); this run began with bg, cellA, cellB"):
+        train({**cfg, "epochs": 2, "resume": True})
     (multi_data / "class_names.txt").write_text("bg\ncellA\ncellB\n")
     train({**cfg, "epochs": 2, "resume": True})
     _, rows = history_csv(cfg["checkpoint_dir"])
