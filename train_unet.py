@@ -8077,11 +8077,13 @@ class RunLogger:
         """Multi-class runs: the epoch's validation confusion matrix as a figure (confusion_figure)."""
         if self.writer is None or counts is None or len(names) < 2:
             return
-        try:
-            figure = confusion_figure(counts, names)
-        except ImportError:  # matplotlib (requirements.txt) missing: the CSVs still hold the matrix
-            return
-        self.writer.add_figure("class/confusion_matrix", figure, epoch)
+        with warnings.catch_warnings():  # a name its font cannot draw (犬 in DejaVu Sans): a box, not two warnings
+            warnings.filterwarnings("ignore", message="Glyph .* missing from", category=UserWarning)  # each epoch
+            try:
+                figure = confusion_figure(counts, names)
+            except ImportError:  # matplotlib (requirements.txt) missing: the CSVs still hold the matrix
+                return
+            self.writer.add_figure("class/confusion_matrix", figure, epoch)
         self.writer.flush()
 
     def held_epochs(self, epoch):

@@ -95,6 +95,20 @@ def test_tensorboard_figure_is_drawn(tmp_path):
     assert "class/confusion_matrix" in acc.Tags()["images"]
 
 
+def test_class_names_its_font_cannot_draw_give_no_warnings(tmp_path):
+    """'фон, road sign, 犬': 'UserWarning: Glyph 29356 ... missing from font(s) DejaVu Sans', twice an epoch,
+    with the script's file and line."""
+    pytest.importorskip("tensorboard")
+    import warnings
+
+    logger = train_unet.RunLogger(tmp_path / "tb", {})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        logger.log_confusion([[5, 1, 0], [2, 8, 0], [0, 0, 3]], ["фон", "road sign", "犬"], 1)
+    logger.close()
+    assert [str(w.message) for w in seen if "Glyph" in str(w.message)] == []
+
+
 def test_figure_shows_shares_per_true_class():
     fig = train_unet.confusion_figure([[3, 1], [0, 0]], ["bg", "fg"])
     texts = sorted(t.get_text() for t in fig.axes[0].texts)
