@@ -7035,6 +7035,8 @@ def load_class_names(cfg):
                         f"name per line") from None
     while names and not names[-1]:  # trailing blank lines, spaces and all
         names.pop()
+    if names[:1] == ["__ignore__"]:  # labelme's labels.txt: its first line is void (-1, here 255), no class
+        names = names[1:]
     if "" in names:  # one in the middle read 'has 4 line(s) but num_classes=3 needs 3', the blank one unnamed
         line = names.index("") + 1
         raise UserError(f"{path}: line {line} is blank: one class name per line, class 0 first (remove the line, "

@@ -106,6 +106,7 @@ def test_a_byte_order_mark_is_not_part_of_the_first_name(tmp_path):
     ("10 cm\n20 cm\n30 cm\n", ["10 cm", "20 cm", "30 cm"]),  # numbers beyond the classes: no indices
     ("0 cm\n10 cm\n20 cm\n", ["0 cm", "10 cm", "20 cm"]),  # most numbers beyond them: still no indices
     ("1 bg\n2 cell\n3 debris\n", ["1 bg", "2 cell", "3 debris"]),  # 1-based: in line order, as written
+    ("__ignore__\n_background_\ncell\ndebris\n", ["_background_", "cell", "debris"]),  # labelme's labels.txt
 ])
 def test_lines_numbered_with_their_class_index_are_read_as_the_names(tmp_path, text, names):
     """'0 background' (as some label tools write their lists) became the name '0 background', its column
