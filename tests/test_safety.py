@@ -556,9 +556,10 @@ def test_a_nonfinite_validation_is_never_best_and_stops_a_guarded_run(data, tmp_
     assert best["epoch"] == (1 if guard else 2) and nonfinite(best["model"], buffers=True) == []
 
 
-def test_a_ctrl_c_while_the_script_exits_ends_it_at_once_with_130():
+def test_a_ctrl_c_while_the_script_exits_ends_it_at_once_with_the_commands_code():
     """After a stop, Python joins the script's threads and runs its exit handlers: a second Ctrl-C then printed
-    "Exception ignored in: <module 'threading'> ... KeyboardInterrupt" and ended the process by the signal."""
+    "Exception ignored in: <module 'threading'> ... KeyboardInterrupt" and ended the process by the signal. It
+    ends it at once, with the command's own code: here --help's 0 (a stopped run's is 130)."""
     script = str(ROOT / "train_unet.py")
     code = ("import os, runpy, signal, sys, threading, time\n"
             f"sys.argv = [{script!r}, '--help']\n"
@@ -570,7 +571,7 @@ def test_a_ctrl_c_while_the_script_exits_ends_it_at_once_with_130():
             "    raise\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 130 and time.monotonic() - start < 50, (done.returncode, done.stderr[-800:])
+    assert done.returncode == 0 and time.monotonic() - start < 50, (done.returncode, done.stderr[-800:])
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr
 
 
