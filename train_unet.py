@@ -356,9 +356,9 @@ def run_command(command, args):
 
 def train_main(cfg, explicit=()):
     """`train`, also under torchrun: only rank 0 prints, the others train quietly."""
-    setup_distributed(cfg["device"])
     started = time.time()
     try:
+        setup_distributed(cfg["device"])  # in the try: a stop while joining says what a stop in start-up says
         if not DIST.is_main:
             with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
                 return train({**cfg, "progress": False}, set(explicit) | {"progress"})
@@ -950,14 +950,20 @@ def no_data_elsewhere(was, data_dir):
     return was is not None and os.path.realpath(was) != os.path.realpath(data_dir) and not has_files(data_dir)
 
 
-def setup_precision(cfg, state=None, explicit=()):
-    """(cfg, hardware, the precision this run trains in, notes): a resumed run that fell back keeps its safer
-    precision (keep_safer_precision), one whose precision was set keeps it (keep_chosen_precision, whose
-    keys cfg then records), decided here, before the layout and batch size are."""
+def run_hardware(cfg):
+    """The hardware of `device`, able to run the config (sync_batchnorm needs CUDA)."""
     hw = detect_hardware(cfg["device"])
     if cfg["sync_batchnorm"] and hw.kind != "cuda":
         raise UserError("sync_batchnorm=True needs CUDA GPUs (PyTorch's SyncBatchNorm has no CPU kernel): "
                         "set sync_batchnorm=False")
+    return hw
+
+
+def setup_precision(cfg, state=None, explicit=()):
+    """(cfg, hardware, the precision this run trains in, notes): a resumed run that fell back keeps its safer
+    precision (keep_safer_precision), one whose precision was set keeps it (keep_chosen_precision, whose
+    keys cfg then records), decided here, before the layout and batch size are."""
+    hw = said_once_where_alike(run_hardware, cfg)  # device=cuda on CPUs: once, not a tagged line per process
     decided = decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
     prec, cfg = (decided, cfg) if state is None else keep_chosen_precision(keep_safer_precision(decided, state, hw),
                                                                              cfg, state, hw, explicit)
@@ -2510,9 +2516,34 @@ def setup_distributed(device="auto"):
     cuda = torch.cuda.is_available() and not device.startswith(("cpu", "mps"))
     if cuda:
         torch.cuda.set_device(DIST.local_rank)
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    DIST.setup_group = torch.distributed.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
+
+    def join():
+        if cuda:
+            torch.cuda.set_device(DIST.local_rank)  # the current device is the calling thread's
+        torch.distributed.init_process_group("nccl" if cuda else "gloo")
+        DIST.setup_group = torch.distributed.new_group(backend="gloo", timeout=SETUP_TIMEOUT)
+    joined_off_the_main_thread(join)
     return DIST
+
+
+def joined_off_the_main_thread(join):
+    """Joining the group waits in C++ for every peer, up to 30 minutes, deaf to signals: where a peer had left
+    (Ctrl-C in start-up, a rank that failed before joining) the process ignored Ctrl-C and torchrun's SIGTERM
+    until torchrun killed it 30 s later, unsaid. On a thread, the main thread stays in Python, where a stop
+    is handled (KeyboardInterrupt, said as for any stop in start-up; the thread is left to the process's end)."""
+    failed = []
+
+    def run():
+        try:
+            join()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the main thread
+            failed.append(exc)
+    thread = threading.Thread(target=run, name="unet-amp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+    if failed:
+        raise failed[0]
 
 
 def cleanup_distributed():

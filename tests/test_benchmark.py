@@ -649,7 +649,7 @@ def test_the_memory_check_counts_what_the_inference_table_will_run(tmp_path):
     train_unet.check_inference_memory(opts, base, emulated, free)  # the image made, no row run
     with pytest.raises(train_unet.UserError):
         train_unet.check_inference_memory({**opts, "inference": "fp32,bf16"}, base, emulated, free)
-    with pytest.raises(train_unet.UserError, match=r"and 0 MB is free: use inference= for no inference table$"):
+    with pytest.raises(train_unet.UserError, match=r"and 0 kB is free: use inference= for no inference table$"):
         train_unet.check_inference_memory(opts, base, hw, 3)
 
 

@@ -1,5 +1,6 @@
 """DDP under torchrun on the CPU (2 processes, gloo): a short run, exact validation, cross-loading."""
 import csv
+import os
 import re
 import subprocess
 import sys
@@ -270,3 +271,79 @@ def test_a_stop_by_sigterm_is_not_called_an_interruption(monkeypatch):
     assert train_unet.stop_word() == "stopped by SIGTERM"
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert train_unet.stop_word().endswith("(under torchrun: another process ended, or the job was stopped)")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="a shell wrapper and SIGINT to a process group: POSIX")
+def test_a_ctrl_c_while_a_peer_has_not_joined_ends_the_job_at_once(make_data, tmp_path):
+    """Ctrl-C in start-up, one rank late (a slow node or file system): the other waited in C++ to join the group,
+    deaf to the signal, until torchrun killed it 30 s later, and said nothing. Joined on a thread, it stops at
+    once with the start-up's line."""
+    import os
+    import signal
+    import time
+
+    data = make_data(count=12, size=32)
+    late = tmp_path / "late_rank.sh"  # rank 1 starts 20 s late; the Ctrl-C comes while rank 0 waits for it
+    late.write_text(f'#!/bin/sh\n[ "$LOCAL_RANK" = 1 ] && sleep 20\n'
+                    f'exec {sys.executable} {ROOT / "train_unet.py"} "$@"\n')
+    late.chmod(0o755)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--no-python",
+           str(late), f"data_dir={data}", "image_size=32", "batch_size=2", "device=cpu", "progress=False",
+           "encoder_name=resnet18", "epochs=1", f"checkpoint_dir={tmp_path / 'c'}"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+    waiting_to_join(job.pid)
+    sent = time.monotonic()
+    os.killpg(job.pid, signal.SIGINT)
+    _, err = job.communicate(timeout=120)
+    assert time.monotonic() - sent < 15, err[-2000:]  # it was 30 s and more, until torchrun's SIGKILL
+    assert "interrupted: " in err and "forcefully exiting via 9" not in err, err[-2000:]
+
+
+def waiting_to_join(torchrun_pid, limit_s=120):
+    """Until rank 0 (the busiest python below torchrun; rank 1 sleeps in its shell) has done its start-up and
+    sits idle, waiting for its peer: its CPU time still for a second."""
+    import time
+
+    def cpu(pid):
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+    end, last = time.monotonic() + limit_s, None
+    while time.monotonic() < end:
+        try:
+            now = max(cpu(pid) for pid in proc_children(torchrun_pid) if "python" in
+                      Path(f"/proc/{pid}/comm").read_text())
+        except (OSError, ValueError):  # a process gone meanwhile, or none yet
+            now = None
+        if now is not None and now == last and now > 100:  # a second of CPU at least: past the imports
+            return
+        last = now
+        time.sleep(1)
+
+
+def proc_children(pid):
+    """The pids below `pid`, all levels (torchrun's python, its workers), from /proc."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    ppid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                except OSError:
+                    continue
+                if int(ppid) == parent:
+                    found.append(int(entry))
+                    todo.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device=cuda runs where a GPU is")
+def test_a_device_no_process_has_is_said_once(make_data, tmp_path):
+    """device=cuda on CPUs: every process met it alike, and each printed it, tagged [rank 0], [rank 1]."""
+    data = make_data(count=8, size=32)
+    out = torchrun(f"data_dir={data}", "image_size=32", "batch_size=2", "device=cuda", "progress=False",
+                   f"checkpoint_dir={tmp_path / 'c'}")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode != 0 and errors == ["error: device='cuda' but PyTorch sees no CUDA GPU: use device=auto "
+                                              "or device=cpu"], out.stderr[-2000:]
