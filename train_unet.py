@@ -4837,13 +4837,16 @@ def checked_facts(paths, cfg, write, share=False):
     with ThreadPoolExecutor(max_workers=4) as pool:  # cv2 releases the GIL while decoding
         for path, found in zip(todo, pool.map(check_or_fail, todo)):
             facts[path] = found if isinstance(found, UserError) else {"stamp": stamps[path], **found}
-    failed = [(p, f) for p, f in facts.items() if isinstance(f, UserError)]
+    if share:  # the files a rank could not read too: every rank then says the same error, said once
+        facts = {p: entry for part in gather_setup(facts) for p, entry in part.items()}
+    order = {p: i for i, p in enumerate(paths)}
+    failed = sorted(((p, f) for p, f in facts.items() if isinstance(f, UserError)), key=lambda pf: order[pf[0]])
     if failed:
         if write:  # the files read so far are not read again by the run after the fix
             save_check_cache(cache_paths, caches, {p: f for p, f in facts.items() if not isinstance(f, UserError)})
+        if share:
+            said_once_if_alike(files_failed(failed))  # under torchrun: '[rank 1] cannot read', '[rank 0] stopped'
         raise files_failed(failed)
-    if share:
-        facts = {p: entry for part in gather_setup(facts) for p, entry in part.items()}
     CHECKED_HERE.update(facts)
     if write:
         save_check_cache(cache_paths, caches, facts)

@@ -347,3 +347,17 @@ def test_a_device_no_process_has_is_said_once(make_data, tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert out.returncode != 0 and errors == ["error: device='cuda' but PyTorch sees no CUDA GPU: use device=auto "
                                               "or device=cpu"], out.stderr[-2000:]
+
+
+def test_a_file_one_rank_cannot_read_is_said_once(make_data, tmp_path):
+    """The data check splits the files between the ranks: the rank that met a truncated image said it, tagged
+    [rank 1], and rank 0 'stopped: another process of this torchrun job ended'. The failures are exchanged with
+    the facts: every rank has the same error, said once, as a bad mask value is."""
+    data = make_data(count=8, size=32)
+    broken = sorted((data / "images").iterdir())[5]  # checked by rank 1 (pairs r, r + 2, ...)
+    broken.write_bytes(broken.read_bytes()[:100])
+    out = torchrun(f"data_dir={data}", "image_size=32", "batch_size=2", "device=cpu", "progress=False",
+                   f"checkpoint_dir={tmp_path / 'c'}")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: cannot read image {broken} (a truncated PNG"), \
+        out.stderr[-2000:]
