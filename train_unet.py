@@ -230,6 +230,9 @@ PRESET_USES = {
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
+    helped = command in ("-h", "--help", "help") or set(args) & {"-h", "--help", "help"}
+    if helped and os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0's help alone (each printed it)
+        return 0
     if command in ("-h", "--help", "help") or (command == "train" and set(args) & {"-h", "--help", "help"}):
         print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
@@ -372,7 +375,8 @@ def train_main(cfg, explicit=()):
             with contextlib.suppress(KeyboardInterrupt):  # torchrun's SIGTERM meanwhile: this line all the same
                 time.sleep(PEER_FAILED_GRACE_S)  # the failed rank's own error first (not mid-line), and its exit
             raise UserError(f"[rank {DIST.rank}] stopped: another process of this torchrun job ended (its error, "
-                            f"where it printed one, and torchrun's report say which)") from None
+                            f"where it printed one, and torchrun's report say which); {checkpoint_kept_words(cfg)}") \
+                from None
         if isinstance(exc, (RuntimeError, MemoryError)) and not stopped_with_its_workers(exc):
             died = worker_death(exc, cfg) or out_of_memory(exc, cfg)
             if died:

@@ -260,7 +260,20 @@ def test_a_peer_that_died_is_said_even_when_torchrun_stops_this_rank_meanwhile(m
     monkeypatch.setattr(train_unet, "parse_overrides", lambda args: make_cfg())
     assert train_unet.main(["device=cpu"]) == 2
     assert capsys.readouterr().err == ("error: [rank 0] stopped: another process of this torchrun job ended (its "
-                                       "error, where it printed one, and torchrun's report say which)\n")
+                                       "error, where it printed one, and torchrun's report say which); no checkpoint "
+                                       "was written yet\n")
+    (Path(make_cfg()["checkpoint_dir"])).mkdir(parents=True, exist_ok=True)
+    (Path(make_cfg()["checkpoint_dir"]) / "last.pt").write_bytes(b"")  # a worker killed after an epoch's end
+    assert train_unet.main(["device=cpu"]) == 2
+    assert capsys.readouterr().err.endswith("; last.pt is intact: resume=True epochs=1 continues from it\n")
+
+
+def test_help_under_torchrun_is_printed_once(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert train_unet.main(["--help"]) == 0 and train_unet.main(["predict", "--help"]) == 0
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    assert train_unet.main(["--help"]) == 0 and "keys and defaults" in capsys.readouterr().out
 
 
 def test_a_stop_by_sigterm_is_not_called_an_interruption(monkeypatch):
