@@ -231,7 +231,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
     helped = command in ("-h", "--help", "help") or set(args) & {"-h", "--help", "help"}
-    if helped and os.environ.get("RANK", "0") != "0":  # under torchrun: rank 0's help alone (each printed it)
+    if helped and os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun
         return 0
     if command in ("-h", "--help", "help") or (command == "train" and set(args) & {"-h", "--help", "help"}):
         print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
@@ -375,10 +375,10 @@ def train_main(cfg, explicit=()):
             with contextlib.suppress(KeyboardInterrupt):  # torchrun's SIGTERM meanwhile: this line all the same
                 time.sleep(PEER_FAILED_GRACE_S)  # the failed rank's own error first (not mid-line), and its exit
             raise UserError(f"[rank {DIST.rank}] stopped: another process of this torchrun job ended (its error, "
-                            f"where it printed one, and torchrun's report say which); {checkpoint_kept_words(cfg)}") \
-                from None
+                            f"where it printed one, and torchrun's report say which); "
+                            f"{checkpoint_kept_words(cfg, started)}") from None
         if isinstance(exc, (RuntimeError, MemoryError)) and not stopped_with_its_workers(exc):
-            died = worker_death(exc, cfg) or out_of_memory(exc, cfg)
+            died = worker_death(exc, cfg, started) or out_of_memory(exc, cfg, started)
             if died:
                 raise (UserError(f"[rank {DIST.rank}] {died}") if DIST.enabled else died) from None
             raise
@@ -463,7 +463,7 @@ def stopped_with_its_workers(exc):
     return "DataLoader worker" in text and ("signal: Terminated" in text or "signal: Interrupt" in text)
 
 
-def worker_death(exc, cfg):
+def worker_death(exc, cfg, started=None):
     """A one-line UserError for a DataLoader worker that died other than by a stop (the out-of-memory
     killer's SIGKILL; a bus error where /dev/shm is full): torch's RuntimeError came with 30 lines of
     traceback and no word of what to do. None for any other RuntimeError."""
@@ -472,7 +472,7 @@ def worker_death(exc, cfg):
         return None
     signal_name = (re.search(r"killed by signal: ([^.\n]+)", text) or [None, ""])[1].strip()
     why = {"Killed": ", as the out-of-memory killer ends a process", "Bus error": ": shared memory (/dev/shm) full?"}
-    kept = checkpoint_kept_words(cfg)
+    kept = checkpoint_kept_words(cfg, started)
     how = f" (signal {signal_name}{why.get(signal_name, '')})" if signal_name else ""
     limit = file_size_limit()  # it bounds the shared-memory files workers hand batches over in too
     size_limit = f"; the file-size limit here (ulimit -f: {size_text(limit)}) bounds the shared memory workers " \
@@ -481,13 +481,18 @@ def worker_death(exc, cfg):
                      f"memory, use fewer num_workers (0 reads in the training process) or a smaller batch_size")
 
 
-def checkpoint_kept_words(cfg):
-    return (f"last.pt is intact: {resume_words(cfg)} continues from it" if (Path(cfg["checkpoint_dir"]) /
-                                                                           "last.pt").is_file()
-            else "no checkpoint was written yet")
+def checkpoint_kept_words(cfg, started=None):
+    """Whether a stopped run left a last.pt to resume: its own (resumed, or written since `started`); in a new
+    run's start-up the folder's last.pt is still the earlier run's, not yet moved to previous/ (as
+    interrupted_run_words judges it)."""
+    last = Path(cfg["checkpoint_dir"]) / "last.pt"
+    if last.is_file() and (cfg["resume"] or started is None or last.stat().st_mtime >= started - 1):
+        return f"last.pt is intact: {resume_words(cfg)} continues from it"
+    return "no checkpoint of this run was written yet" + (" (the last.pt there is an earlier run's)"
+                                                          if last.is_file() else "")
 
 
-def out_of_memory(exc, cfg):
+def out_of_memory(exc, cfg, started=None):
     """A one-line UserError for memory that ran out in a run: the GPU's (torch.cuda.OutOfMemoryError), or the
     host's (torch's 'DefaultCPUAllocator: can't allocate memory', numpy's MemoryError: a container's limit, or
     ulimit -v), or a thread that could not start (ulimit -u, or -v): each was a traceback. None for other errors."""
@@ -507,7 +512,7 @@ def out_of_memory(exc, cfg):
                f"{', batch_size=auto' if gpu and cfg['batch_size'] != 'auto' else ''} or image_size"
                + ("" if gpu else ", or fewer num_workers"))
     return UserError(f"training {what} at batch_size={cfg['batch_size']}, image_size={cfg['image_size']}; "
-                     f"{checkpoint_kept_words(cfg)}: {fix}")
+                     f"{checkpoint_kept_words(cfg, started)}: {fix}")
 
 
 def address_space_limit():
@@ -684,7 +689,7 @@ def same_class_names(state, names, cfg):
         return names
     path = Path(cfg["data_dir"]) / "class_names.txt"
     now = f"{path} names the classes {', '.join(names)}" if path.is_file() else \
-        f"there is no {path} now (the classes would be numbered {', '.join(names)})"  # it was named, though gone
+        f"there is no {path} now (the classes would be called {', '.join(names)})"  # it was named, though gone
     raise UserError(f"cannot resume exactly: {now}; this run began with {', '.join(was)} (history.csv's columns): put "
                     f"the names back to resume (rename after the run), or start a new run in another checkpoint_dir")
 
@@ -4653,7 +4658,7 @@ def set_classes(values, cfg):
     dense = whole and max(whole) < 2 * len(whole)
     top = max(whole) if dense else max((v for v in whole if v < 16), default=0)
     try:
-        named = Path(cfg["data_dir"], "class_names.txt").read_text(encoding="utf-8-sig").rstrip("\n").splitlines()
+        named = class_name_lines(Path(cfg["data_dir"], "class_names.txt"))
     except (OSError, UnicodeDecodeError):  # none, or unreadable: load_class_names says so in its turn
         named = []
     return max(top + 1, len(named))
@@ -7056,6 +7061,16 @@ class EpochTally:
                 "stats": health.stats()}
 
 
+def class_name_lines(path):
+    """class_names.txt's lines, each a class, as load_class_names and the data check's hint (set_classes) count
+    them: stripped, trailing blank lines left out, and labelme's first line __ignore__ (void, -1: here 255)."""
+    # utf-8-sig: the byte-order mark Windows Notepad writes is not part of class 0's name
+    names = [line.strip() for line in Path(path).read_text(encoding="utf-8-sig").rstrip("\n").splitlines()]
+    while names and not names[-1]:  # trailing blank lines, spaces and all
+        names.pop()
+    return names[1:] if names[:1] == ["__ignore__"] else names
+
+
 def load_class_names(cfg):
     """Class names, one per line, class 0 first (VOC/labelme convention); indices when there is no file.
 
@@ -7066,15 +7081,10 @@ def load_class_names(cfg):
     if not path.is_file():
         return ["foreground"] if n == 1 else [str(i) for i in range(n)]
     try:
-        # utf-8-sig: the byte-order mark Windows Notepad writes is not part of class 0's name
-        names = [line.strip() for line in path.read_text(encoding="utf-8-sig").rstrip("\n").splitlines()]
+        names = class_name_lines(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {path} ({type(exc).__name__}): save it as UTF-8 text, one class "
                         f"name per line") from None
-    while names and not names[-1]:  # trailing blank lines, spaces and all
-        names.pop()
-    if names[:1] == ["__ignore__"]:  # labelme's labels.txt: its first line is void (-1, here 255), no class
-        names = names[1:]
     if "" in names:  # one in the middle read 'has 4 line(s) but num_classes=3 needs 3', the blank one unnamed
         line = names.index("") + 1
         raise UserError(f"{path}: line {line} is blank: one class name per line, class 0 first (remove the line, "

@@ -57,7 +57,7 @@ def test_a_resume_with_renamed_classes_is_refused_and_the_same_names_resume(make
         train({**cfg, "epochs": 2, "resume": True})
     (multi_data / "class_names.txt").unlink()  # it was named as if there, with names it had not
     with pytest.raises(UserError, match=r"cannot resume exactly: there is no .*class_names.txt now \(the classes "
-                                        r"would be numbered 0, 1, 2\); this run began with bg, cellA, cellB"):
+                                        r"would be called 0, 1, 2\); this run began with bg, cellA, cellB"):
         train({**cfg, "epochs": 2, "resume": True})
     (multi_data / "class_names.txt").write_text("bg\ncellA\ncellB\n")
     train({**cfg, "epochs": 2, "resume": True})
@@ -161,3 +161,12 @@ def test_the_table_says_when_a_class_absent_from_the_val_set_was_predicted():
     assert lines["cell"] == "0.0000  0.0000"  # in the masks, never found: a plain 0
     assert lines["debris"] == "0.0000  0.0000  absent from the val set but predicted: 0 in the mean"
     assert lines["dust"] == "absent from the val set"
+
+
+def test_the_num_classes_hint_counts_class_names_as_they_are_read(tmp_path):
+    """labelme's labels.txt (__ignore__, _background_, cat, dog): the data check's hint said num_classes=4, which
+    class_names.txt, read without __ignore__, then refused ('has 3 line(s) but num_classes=4 needs 4')."""
+    (tmp_path / "class_names.txt").write_text("__ignore__\n_background_\ncat\ndog\n\n")
+    cfg = {"data_dir": str(tmp_path), "num_classes": 2}
+    assert train_unet.set_classes([{0, 1, 2}], cfg) == 3
+    assert load_class_names({**cfg, "num_classes": 3}) == ["_background_", "cat", "dog"]
