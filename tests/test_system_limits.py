@@ -145,7 +145,8 @@ def test_memory_that_runs_out_in_training_is_one_line(make_cfg, monkeypatch, cap
     with pytest.raises(UserError) as info:
         train_unet.train_main(cfg)
     message = str(info.value)
-    assert words in message and "batch_size=4, image_size=64" in message and "no checkpoint of this run was written" in message
+    assert words in message and "batch_size=4, image_size=64" in message
+    assert "no checkpoint of this run was written" in message
     assert ("batch_size=auto" in message) == ("GPU" in words)
     monkeypatch.setattr(train_unet, "train", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):  # an internal error still raises
