@@ -230,14 +230,15 @@ PRESET_USES = {
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command, args = (argv[0], argv[1:]) if argv and "=" not in argv[0] else ("train", argv)
-    helped = command in ("-h", "--help", "help") or set(args) & {"-h", "--help", "help"}
-    if helped and os.environ.get("RANK", "0") != "0" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun
+    help_words = {"-h", "--help", "help"}
+    if (command in help_words or set(args) & help_words) and os.environ.get("RANK", "0") != "0" \
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0's help alone (each printed it)
         return 0
-    if command in ("-h", "--help", "help") or (command == "train" and set(args) & {"-h", "--help", "help"}):
+    if command in help_words or (command == "train" and set(args) & help_words):
         print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
-    if set(args) & {"-h", "--help", "help"} and command in COMMAND_KEYS:  # predict --help, ...
+    if set(args) & help_words and command in COMMAND_KEYS:  # predict --help, ...
         print(f"python train_unet.py {command} key=value ...\n\nkeys and defaults:\n"
               + format_config(COMMAND_KEYS[command]()))
         return 0
@@ -516,12 +517,18 @@ def out_of_memory(exc, cfg, started=None):
 
 
 def address_space_limit():
-    """The memory this process may map (ulimit -v, RLIMIT_AS), in bytes; None where none is set."""
+    """The memory this process may map (ulimit -v), in bytes; None where none is set."""
+    return soft_limit("RLIMIT_AS")
+
+
+def soft_limit(name):
+    """This process's soft resource limit `name` (resource.RLIMIT_*); None where none is set, or where the system
+    has no such limit (Windows)."""
     try:
         import resource
 
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    except (ImportError, OSError, ValueError):
+        soft = resource.getrlimit(getattr(resource, name))[0]
+    except (ImportError, AttributeError, OSError, ValueError):
         return None
     return None if soft == resource.RLIM_INFINITY else soft
 
@@ -1836,15 +1843,9 @@ ZIP_SLACK = 2**20  # a checkpoint's bytes past its tensors' (torch.save's zip re
 
 
 def file_size_limit():
-    """The largest file this process may write (ulimit -f, RLIMIT_FSIZE), in bytes; None where none is set.
-    Past it a write fails with EFBIG, which reads as a full disk (torch's zip writer: 'unexpected pos')."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    except (ImportError, OSError, ValueError):
-        return None
-    return None if soft == resource.RLIM_INFINITY else soft
+    """The largest file this process may write (ulimit -f), in bytes; None where none is set. Past it a write
+    fails with EFBIG, which reads as a full disk (torch's zip writer: 'unexpected pos')."""
+    return soft_limit("RLIMIT_FSIZE")
 
 
 def file_size_limit_words():
@@ -3594,7 +3595,8 @@ def write_embedded_dataset(root):
     root = Path(root)
     tmp = root.with_name(f".{root.name}.tmp{os.getpid()}")
     for stale in root.parent.glob(f".{root.name}.tmp*"):  # a killed first run's (Ctrl-C's is removed below)
-        if stale.name[len(root.name) + 5:].isdigit() and not process_alive(int(stale.name[len(root.name) + 5:])):
+        pid = stale.name[len(f".{root.name}.tmp"):]
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
     try:
         generate_shapes_dataset(tmp)
@@ -4853,9 +4855,10 @@ def checked_facts(paths, cfg, write, share=False):
     if failed:
         if write:  # the files read so far are not read again by the run after the fix
             save_check_cache(cache_paths, caches, {p: f for p, f in facts.items() if not isinstance(f, UserError)})
+        error = files_failed(failed)
         if share:
-            said_once_if_alike(files_failed(failed))  # under torchrun: '[rank 1] cannot read', '[rank 0] stopped'
-        raise files_failed(failed)
+            said_once_if_alike(error)  # under torchrun: it was '[rank 1] cannot read', '[rank 0] stopped'
+        raise error
     CHECKED_HERE.update(facts)
     if write:
         save_check_cache(cache_paths, caches, facts)
