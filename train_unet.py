@@ -1471,12 +1471,14 @@ def finish_epoch(run, row, cfg):
                 save_confusion(ckpt_dir, run.confusion, run.class_names or [])
             save_checkpoint(ckpt_dir / "last.pt", state)
             write_history(ckpt_dir / "history.csv", run.history)
+        # in the hold too, and before the prints (a closed stdout stops a library run there): TensorBoard has
+        # every epoch history.csv has
+        run.logger.log_epoch(row)
+        run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
         print(epoch_summary(row, cfg, improved))
         diverged = diverged_note(run.history, cfg)
         if diverged:
             print(diverged)
-        run.logger.log_epoch(row)  # in the hold too: TensorBoard has every epoch history.csv has
-        run.logger.log_confusion(run.confusion, run.class_names or [], row["epoch"])
 
 
 # A val loss past this (times the largest class weight, which scales the loss) is a model blown up: the losses

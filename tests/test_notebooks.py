@@ -85,6 +85,19 @@ def test_run_notebook_names_the_epochs_with_no_events(tiny_run, tmp_path):
     assert "optimizer steps logged; no events for epoch(s) 3 (trained without TensorBoard: gaps above)" in text
 
 
+def test_run_notebook_plots_a_run_whose_tensorboard_folder_has_no_events(tiny_run, tmp_path):
+    """A library run stopped at its first epoch's line (a closed stdout) left tensorboard/ with an event file of
+    no scalars: the per-step cell was matplotlib's 'Number of columns must be a positive integer, not 0', and the
+    cells after it did not run."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    shutil.rmtree(run / train_unet.TENSORBOARD_DIR)
+    (run / train_unet.TENSORBOARD_DIR).mkdir()
+    _, text = execute("my_run.ipynb", {"RUN_DIR": str(run)})
+    assert f"no per-step events in {run / train_unet.TENSORBOARD_DIR}; no events for epoch(s) 1" in text
+    assert "confusion matrix at epoch" in text  # the cells after it ran
+
+
 def test_run_notebook_plots_a_run_whose_history_csv_is_gone_from_last_pt(tiny_run, tmp_path):
     """A run with best.pt and last.pt but no history.csv (deleted) was 'no finished epoch ... a run stopped in
     its first epoch'; its data set deleted since, the predictions cell was a traceback that hid the plots'

@@ -88,6 +88,20 @@ def test_logger_none_and_csv_write_no_events(make_cfg):
         assert (Path(cfg["checkpoint_dir"]) / "history.csv").is_file()
 
 
+def test_an_epoch_whose_line_cannot_be_printed_is_in_tensorboard_as_in_history_csv(make_cfg, monkeypatch):
+    """A library run whose stdout was closed (a notebook piped to head) stopped at the epoch's line, which came
+    before the epoch's events: history.csv and last.pt held epoch 1, tensorboard/ nothing."""
+    def closed_stdout(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(train_unet, "epoch_summary", closed_stdout)
+    cfg = make_cfg(epochs=2)
+    with pytest.raises(BrokenPipeError):
+        train(cfg)
+    acc = read_events(Path(cfg["checkpoint_dir"]) / "tensorboard")
+    assert [s for s, _ in scalars(acc, "epoch/val_iou")] == [1]
+    assert train_unet.load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt")["epoch"] == 1
+
+
 def test_a_full_disk_under_the_event_file_is_one_line_naming_its_folder(make_cfg, monkeypatch, capsys):
     """The writer thread's ENOSPC at start-up (a full disk) printed "Exception in thread" and a traceback cut
     short by the exit around "error: cannot write a file (...)" (a user's report)."""
