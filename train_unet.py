@@ -559,7 +559,8 @@ def train(cfg, explicit=()):
     explicit = set(explicit) | getattr(cfg, "typed", set())  # parse_overrides' keys (TypedConfig)
     cfg, started = check_config_dict(cfg), time.time()
     try:
-        return train_checked(cfg, explicit)
+        with process_state_kept():
+            return train_checked(cfg, explicit)
     except KeyboardInterrupt as exc:  # a notebook's interrupt says what the command line's says
         if exc.args:
             raise
@@ -7861,6 +7862,30 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
+def process_state_kept():
+    """A command called from Python (a notebook) leaves torch's global settings and the RNGs as it found them:
+    a run with tf32_matmul_precision=medium left it set, and the next run trained under it while its banner
+    and checkpoint said 'not set'; the benchmark's strict fp32 turned later runs' TF32 convolutions off; the
+    seed reset the notebook's own random draws. Restored however the command ends."""
+    precision, conv, benchmark = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+                                  torch.backends.cudnn.benchmark)
+    threads, rng = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)  # the API apply_tf32 uses (mixing the two is an error)
+        torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = conv, benchmark
+        if torch.get_num_threads() != threads:  # fit_cpu_threads'
+            torch.set_num_threads(threads)
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
 HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "train_dice", "val_iou", "val_dice", "lr",
                   "epoch_time_s", "val_time_s", "images_per_s", "peak_mem_mb", "peak_mem_kind", "precision",
                   "grad_norm", "grad_norm_max", "zero_grad_pct", "scaler_scale", "optimizer_steps",
@@ -8266,7 +8291,7 @@ def predict(opts):
     folder is locked while it writes (archive_earlier_predictions): a second predict into it is refused.
     Two at once had each moved the other's masks aside and written over them, silently: 25 of 80 masks
     were one model's, the rest the other's."""
-    with run_folders_held():
+    with run_folders_held(), process_state_kept():
         return predict_into_output(opts)
 
 
@@ -9704,7 +9729,8 @@ BENCHMARK_FIELDS = ("config", "device", "precision", "batch", "channels_last", "
 def run_benchmark(args=()):
     """The `benchmark` command: returns {'rows', 'histories', 'bare_loop', ...} and writes CSV/JSON."""
     check_argument_list(args)
-    with run_folders_held():  # no other benchmark moves this one's files aside, or writes among them
+    # no other benchmark moves this one's files aside, or writes among them
+    with run_folders_held(), process_state_kept():
         return benchmark_in(*parse_benchmark_args(list(args)), args)
 
 

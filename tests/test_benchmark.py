@@ -4,6 +4,7 @@ import cv2
 import dataclasses
 import json
 import os
+import random
 import re
 import sys
 from pathlib import Path
@@ -24,12 +25,34 @@ def bench(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     data = train_unet.generate_shapes_dataset(tmp / "data", count=12, size=32)
     out = tmp / "out"
+    before = settings_and_draws()
     result = train_unet.run_benchmark(["configs=fp32,bf16,fp16", "epochs=2", "image_size=32", "batch_size=2",
                                        "max_train_images=8", "bare_steps=1", "encoder_name=resnet18", "inference=fp32,bf16_cl",
                                        "inference_images=4", "inference_size=96", "inference_rounds=1",
                                        "cpu_probe=False",  # rows run in subprocesses: no faked probe there
                                        f"data_dir={data}", f"output={out}"])
+    AFTER_THE_BENCHMARK.update(before=before, after=settings_and_draws())
     return result, out
+
+
+AFTER_THE_BENCHMARK = {}
+
+
+def settings_and_draws():
+    """torch's TF32 settings, then a draw of each RNG, the RNGs put back as they were."""
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    draws = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32, random.random(),
+             float(np.random.rand()), float(torch.rand(1)))
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+    return draws
+
+
+def test_the_benchmark_leaves_torchs_tf32_settings_and_the_rngs_as_it_found_them(bench):
+    """Its strict fp32 (cudnn.allow_tf32=False) stayed set after a notebook's benchmark: a later run in that
+    kernel trained with TF32 convolutions off on an Ampere GPU; its seeds reset the notebook's random draws."""
+    assert AFTER_THE_BENCHMARK["after"] == AFTER_THE_BENCHMARK["before"]
 
 
 def test_benchmark_rows_files_and_table(bench, capsys):

@@ -6,6 +6,7 @@ across hardware, RNG restore over a different GPU count, cuDNN settings, predict
 check without a GPU; and real CUDA runs, marked `cuda`, wherever a GPU is present.
 """
 import dataclasses
+import random
 import io
 import contextlib
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,18 +206,48 @@ def test_predict_converts_the_model_with_its_inputs(make_cfg):
         assert (a != b).mean() < 0.01  # same model: masks agree up to float summation order
 
 
-def test_predict_runs_fp32_as_the_checkpoint_validated_it(make_cfg, tmp_path, restore_cudnn):
+def test_predict_runs_fp32_as_the_checkpoint_validated_it(make_cfg, tmp_path, restore_cudnn, monkeypatch):
     """A run with tf32_matmul_precision=highest validates in strict fp32; predict left PyTorch's default (TF32
-    convolutions on Ampere+), so `predict use_amp=False` did not give the masks its val IoU scored."""
+    convolutions on Ampere+), so `predict use_amp=False` did not give the masks its val IoU scored. Both leave
+    torch's settings as they found them (a notebook's next cell)."""
     cfg = make_cfg(tf32_matmul_precision="highest")
-    train_unet.train(cfg)
     torch.backends.cudnn.allow_tf32 = True  # PyTorch's defaults, as a new process starts
     torch.set_float32_matmul_precision("high")
+    train_unet.train(cfg)
+    assert torch.backends.cudnn.allow_tf32 is True and torch.get_float32_matmul_precision() == "high"
+    seen, forward = [], train_unet.eval_forward
+
+    def recorded(*args):
+        seen.append((torch.backends.cudnn.allow_tf32, torch.get_float32_matmul_precision(),
+                     train_unet.fp32_math(CUDA80)))
+        return forward(*args)
+    monkeypatch.setattr(train_unet, "eval_forward", recorded)
     images = sorted((Path(cfg["data_dir"]) / "images").iterdir())[:1]
     train_unet.predict({"checkpoint": str(Path(cfg["checkpoint_dir"]) / "best.pt"), "input": str(images[0]),
                         "output": str(tmp_path / "out"), "progress": False, "device": "cpu", "use_amp": False})
-    assert torch.backends.cudnn.allow_tf32 is False and torch.get_float32_matmul_precision() == "highest"
-    assert train_unet.fp32_math(CUDA80) == "strict fp32"
+    assert seen and set(seen) == {(False, "highest", "strict fp32")}
+    assert torch.backends.cudnn.allow_tf32 is True and torch.get_float32_matmul_precision() == "high"
+
+
+def test_a_run_leaves_torchs_settings_threads_and_rngs_as_it_found_them(make_cfg, restore_cudnn, monkeypatch):
+    """A notebook's run with tf32_matmul_precision=medium left it set: the next run trained under it, its banner
+    and checkpoint saying 'not set (PyTorch default)'; the run's threads and seed stayed the notebook's too."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(train_unet, "cores_per_process", lambda: 1)  # fit_cpu_threads cuts threads to 1
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch.set_float32_matmul_precision("highest")  # PyTorch's default (restore_cudnn puts back the suite's)
+    try:
+        draws = lambda: (random.random(), float(np.random.rand()), float(torch.rand(1)))  # noqa: E731
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        expected = draws()
+        random.seed(7), np.random.seed(7), torch.manual_seed(7)
+        result = train_unet.train(make_cfg(tf32_matmul_precision="medium"))
+        assert draws() == expected
+        assert torch.get_float32_matmul_precision() == "highest" and torch.get_num_threads() == 2
+        assert result["history"]
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------
