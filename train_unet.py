@@ -2116,11 +2116,18 @@ def parse_overrides(args, base=None, defaults=None):
 class TypedConfig(dict):
     """A training config parse_overrides made, which remembers the keys typed: train(parse_overrides([...]))
     keeps them over a preset, as the command line does (preset=debug batch_size=8 trained at the preset's 2,
-    8 being CONFIG's value). A copy ({**cfg}) is a plain dict: then only values away from CONFIG's count."""
+    8 being CONFIG's value). cfg.copy() and cfg | {...} keep them (a notebook's sweep); {**cfg} and dict(cfg) are
+    plain dicts: then only values away from CONFIG's count."""
 
     def __init__(self, values, typed):
         super().__init__(values)
         self.typed = frozenset(typed)
+
+    def copy(self):
+        return TypedConfig(self, self.typed)
+
+    def __or__(self, other):
+        return TypedConfig({**self, **other}, self.typed) if isinstance(other, dict) else NotImplemented
 
 
 def check_not_quoted(key, text):
@@ -2197,6 +2204,8 @@ def plain_values(values):
 def plain_value(value):
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if isinstance(value, np.floating) and value.dtype.itemsize < 8:
+        return float(str(value))  # np.float32(2e-3) is 2e-3 as typed, not float32's 0.0020000000949949026
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray) and value.ndim == 1:
@@ -8988,7 +8997,15 @@ def check_model_config(model, cfg):
     """predict_batch's cfg describes the model: its first convolution's input channels and its last one's
     classes, and where load_model made it, the config it trained with (MODEL_INPUT_KEYS). A library caller
     who passed CONFIG, or their own dict, got masks silently wrong: num_classes=3 for a binary model was all
-    background; image_size=32 for a 64 px one, 12% of pixels changed."""
+    background; image_size=32 for a 64 px one, 12% of pixels changed. A model cast to another dtype
+    (model.half()) was torch's 'Input type ... and weight type ... should be the same'."""
+    if not callable(model):
+        raise UserError(f"model is {type(model).__name__}: pass the model load_model returned")
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()} - {"float32"}) \
+        if isinstance(model, nn.Module) else []
+    if dtypes:
+        raise UserError(f"the model's weights are {', '.join(dtypes)}: pass it in float32, as load_model returns it "
+                        f"(model.float()); decide_precision(hw) chooses the precision its forwards run in")
     convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)] if isinstance(model, nn.Module) else []
     found = {"in_channels": convs[0].in_channels, "num_classes": convs[-1].out_channels} if convs else {}
     found.update(getattr(model, "trained_config", None) or {})  # an exported model (OnnxModel): none

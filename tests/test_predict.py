@@ -3,6 +3,7 @@
 Two tiny models are trained once for the whole module (32x32, 1 epoch, fp32, a few seconds each):
 a binary RGB one and a 3-class grayscale (in_channels=1) one. Everything else is inference.
 """
+import copy
 import sys
 from pathlib import Path
 
@@ -361,6 +362,20 @@ def test_predict_batch_refuses_a_config_that_is_not_the_models(binary_model, hw,
     assert train_unet.predict_batch(model, [image], {**cfg, "tile_overlap": 0.5}, fp32, hw)  # a tiling choice
     assert train_unet.predict_batch(model, [image], {**cfg, "intensity_range": [0, 200]}, fp32, hw)  # read_image's
     assert train_unet.predict_batch(model, [image], {**cfg, "patch_scale": 0.5}, fp32, hw)  # fit mode: not used
+
+
+def test_predict_batch_refuses_a_model_cast_to_another_dtype_or_none(binary_model, hw, fp32):
+    """model.to(torch.bfloat16), or .double(), was torch's 'Input type (torch.FloatTensor) and weight type
+    (CPUBFloat16Type) should be the same'; a model of None, 'NoneType' object is not callable."""
+    ckpt, data = binary_model
+    model, cfg = train_unet.load_model(ckpt, hw)
+    image = train_unet.read_image(sorted((data / "images").glob("*.png"))[0], 3)
+    for dtype in (torch.bfloat16, torch.float64):
+        with pytest.raises(train_unet.UserError, match=rf"^the model's weights are {str(dtype)[6:]}: pass it in "
+                                                       rf"float32, as load_model returns it \(model.float\(\)\)"):
+            train_unet.predict_batch(copy.deepcopy(model).to(dtype), [image], cfg, fp32, hw)
+    with pytest.raises(train_unet.UserError, match=r"^model is NoneType: pass the model load_model returned$"):
+        train_unet.predict_batch(None, [image], cfg, fp32, hw)
 
 
 def test_a_long_library_message_is_cut_at_a_word():

@@ -40,6 +40,9 @@ def test_train_of_parse_overrides_keeps_the_typed_keys_over_a_preset(make_cfg, c
     assert "kept yours: " in line and "batch_size=8" in line.split("kept yours: ")[1] and "use_amp=True" in line
     assert json.loads((Path(base["checkpoint_dir"]) / "config.json").read_text())["config"]["batch_size"] == 8
     assert not hasattr({**cfg}, "typed")
+    # a notebook's sweep, cfg | {"learning_rate": lr}: the typed keys still win (batch_size=8 ran at debug's 2)
+    assert (cfg | {"seed": 1}).typed == cfg.typed and (cfg | {"seed": 1})["seed"] == 1 and cfg["seed"] != 1
+    assert cfg.copy().typed == cfg.typed and cfg.copy() == cfg
 
 
 def test_no_preset_changes_nothing():

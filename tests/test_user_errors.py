@@ -1722,11 +1722,13 @@ def test_a_config_of_numpy_values_and_tuples_is_taken_as_the_command_line_gives_
     'must be a list'. Now they are the Python values the command line gives."""
     given = {"batch_size": np.int64(2), "learning_rate": np.float64(1e-3), "image_size": np.int32(64),
              "use_amp": np.bool_(False), "intensity_range": (0, np.uint16(4095)), "class_weights": np.array([1, 3.0]),
-             "checkpoint_dir": tmp_path / "run"}
+             "checkpoint_dir": tmp_path / "run", "weight_decay": np.float32(1e-4)}
     cfg = train_unet.validate_config(train_unet.check_config_dict(given))
+    # np.float32(1e-4) is 1e-4 as typed: float32's 9.999999747378752e-05 was recorded, and a resume with 1e-4
+    # refused ('cannot resume exactly: ... was trained with weight_decay=9.999999747378752e-05')
     assert {k: cfg[k] for k in given} == {"batch_size": 2, "learning_rate": 1e-3, "image_size": 64, "use_amp": False,
                                          "intensity_range": [0, 4095], "class_weights": [1.0, 3.0],
-                                         "checkpoint_dir": str(tmp_path / "run")}
+                                         "checkpoint_dir": str(tmp_path / "run"), "weight_decay": 1e-4}
     assert type(cfg["batch_size"]) is int and type(cfg["use_amp"]) is bool
     opts = train_unet.check_command_dict({"tile_batch_size": np.int64(4)}, train_unet.PREDICT_CONFIG)
     assert type(opts["tile_batch_size"]) is int
