@@ -1003,10 +1003,11 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
         found = cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
         if found is None:
             wide_integers_unmapped([*train_pairs, *val_pairs], cfg)
+        elif notes is not None and cfg["intensity_range"]:
+            notes.append(range_unused(train_pairs, val_pairs, cfg) or range_leaves_out(train_pairs, val_pairs, cfg,
+                                                                                     found))
         elif notes is not None:
-            notes.append((range_unused(train_pairs, val_pairs, cfg) or range_leaves_out(train_pairs, val_pairs, cfg,
-                                                                                      found))
-                         if cfg["intensity_range"] else range_set_by_few(train_pairs, cfg, found))
+            notes += [range_set_by_few(train_pairs, cfg, found), val_outside_learnt(val_pairs, cfg, found)]
         return found
     saved = state["config"].get("intensity_range")
     if cfg["intensity_range"] is not None and cfg["intensity_range"] != saved:
@@ -5111,22 +5112,44 @@ def range_leaves_out(train_pairs, val_pairs, cfg, given):
     or above its high (by image_facts' bulk): scale_image maps them outside 0-1, unclipped, as predict's note
     on such images says (InputNotes), while RandomBrightnessContrast clips a float image to 0-1 (albumentations
     2.0.8, measured) in the share of training samples it is applied to. Else None."""
-    pairs = [*train_pairs, *val_pairs]
-    facts = start_up_facts(pairs, cfg)
-    entries = [(Path(image).name, facts[os.path.abspath(image)]) for image, _ in pairs]
-    ranged = [(name, entry) for name, entry in entries if entry.get("bulk") is not None]
-    low, high = given
-    out = [(name, entry["range"]) for name, entry in ranged if entry["bulk"][0] < low or entry["bulk"][1] > high]
+    (low, high), (out, ranged) = given, images_outside([*train_pairs, *val_pairs], cfg, given)
     if not out:
         return None
     (name, (least, most)), scale = out[0], lambda v: (v - low) / (high - low)  # noqa: E731 - scale_image's map
     learnt = learnt_intensity_range(train_pairs, cfg)
-    return (f"{len(out)} of {len(ranged)} image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of their "
+    return (f"{len(out)} of {ranged} image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of their "
             f"pixels outside intensity_range={low:g},{high:g} (e.g. {name}, whose values span {least}-{most}): they "
             f"are mapped outside 0-1 (there {scale(least):.3g} to {scale(most):.3g}), clipped to 0-1 only by the "
             f"brightness augmentation, in half the training samples, not in validation or predict; check the range"
             + (f", or leave intensity_range=None to learn it from the training images ({learnt[0]},{learnt[1]} here)"
                if learnt else ""))
+
+
+def val_outside_learnt(val_pairs, cfg, found):
+    """A note where validation images have over OUTSIDE_RANGE_SHARE of their pixels outside the range learnt from
+    the training images (a bit depth or an instrument the training images lack): they reach the model outside
+    0-1, and the val IoU that picks best.pt scores them so, unsaid, while predict's note named such images.
+    Else None."""
+    (low, high), (out, ranged) = found, images_outside(val_pairs, cfg, found)
+    if not out:
+        return None
+    (name, (least, most)), scale = out[0], lambda v: (v - low) / (high - low)  # noqa: E731 - scale_image's map
+    return (f"{len(out)} of {ranged} validation image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of "
+            f"their pixels outside intensity_range={low:g},{high:g}, learnt from the training images (e.g. {name}, "
+            f"whose values span {least}-{most}): they reach the model outside 0-1 (there {scale(least):.3g} to "
+            f"{scale(most):.3g}), and the val IoU that picks best.pt scores them so; if their bit depth or instrument "
+            f"differs, put such images in training too, or give intensity_range= a range that holds both")
+
+
+def images_outside(pairs, cfg, given):
+    """([(name, its (min, max))] of the images wider than 8 bits with over OUTSIDE_RANGE_SHARE of their pixels
+    outside `given`, by image_facts' bulk; how many images wider than 8 bits there are)."""
+    facts = start_up_facts(pairs, cfg)
+    entries = [(Path(image).name, facts[os.path.abspath(image)]) for image, _ in pairs]
+    ranged = [(name, entry) for name, entry in entries if entry.get("bulk") is not None]
+    low, high = given
+    return [(name, entry["range"]) for name, entry in ranged
+            if entry["bulk"][0] < low or entry["bulk"][1] > high], len(ranged)
 
 
 def class_pixel_counts(pairs, cfg):

@@ -398,7 +398,8 @@ def test_a_range_set_by_one_hot_pixel_is_noted_with_the_rest_of_the_datas_range(
     train_pairs, _ = train_unet.prepare_data(cfg)
     notes = []
     assert train_unet.run_intensity_range(cfg, None, train_pairs, notes=notes) == [0, 65535]
-    assert notes == [f"intensity_range=[0, 65535] is set by {hot.name}'s maximum (65535); the other "
+    assert notes[1:] == [None]  # no validation images given
+    assert notes[:1] == [f"intensity_range=[0, 65535] is set by {hot.name}'s maximum (65535); the other "
                      f"{len(train_pairs) - 1} training image(s) lie within [0, 4095], under half of it, so they reach "
                      f"the model squashed: if 0-4095 is the data's range (a hot pixel, a saturated frame?), set "
                      f"intensity_range=0,4095"]
@@ -406,8 +407,29 @@ def test_a_range_set_by_one_hot_pixel_is_noted_with_the_rest_of_the_datas_range(
     train_unet.train({**cfg, "epochs": 1})
     assert "set intensity_range=0,4095" in capsys.readouterr().out  # in the banner's notes
     notes, cfg16 = [], make_cfg(data_dir=str(depths[16]))
-    train_unet.run_intensity_range(cfg16, None, train_unet.prepare_data(cfg16)[0], notes=notes)
-    assert notes == [None]  # no image stands out: no note
+    train_unet.run_intensity_range(cfg16, None, *train_unet.prepare_data(cfg16), notes=notes)
+    assert notes == [None, None]  # no image stands out, none of the validation images lies outside: no note
+
+
+def test_validation_images_outside_the_learnt_range_get_a_note_in_training(make_cfg, depths, tmp_path, capsys):
+    """12-bit training images, full-range 16-bit validation images: the range learnt was 0-4095, the validation
+    images reached the model at up to 16 (val loss 22 against a train loss of 1.7) and scored the val IoU that
+    picks best.pt, unsaid; predict's note named the same images."""
+    data = tmp_path / "mixed"
+    for part, depth in (("train", 12), ("val", 16)):
+        shutil.copytree(depths[depth], data / part)
+    cfg = make_cfg(data_dir=str(data))
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    notes = []
+    assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) == [0, 4095]
+    n = len(val_pairs)
+    assert notes[0] is None and notes[1].startswith(
+        f"{n} of {n} validation image(s) wider than 8 bits have over 1% of their pixels outside intensity_range="
+        f"0,4095, learnt from the training images (e.g. ") and notes[1].endswith(
+        "put such images in training too, or give intensity_range= a range that holds both")
+    assert "(there 0 to 15." in notes[1]  # 16-bit values, scaled as 12-bit ones
+    train_unet.train({**cfg, "epochs": 1})
+    assert "validation image(s) wider than 8 bits" in capsys.readouterr().out  # in the banner's notes
 
 
 
