@@ -633,8 +633,8 @@ def test_the_numpy_tool_refuses_a_mismatched_or_cut_pair_and_common_slips_in_one
     meta = json.loads(Path(binary["sidecar"]).read_text())
     (flip / "model.json").write_text(json.dumps({**meta, "config": {**meta["config"], "tta": "flip"}}))
     done = run_tool(flip / "model.json", images, tmp_path / "out")
-    assert done.returncode == 0 and "note: the export's run predicts with tta=flip; this tool predicts each image " \
-        "once, without it" in done.stderr
+    assert done.returncode == 0 and "note: the export's run validated with tta=flip; this tool predicts each " \
+        "image once, without it (train_unet.py predict backend=onnxruntime tta=flip applies it)" in done.stderr
 
 
 def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(binary, tmp_path):
@@ -658,6 +658,53 @@ def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(bi
     done = run_tool(binary["sidecar"], folder, tmp_path / "out2")
     assert done.returncode != 0 and "c_fine.jpg and c_fine.png would both write c_fine.png" in done.stderr
     assert not (tmp_path / "out2").exists()
+
+
+def test_the_numpy_tool_reads_signed_and_float64_tiffs_as_predict_and_skips_a_depth_opencv_cuts(binary, tmp_path):
+    """An int16 or float64 TIFF for an RGB model was a traceback (cv2.cvtColor: 'Unsupported depth'), every
+    image after it left without a mask; a 16-bit grey-and-alpha TIFF, which OpenCV reads as 8-bit, got the
+    8-bit rule's masks, unlike predict's in 13% of pixels, unsaid. Without onnxruntime: one line, not a
+    traceback; OpenCV's own log line no longer comes before the tool's."""
+    import tifffile
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rgb = cv2.imread(str(sorted((binary["data"] / "images").iterdir())[0]))[..., ::-1]
+    grey = cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2GRAY)
+    tifffile.imwrite(folder / "a_int16.tif", grey.astype(np.int16) * 100 - 12000)
+    tifffile.imwrite(folder / "b_float64.tif", rgb.astype(np.float64) / 255, photometric="rgb")
+    cv2.imwrite(str(folder / "d_fine.png"), rgb[..., ::-1])
+    train_unet.predict(predict_opts(binary["onnx"], folder, tmp_path / "predict", backend="onnxruntime"))
+    tifffile.imwrite(folder / "c_grey_alpha.tif", np.dstack([grey.astype(np.uint16) * 16, np.full_like(grey, 4095,
+                     np.uint16)]), photometric="minisblack", extrasamples=[2])
+    done = run_tool(binary["sidecar"], folder, tmp_path / "numpy")
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "[ERROR" not in done.stderr, done.stderr
+    assert f"skipped {folder / 'c_grey_alpha.tif'}: OpenCV cuts its 16-bit samples to 8 bits as it reads them (a TIFF " \
+           f"of grey and alpha?): train_unet.py predict backend=onnxruntime checkpoint=model.onnx reads it" in done.stderr
+    assert "3 mask(s) -> " in done.stdout and "1 image(s) skipped" in done.stdout
+    want, got = read_masks(tmp_path / "predict"), read_masks(tmp_path / "numpy")
+    assert sorted(got) == sorted(want) == ["a_int16.png", "b_float64.png", "d_fine.png"]
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+    tool = str(ROOT / "tools" / "onnx_predict.py")
+    done = subprocess.run([sys.executable, "-c", f"import runpy, sys; sys.modules['onnxruntime'] = None; "
+                           f"sys.argv = ['onnx_predict.py', 'a', 'b', 'c']; runpy.run_path({tool!r}, "
+                           f"run_name='__main__')"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr == "error: onnxruntime not installed (this tool runs the export " \
+                                                   "with it): pip install onnxruntime\n"
+
+
+def test_the_numpy_tool_never_writes_a_mask_beside_predicts_overlay_of_the_image(binary, tmp_path):
+    """predict overlay=True, then the tool into the same folder: the masks were replaced, predict's overlays of
+    the same images left beside them, a folder holding two runs' results for one image."""
+    images = binary["data"] / "images"
+    train_unet.predict(predict_opts(binary["onnx"], images, tmp_path / "out", backend="onnxruntime", overlay=True))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    done = run_tool(binary["sidecar"], images, tmp_path / "out")
+    assert done.returncode == 1 and done.stderr.startswith(f"error: {tmp_path / 'out'} holds ") and \
+        "_overlay.png and " in done.stderr and "predict's overlay of an image this tool would write a mask of" \
+        in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
 
 
 def test_the_numpy_tool_never_writes_over_images_or_ground_truth_and_names_a_mask_it_cannot_write(binary,

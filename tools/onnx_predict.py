@@ -13,10 +13,11 @@ files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 
 The .onnx must be the one export wrote beside the sidecar (its SHA-256): another export's, or one cut short
-in a copy, is refused. A sidecar whose run predicts with tta= gets a note: this tool predicts without it.
+in a copy, is refused. A sidecar whose run validated with tta= gets a note: this tool predicts without it.
 
 Masks are marked PNGs, as predict's: a rerun replaces its own earlier masks (and predict's), but a file of
-a mask's name that neither wrote (a ground-truth mask), or an output folder holding the images, is refused
+a mask's name that neither wrote (a ground-truth mask), predict's overlay of an image (its mask replaced,
+the folder would hold two runs' results for it), or an output folder holding the images, is refused
 before anything is written; a mask that cannot be written is named, as an unreadable image is.
 """
 import hashlib
@@ -29,7 +30,16 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import onnxruntime as ort
+
+try:
+    import onnxruntime as ort
+except ImportError:
+    raise SystemExit("error: onnxruntime not installed (this tool runs the export with it): pip install "
+                     "onnxruntime") from None
+
+# OpenCV's own '[ERROR:0@0.6] ... Assertion failed' line came before the one this tool says of the file
+if hasattr(getattr(cv2, "utils", None), "logging"):
+    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_FATAL)
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 
@@ -63,23 +73,45 @@ def read(path, gray):
     except cv2.error as exc:
         raise ValueError(str(exc).strip().splitlines()[-1]) from None
     if image is None:
-        raise ValueError("OpenCV cannot read it (corrupt, or a layout it refuses)")
+        raise ValueError(f"OpenCV cannot read it as a {'grey' if gray else 'colour'} image (damaged, or a layout it "
+                         f"refuses, such as a float TIFF of another number of channels): {FULL_READER}")
+    if image.dtype == np.uint8:
+        check_depth_kept(path)
     if image.dtype.kind == "u" and image.dtype != np.uint8 and min_is_white(path):
         image = np.iinfo(image.dtype).max - image  # as shown; OpenCV inverts an 8-bit one itself
-    return image if gray else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    # BGR to RGB by reversing the channels: cv2.cvtColor refuses signed 16-bit and float64 images
+    return image if gray else np.ascontiguousarray(image[..., ::-1])
+
+
+def check_depth_kept(path):
+    """A ValueError for a TIFF whose wider samples OpenCV cut to 8 bits as it read it (a 16-bit grey-and-alpha
+    TIFF, even read unchanged): scaled by the 8-bit rule, not the sidecar's range, its mask differed from
+    predict's in 13% of pixels, unsaid. By the file's BitsPerSample, for TIFFs read as 8-bit only."""
+    bits = tiff_short(path, 258)
+    if bits is not None and bits > 8:
+        raise ValueError(f"OpenCV cuts its {bits}-bit samples to 8 bits as it reads them (a TIFF of grey and alpha?): "
+                         f"{FULL_READER}")
+
+
+FULL_READER = "train_unet.py predict backend=onnxruntime checkpoint=model.onnx reads it"
 
 
 def min_is_white(path):
     """Whether a TIFF's first image is stored MinIsWhite (PhotometricInterpretation 0, 0 for white): OpenCV
-    returns a 16-bit one's stored values, where viewers, and train_unet.py, show it inverted. From the file's
-    first directory (TIFF or BigTIFF), read here with struct: no TIFF library needed."""
+    returns a 16-bit one's stored values, where viewers, and train_unet.py, show it inverted."""
+    return tiff_short(path, 262) == 0
+
+
+def tiff_short(path, tag):
+    """The first value of a SHORT tag in a TIFF's first directory (TIFF or BigTIFF), or None: read here with
+    struct, no TIFF library needed."""
     if path.suffix.lower() not in (".tif", ".tiff"):
-        return False
+        return None
     with open(path, "rb") as f:
         head = f.read(16)
         order = {b"II": "<", b"MM": ">"}.get(head[:2])
         if order is None or len(head) < 16:
-            return False
+            return None
         big = struct.unpack(order + "H", head[2:4])[0] == 43  # BigTIFF: 8-byte offsets and counts
         count_fmt, entry_size, offset = ("Q", 20, head[8:16]) if big else ("H", 12, head[4:8])
         f.seek(struct.unpack(order + ("Q" if big else "I"), offset)[0])
@@ -87,10 +119,15 @@ def min_is_white(path):
         for _ in range(min(count, 4096)):
             entry = f.read(entry_size)
             if len(entry) < entry_size:
-                return False
-            if struct.unpack(order + "H", entry[:2])[0] == 262:  # PhotometricInterpretation: a SHORT, in place
-                return struct.unpack(order + "H", entry[12 if big else 8:][:2])[0] == 0
-    return False
+                return None
+            if struct.unpack(order + "H", entry[:2])[0] == tag:
+                values = struct.unpack(order + ("Q" if big else "I"), entry[4:12 if big else 8])[0]
+                field = entry[12 if big else 8:]
+                if values * 2 > len(field):  # the values are elsewhere: the field holds their offset
+                    f.seek(struct.unpack(order + ("Q" if big else "I"), field)[0])
+                    field = f.read(2)
+                return struct.unpack(order + "H", field[:2])[0] if len(field) >= 2 else None
+    return None
 
 
 def predict(session, meta, path):
@@ -109,8 +146,9 @@ def main(sidecar, source, output):
     if meta["config"]["data_mode"] != "fit":
         raise SystemExit("error: a patch-mode model: use python train_unet.py predict backend=onnxruntime")
     if meta["config"].get("tta", "none") != "none":
-        print(f"note: the export's run predicts with tta={meta['config']['tta']}; this tool predicts each image once, "
-              f"without it (train_unet.py predict backend=onnxruntime applies it)", file=sys.stderr)
+        print(f"note: the export's run validated with tta={meta['config']['tta']}; this tool predicts each image "
+              f"once, without it (train_unet.py predict backend=onnxruntime tta={meta['config']['tta']} applies it)",
+              file=sys.stderr)
     session = load_session(Path(sidecar).with_name(meta["onnx"]), meta)
     source, output = Path(source), Path(output)
     if not source.exists():
@@ -122,7 +160,7 @@ def main(sidecar, source, output):
     for path in paths:
         try:
             write_mask(output / f"{path.stem}.png", predict(session, meta, path))
-        except (ValueError, OSError) as exc:
+        except (ValueError, OSError, cv2.error) as exc:  # cv2.error: a layout OpenCV reads, then refuses
             failed.append(path)
             print(f"skipped {path}: {exc}", file=sys.stderr)
             continue
@@ -190,6 +228,12 @@ def check_output(paths, output):
             raise SystemExit(f"error: {stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
                              f"rename one, or predict them apart")
         stems[path.stem] = path
+    overlays = [output / f"{stem}_overlay.png" for stem in stems if os.path.lexists(output / f"{stem}_overlay.png")]
+    if overlays:
+        more = f" and {len(overlays) - 1} more" if len(overlays) > 1 else ""
+        raise SystemExit(f"error: {output} holds {overlays[0].name}{more}, predict's overlay of an image this tool "
+                         f"would write a mask of: the folder would hold two runs' results for it; choose another "
+                         f"output folder, or move them away")
     there = [output / f"{stem}.png" for stem in stems if os.path.lexists(output / f"{stem}.png")]
     foreign = [path for path in there if not (path.is_file() and marked(path))]
     if foreign:
