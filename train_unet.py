@@ -9736,15 +9736,17 @@ STRICT_FP32 = {"tf32_matmul_precision": "highest"}  # also turns cuDNN's TF32 co
 
 BENCHMARK_SETTINGS = {
     "default": {},
-    "fp32": {"use_amp": False, "channels_last": False, **STRICT_FP32},
-    "tf32": {"use_amp": False, "channels_last": False, "tf32_matmul_precision": "high"},
-    "fp32_cl": {"use_amp": False, "channels_last": True, **STRICT_FP32},
-    "bf16": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False},
-    "bf16_cl": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": True},
+    "fp32": {"use_amp": False, "channels_last": False, "compile_model": False, **STRICT_FP32},
+    "tf32": {"use_amp": False, "channels_last": False, "compile_model": False, "tf32_matmul_precision": "high"},
+    "fp32_cl": {"use_amp": False, "channels_last": True, "compile_model": False, **STRICT_FP32},
+    "bf16": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": False},
+    "bf16_cl": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": True, "compile_model": False},
     "bf16_compile": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": True},
-    "bf16_2x": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "batch_size": "2x"},
-    "fp16": {"use_amp": True, "amp_dtype": "float16", "channels_last": False},
-}  # use_amp=True set: a use_amp=False given to the benchmark made its bf16 rows fp32
+    "bf16_2x": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": False,
+                "batch_size": "2x"},
+    "fp16": {"use_amp": True, "amp_dtype": "float16", "channels_last": False, "compile_model": False},
+}  # use_amp=True set: a use_amp=False given to the benchmark made its bf16 rows fp32; compile_model=False set:
+# a compile_model=True given compiled every row (bf16 was bf16_compile, each row paid its minute of compiling)
 
 
 # Training keys every benchmark run sets itself.
@@ -9782,7 +9784,8 @@ def benchmark_in(opts, base, train_args, names, args):
     check_not_in_a_data_set(out_dir, "output")
     check_not_a_training_run(out_dir)
     check_writable(out_dir)
-    data_pairs(base)  # the data checked (the embedded set written) before an earlier benchmark's files move
+    train_pairs, _ = data_pairs(base)  # the data checked (the embedded set written) before earlier files move
+    check_doubled_batch(names, base, train_pairs)
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
     threads = fit_cpu_threads()  # each training row's own process fits its threads the same way (train)
     result = started_benchmark(hw, base, args)
@@ -9859,13 +9862,47 @@ def benchmark_rows(names, base, hw, opts, train_args, out_dir, result):
     trained): an interrupted benchmark keeps the rows before."""
     fp32_times = {}
     for name in names:
-        row, history = benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times)
-        result["rows"].append(row)
-        if history is not None:  # history.csv's cells as numbers where they are ("1", "0.57": strings before)
-            result["histories"][name] = [{key: csv_number(value) for key, value in r.items()} for r in history]
-        add_speedups(result["rows"])
-        write_json(out_dir / "benchmark.json", result)
+        try:
+            row, history = benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times)
+        except KeyboardInterrupt:
+            finished = finished_before_the_stop(name, base, out_dir)  # a stop in the seconds its process exits
+            if finished:
+                record_row(result, name, *finished, out_dir)
+            raise KeyboardInterrupt(rows_kept_words(result["rows"])) from None
+        record_row(result, name, row, history, out_dir)
     return result["rows"]
+
+
+def record_row(result, name, row, history, out_dir):
+    """A row into `result` and benchmark.json, with its per-epoch history where it trained."""
+    result["rows"].append(row)
+    if history is not None:  # history.csv's cells as numbers where they are ("1", "0.57": strings before)
+        result["histories"][name] = [{key: csv_number(value) for key, value in r.items()} for r in history]
+    add_speedups(result["rows"])
+    write_json(out_dir / "benchmark.json", result)
+
+
+def finished_before_the_stop(name, base, out_dir):
+    """(row, history) of a configuration whose run had trained all its epochs when the benchmark was stopped (a
+    trained process takes seconds to exit after its 'done' line: the row was lost, benchmark.json's rows
+    empty beside a complete history.csv), else None."""
+    run_dir = out_dir / name
+    try:
+        with open(run_dir / "history.csv") as f:
+            history = list(csv.DictReader(f))
+        info = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if len(history) != base["epochs"]:
+        return None
+    return summarize_history(name, history, info), history
+
+
+def rows_kept_words(rows):
+    """The line a stopped benchmark ends with: which rows its benchmark.json keeps."""
+    kept = [r["config"] for r in rows]
+    return INTERRUPTED["benchmark"] + (f"; benchmark.json keeps the {len(kept)} row(s) that ended: {', '.join(kept)}"
+                                       if kept else "; no row had ended")
 
 
 def benchmark_row(name, base, hw, opts, train_args, out_dir, fp32_times):
@@ -9937,6 +9974,10 @@ def parse_benchmark_args(args):
     base = parse_overrides(train_args)
     check_paths_given(opts, ("output",))  # empty: results, runs and logs in the current folder
     check_benchmark_fixed(train_args, base)
+    if base["batch_size"] == "auto":  # a traceback from the data check ('<' between int and str)
+        raise UserError("batch_size=auto is not for the benchmark: auto searches each precision's own largest "
+                        "batch, and the rows compare at one batch size; give batch_size= a number (auto trains 8 on "
+                        "a CPU)")
     for key, least in (("probe_steps", 1), ("bare_steps", 0)):
         if opts[key] < least:
             raise UserError(f"{key}={opts[key]} must be >= {least}")
@@ -9955,6 +9996,17 @@ def parse_benchmark_args(args):
                         f"sliding window's image must hold at least one window; give inference_size="
                         f"{base['image_size']} or more (the default is {BENCHMARK_CONFIG['inference_size']})")
     return opts, base, train_args, names
+
+
+def check_doubled_batch(names, base, train_pairs):
+    """bf16_2x's batch, twice batch_size, fills from the training set: checked before any row trains (it failed
+    after the rows before it had trained, naming a batch_size=12 never given)."""
+    samples, doubled = training_samples(train_pairs, base), 2 * base["batch_size"]
+    if "bf16_2x" in names and samples < doubled:
+        what = "image(s)" if base["data_mode"] == "fit" else "patch(es) per epoch"
+        raise UserError(f"bf16_2x trains at twice batch_size={base['batch_size']}, {doubled}, more than the training "
+                        f"set's {samples} {what}: " + (f"give batch_size={samples // 2} or less, or " if samples > 1
+                                                         else "add images, or ") + "leave bf16_2x out")
 
 
 def check_benchmark_fixed(train_args, base):
@@ -10192,7 +10244,8 @@ def summarize_history(name, history, info):
             "peak_mem_kind": history[-1]["peak_mem_kind"],
             "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
             "nonfinite_steps": 0 if fp16 else skipped, "scaler_skipped_steps": skipped if fp16 else 0,
-            "epochs": len(history), "status": "ok"}
+            "epochs": len(history), "status": "ok", "optimizer_steps": csv_number(history[-1].get("optimizer_steps")),
+            "accumulation_steps": info["config"].get("accumulation_steps", 1)}
 
 
 def spread(seconds):
@@ -10300,10 +10353,26 @@ def benchmark_note(row, ref=None):
     if ref is not None and ref is not row and row.get("speedup_vs_fp32") and benchmark_note(ref):
         notes.append("speed-up against the fp32 row's time, which has a note")
     if ref is not None and ref is not row and row.get("batch") and ref.get("batch") and row["batch"] != ref["batch"]:
-        # bf16_2x: the same epochs in half the optimizer steps; its lower IoU read as bf16's (user test)
-        notes.append(f"batch {row['batch']}: {ref['batch'] / row['batch']:.3g}x fp32's optimizer steps per epoch, so "
-                     f"its Final IoU does not compare with fp32's")
+        notes.append(other_batch_note(row, ref))
     return "; ".join(notes)
+
+
+def other_batch_note(row, ref):
+    """bf16_2x's note: its optimizer steps per epoch against fp32's (its lower IoU read as bf16's), as counted
+    (where full batches leave images out, 12 images in batches of 8 made 1 step to fp32's 3 at batch 4, not
+    the half the batch sizes say), and, where its epoch trained other images than fp32's, that its Time/Epoch
+    does not compare (Speedup counts images/s). A row of an older benchmark.json: by the batch sizes."""
+    steps, ref_steps = row.get("optimizer_steps"), ref.get("optimizer_steps")
+    if not steps or not ref_steps:
+        return (f"batch {row['batch']}: {ref['batch'] / row['batch']:.3g}x fp32's optimizer steps per epoch, so its "
+                f"Final IoU does not compare with fp32's")
+    note = f"batch {row['batch']}: {steps} optimizer step(s) per epoch to fp32's {ref_steps}, so its Final IoU does " \
+           f"not compare with fp32's"
+    images = [r["optimizer_steps"] * r["batch"] for r in (row, ref)]
+    if row.get("accumulation_steps", 1) == ref.get("accumulation_steps", 1) == 1 and images[0] != images[1]:
+        note += (f"; its epoch trains {images[0]} images to fp32's {images[1]} (full batches only), so compare its "
+                 f"Speedup (images/s), not its Time/Epoch")
+    return note
 
 
 def markdown_table(lines):

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -610,7 +611,7 @@ def test_a_stopped_benchmark_stops_its_training_row_as_ctrl_c_stops_training(tmp
     assert bench.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip().endswith('interrupted: the benchmark did not finish (its benchmark.json, where written, says '
                                 '"complete": false); the runs and files written so far are intact: run it again '
-                                "for the whole table"), err[-2000:]
+                                "for the whole table; no row had ended"), err[-2000:]
     log = (out / "fp32.log").read_text().strip()
     assert log.endswith("interrupted: checkpoints written so far are intact; resume=True epochs=500 continues"), \
         log[-2000:]
@@ -684,3 +685,60 @@ def test_the_benchmark_header_names_the_torch_threads(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
     assert train_unet.thread_words() == f"{os.cpu_count()} cores, {threads + 1} torch threads"
+
+
+def test_benchmark_keys_the_rows_cannot_compare_under_are_refused_or_pinned(tmp_path):
+    """batch_size=auto was a traceback from the data check ('<' not supported between 'int' and 'str');
+    compile_model=True compiled every row (bf16 was bf16_compile, and each row paid a minute of compiling);
+    bf16_2x's doubled batch failed after the rows before it had trained, naming a batch_size never given."""
+    with pytest.raises(train_unet.UserError, match=r"^batch_size=auto is not for the benchmark: .*give batch_size= "
+                                                   r"a number \(auto trains 8 on a CPU\)$"):
+        train_unet.run_benchmark(["batch_size=auto", f"output={tmp_path / 'a'}"])
+    base = train_unet.parse_overrides(["compile_model=True", "batch_size=4"])
+    for name in train_unet.BENCHMARK_SETTINGS:
+        said = train_unet.benchmark_overrides(name, base)
+        assert f"compile_model={name == 'bf16_compile'}" in said or name == "default", (name, said)
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=10, size=32)
+    out = tmp_path / "out"
+    with pytest.raises(train_unet.UserError, match=r"^bf16_2x trains at twice batch_size=6, 12, more than the "
+                                                   r"training set's 8 image\(s\): give batch_size=4 or less, or leave "
+                                                   r"bf16_2x out$"):
+        train_unet.run_benchmark(["configs=fp32,bf16_2x", "batch_size=6", "max_train_images=8", "image_size=32",
+                                  f"data_dir={data}", f"output={out}", "inference="])
+    assert not (out / "fp32.log").exists()  # nothing trained first
+
+
+def test_the_doubled_batch_note_counts_the_steps_each_row_made():
+    """12 images: fp32 at batch 4 made 3 steps an epoch, bf16_2x at 8 one (4 images left out): the note said
+    '0.5x fp32's optimizer steps', and Time/Epoch (2.2x faster) contradicted Speedup (1.49x), unsaid."""
+    ref = {"config": "fp32", "batch": 4, "optimizer_steps": 3, "accumulation_steps": 1}
+    row = {"config": "bf16_2x", "batch": 8, "optimizer_steps": 1, "accumulation_steps": 1}
+    assert train_unet.other_batch_note(row, ref) == (
+        "batch 8: 1 optimizer step(s) per epoch to fp32's 3, so its Final IoU does not compare with fp32's; its epoch "
+        "trains 8 images to fp32's 12 (full batches only), so compare its Speedup (images/s), not its Time/Epoch")
+    assert train_unet.other_batch_note({**row, "optimizer_steps": 2}, {**ref, "optimizer_steps": 4}) == \
+        "batch 8: 2 optimizer step(s) per epoch to fp32's 4, so its Final IoU does not compare with fp32's"
+    older = {"config": "bf16_2x", "batch": 8}  # a row of an older benchmark.json: by the batch sizes
+    assert train_unet.other_batch_note(older, {"batch": 4}).startswith("batch 8: 0.5x fp32's optimizer steps")
+
+
+def test_a_stop_as_a_trained_rows_process_exits_keeps_the_row(bench, tmp_path, monkeypatch):
+    """Ctrl-C in the seconds a row's training process takes to exit after its 'done' line: its history.csv was
+    complete, benchmark.json's rows empty, and the stop said nothing of rows; the notebook refused it."""
+    result, out = bench
+    mine = tmp_path / "out"
+    mine.mkdir()
+    shutil.copytree(out / "fp32", mine / "fp32")
+
+    def stopped(name, *args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "benchmark_row", stopped)
+    kept = {"rows": [], "histories": {}}
+    with pytest.raises(KeyboardInterrupt, match=r"; benchmark.json keeps the 1 row\(s\) that ended: fp32$"):
+        train_unet.benchmark_rows(["fp32", "bf16"], {"epochs": 2}, None, {}, [], mine, kept)
+    fp32 = next(r for r in result["rows"] if r["config"] == "fp32")
+    assert kept["rows"] == [fp32] and json.loads((mine / "benchmark.json").read_text())["rows"] == [fp32]
+    kept = {"rows": [], "histories": {}}  # a run stopped before its last epoch: no row
+    with pytest.raises(KeyboardInterrupt, match=r"; no row had ended$"):
+        train_unet.benchmark_rows(["fp32"], {"epochs": 3}, None, {}, [], mine, kept)
+    assert kept["rows"] == []

@@ -234,6 +234,7 @@ def test_benchmark_notebook_plots_the_rows_an_interrupted_benchmark_finished(tmp
     benchmark and plotted nothing. Its finished rows are shown now, with a note saying what is missing."""
     bench = tmp_path / "bench"
     shutil.copytree(tiny_run, bench / "fp32")
+    shutil.copytree(tiny_run, bench / "bf16")  # the row it was training when stopped: its best.pt is not shown
     history = list(train_unet.csv.DictReader(open(tiny_run / "history.csv")))
     row = {"config": "fp32", "status": "ok", "batch": 4, "precision": "fp32", "channels_last": False,
            "compile": False, "time_per_epoch_s": 1.0, "first_epoch_s": 1.5, "images_per_s": 10.0,
