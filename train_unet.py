@@ -8797,6 +8797,7 @@ def load_model(checkpoint, hw):
         raise UserError(f"{checkpoint} does not match the model its config describes ({state_dict_mismatch(exc)}): "
                         f"it was changed after training; use the checkpoint as training wrote it") from None
     model.trained_config = {key: cfg[key] for key in MODEL_INPUT_KEYS}  # check_model_config
+    model.class_names = state.get("class_names")  # the run's, as it trained (export's sidecar)
     return model.to(hw.device).eval(), cfg
 
 
@@ -10680,7 +10681,7 @@ def export(opts):
         export_onnx(model, cfg, tmp)
         check = check_export(model, onnx_session(tmp, hw), cfg)
         try:
-            write_json(side_tmp, sidecar(cfg, tmp, path.name, opts["checkpoint"], check))
+            write_json(side_tmp, sidecar(cfg, tmp, path.name, opts["checkpoint"], check, model.class_names))
         except OSError as exc:
             raise UserError(f"cannot write {path.with_suffix('.json')} ({exc.strerror or exc}): "
                             f"{write_fix(exc, 'output')}; nothing written or moved") from None
@@ -10743,9 +10744,11 @@ def onnx_modules(*names):
     import importlib
 
     missing = [name for name in names if not module_found(name)]
-    if missing:
-        raise UserError(f"{' and '.join(missing)} not installed (export and backend=onnxruntime need "
-                        f"{'it' if len(missing) == 1 else 'them'}, training does not): pip install {' '.join(missing)}")
+    if missing:  # onnx builds the graph (export); onnxruntime runs it (export's check, backend=onnxruntime)
+        who = "export and backend=onnxruntime need it" if missing == ["onnxruntime"] else \
+            "export needs it" if missing == ["onnx"] else "export needs them"
+        raise UserError(f"{' and '.join(missing)} not installed ({who}, training does not): pip install "
+                        f"{' '.join(missing)}")
     return [importlib.import_module(name) for name in names]
 
 
@@ -10865,9 +10868,12 @@ def check_images(cfg):
             f"synthetic image(s) ({cfg['data_dir']} not readable here)"
 
 
-def sidecar(cfg, onnx_file, name, checkpoint, check):
+def sidecar(cfg, onnx_file, name, checkpoint, check, class_names=None):
     """The sidecar JSON: what predict needs beside the graph (the run's EXPORT_KEYS, the preprocessing,
-    the mask rule, class names), which .onnx it belongs to (SHA-256), and how the export was checked."""
+    the mask rule, class names), which .onnx it belongs to (SHA-256), and how the export was checked. The
+    class names are the checkpoint's: read from the data folder's class_names.txt at export, they were
+    indices where the data had moved (a deploy machine), an edit made since, or a refusal of a broken file
+    the model never read; a checkpoint from before they were saved: the data folder's."""
     import onnxruntime
 
     return {"format": EXPORT_FORMAT[0], "version": EXPORT_FORMAT[1], "onnx": name,
@@ -10875,7 +10881,8 @@ def sidecar(cfg, onnx_file, name, checkpoint, check):
             "input": {"name": "image", "dtype": "float32", "shape": ["batch", cfg["in_channels"], "height", "width"],
                       "height_width": input_sides(cfg)},
             "output": {"name": "logits", "dtype": "float32", "shape": ["batch", cfg["num_classes"], "height", "width"]},
-            "mask": mask_rule_words(cfg), "class_names": load_class_names(cfg), "preprocessing": preprocessing(cfg),
+            "mask": mask_rule_words(cfg), "class_names": class_names or load_class_names(cfg),
+            "preprocessing": preprocessing(cfg),
             "config": {**{key: cfg[key] for key in EXPORT_KEYS}, "tta": cfg["tta"]}, "check": check,
             "exported_from": str(checkpoint), "exported_from_file": file_identity(checkpoint),
             "exported": datetime.datetime.now().isoformat(timespec="seconds"),
