@@ -4178,6 +4178,11 @@ def check_single_image(path, tif, series, planar, kind):
     shape, axes = squeezed(series)
     extra = len(shape) > 3 or (len(shape) == 3 and axes[-1] != "S" and not planar)
     twins = [other for other in tif.series[1:] if plane_size(other) == plane_size(series)]
+    if (len(series.pages) > 1 or extra) and axes == "CYX":  # Fiji's composites, OME's channels: one image
+        raise UserError(f"{kind} {path} holds {shape[0]} channels as pages (shape {series.shape}, axes "
+                        f"{series.axes}: a Fiji composite or an OME-TIFF), which this script does not read: save it "
+                        f"as one RGB image (Fiji: Image > Type > RGB Color), or its channel the model should see as "
+                        f"a grey one")
     if len(series.pages) > 1 or extra or twins:
         raise UserError(f"{kind} {path} is a stack ({len(tif.pages)} page(s), first image shape "
                         f"{series.shape}, axes {series.axes}): multi-page TIFFs are not supported; save "
@@ -4510,8 +4515,11 @@ def check_not_jpeg(path, values):
     the bytes where the name says JPEG or the values are wrong, or the data check found a TIFF's codec JPEG."""
     lossy = lossy_format(path)
     if lossy:
-        raise UserError(f"mask {path} is {lossy}: its lossy compression changes class indices along every edge "
-                        f"(values {format_values(sorted(values))}), so it cannot hold classes exactly: save masks as PNG")
+        # a quality-100 JPEG of block-aligned shapes decodes exactly: 'changes class indices (values 0, 255)' was
+        # a claim its own numbers did not show
+        raise UserError(f"mask {path} is {lossy}: lossy compression can change class indices along every edge, and "
+                        f"its values ({format_values(sorted(values))}) cannot show which pixels kept theirs: save "
+                        f"masks as PNG")
 
 
 # TIFF compressions that are JPEG (tifffile's COMPRESSION: 6 old-style JPEG, 7 JPEG, 34892 lossy JPEG): a mask

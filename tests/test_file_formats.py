@@ -218,6 +218,18 @@ def test_a_real_stack_is_still_refused_for_images_and_masks(tmp_path, make_cfg, 
     one_line_error(prepare_data, make_cfg(), match=f"mask .*{mask.stem}.tif is a stack")
 
 
+@pytest.mark.parametrize("writer", ["imagej", "ome"])
+def test_channels_stored_as_pages_are_named_so_with_the_fix(tmp_path, writer):
+    """A Fiji composite or an OME-TIFF holds one image's channels as pages (axes CYX): 'is a stack ... save one
+    image per file' told the user nothing to do."""
+    pixels = np.random.default_rng(0).integers(0, 255, (3, 48, 64), dtype=np.uint8)
+    path = tmp_path / ("c.tif" if writer == "imagej" else "c.ome.tif")
+    tifffile.imwrite(path, pixels, **{writer: True}, metadata={"axes": "CYX"})
+    message = one_line_error(train_unet.read_image, path, 3, match=r"holds 3 channels as pages")
+    assert message.startswith(f"image {path} holds 3 channels as pages (shape (3, 48, 64), axes CYX: a Fiji "
+                              "composite or an OME-TIFF)") and "Image > Type > RGB Color" in message
+
+
 # ----------------------------------------------------------------------------------------------------
 # 15. Mask values must be non-negative whole numbers
 # ----------------------------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ def test_class_masks_in_jpeg_compressed_tiffs_are_refused_as_jpegs(make_data, ma
     for classes in (3,):
         cfg = make_cfg(data_dir=str(root), num_classes=classes, batch_size=2)
         message = one_line_error(train_unet.prepare_data, cfg,
-                                 match=r"mask .*\.tif is a JPEG-compressed TIFF: its lossy compression changes class "
+                                 match=r"mask .*\.tif is a JPEG-compressed TIFF: lossy compression can change class "
                                        r"indices along every edge")
         assert message.endswith("save masks as PNG") and "num_classes=" not in message
     lossless = tmp_path / "lossless.tif"
@@ -170,9 +170,9 @@ def test_a_jpeg_tiff_mask_whose_noise_stays_within_the_classes_is_refused_and_a_
     assert np.array_equal(tifffile.imread(masks[0].with_suffix(".tif")), mask)  # exact: the values cannot tell
     cfg = make_cfg(data_dir=str(root), num_classes=3, batch_size=2)
     one_line_error(train_unet.prepare_data, cfg,
-                   match=rf"mask .*{masks[0].stem}\.tif is a JPEG-compressed TIFF: its lossy compression changes class "
-                         r"indices along every edge \(values \[0, 1, 2\]\), so it cannot hold classes exactly: save "
-                         r"masks as PNG$")
+                   match=rf"mask .*{masks[0].stem}\.tif is a JPEG-compressed TIFF: lossy compression can change class "
+                         r"indices along every edge, and its values \(\[0, 1, 2\]\) cannot show which pixels kept "
+                         r"theirs: save masks as PNG$")
     tifffile.imwrite(masks[0].with_suffix(".tif"), mask, compression="zlib")
     train_unet.prepare_data(cfg)
     notes = [line for line in capsys.readouterr().out.splitlines() if "lossy" in line]
@@ -266,15 +266,15 @@ def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, 
         mask.unlink()
     for classes in (3, 254):  # 254: nearly every value JPEG can make is a class index
         message = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), num_classes=classes, batch_size=2),
-                                 match=r"mask .*\.jpg is a JPEG: its lossy compression changes class indices along "
-                                       r"every edge \(values \[0, 1, 2")
-        assert message.endswith("so it cannot hold classes exactly: save masks as PNG") and "num_classes=" not in message
+                                 match=r"mask .*\.jpg is a JPEG: lossy compression can change class indices along "
+                                       r"every edge, and its values \(\[0, 1, 2")
+        assert message.endswith("cannot show which pixels kept theirs: save masks as PNG") and "num_classes=" not in message
     # by its bytes: a JPEG named .png is one (its values wrong: the old advice was num_classes=N), a PNG named
     # .jpg is not (review)
     first = sorted((root / "masks").iterdir())[0]
     first.rename(first.with_suffix(".png"))
     one_line_error(train_unet.check_mask_values, first.with_suffix(".png"), {0, 1, 2, 3}, 3, "uint8",
-                   match=r"\.png is a JPEG: its lossy compression")
+                   match=r"\.png is a JPEG: lossy compression")
     lossless = root / "lossless.jpg"
     cv2.imwrite(str(root / "lossless.png"), np.zeros((4, 4), np.uint8))
     (root / "lossless.png").rename(lossless)
