@@ -2117,8 +2117,8 @@ def parse_overrides(args, base=None, defaults=None):
 class TypedConfig(dict):
     """A training config parse_overrides made, which remembers the keys typed: train(parse_overrides([...]))
     keeps them over a preset, as the command line does (preset=debug batch_size=8 trained at the preset's 2,
-    8 being CONFIG's value). cfg.copy() and cfg | {...} keep them (a notebook's sweep); {**cfg} and dict(cfg) are
-    plain dicts: then only values away from CONFIG's count."""
+    8 being CONFIG's value). cfg.copy() and cfg | {...} keep them, the keys merged in typed too (a notebook's
+    sweep); {**cfg} and dict(cfg) are plain dicts: then only values away from CONFIG's count."""
 
     def __init__(self, values, typed):
         super().__init__(values)
@@ -2127,8 +2127,15 @@ class TypedConfig(dict):
     def copy(self):
         return TypedConfig(self, self.typed)
 
-    def __or__(self, other):
-        return TypedConfig({**self, **other}, self.typed) if isinstance(other, dict) else NotImplemented
+    def __or__(self, other):  # the keys given here are typed too: cfg | {"batch_size": 8} beats a preset's 2
+        if not isinstance(other, dict):
+            return NotImplemented
+        return TypedConfig({**self, **other}, self.typed | set(other) | getattr(other, "typed", set()))
+
+    def __ior__(self, other):
+        self.update(other)
+        self.typed = self.typed | set(other) | getattr(other, "typed", set())
+        return self
 
 
 def check_not_quoted(key, text):
@@ -2210,7 +2217,7 @@ def plain_value(value):
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray) and value.ndim == 1:
-        return value.tolist()
+        return [plain_value(v) for v in value]  # float32 entries as typed, as a scalar is
     if isinstance(value, (tuple, list)):
         return [plain_value(v) for v in value]
     return value
@@ -3220,8 +3227,12 @@ def choose_cpu_modes(times, prec, rule_layout, probe_prec, probe_layout):
         t = {name: times[f"{name}_cl" if on else name] for name, on in nhwc.items()}
         ratio = t["fp32"] / t["bf16"]
         keep = ratio >= CPU_PROBE_BF16_MARGIN
+        # each in the layout it would train in: where those differ, the probe line's same-layout times gave
+        # another ratio (fp32 0.223, + NHWC 0.239, bf16 0.169: '1.41x' beside 1.32x), unsaid
+        lay = {n: f" ({'NHWC' if on else 'NCHW'})" for n, on in nhwc.items()} if len(set(nhwc.values())) > 1 \
+            else {"fp32": "", "bf16": ""}
         prec = Precision.of(torch.bfloat16 if keep else torch.float32,
-                            f"auto: bf16 measured {ratio:.2f}x fp32 here; "
+                            f"auto: bf16{lay['bf16']} measured {ratio:.2f}x fp32{lay['fp32']} here; "
                             f"{'kept' if keep else 'not kept'}: needs {CPU_PROBE_BF16_MARGIN:.2f}x")
     if not probe_layout:
         return prec, rule_layout
@@ -7904,26 +7915,31 @@ def seed_everything(seed):
 
 @contextlib.contextmanager
 def process_state_kept():
-    """A command called from Python (a notebook) leaves torch's global settings and the RNGs as it found them:
-    a run with tf32_matmul_precision=medium left it set, and the next run trained under it while its banner
-    and checkpoint said 'not set'; the benchmark's strict fp32 turned later runs' TF32 convolutions off; the
-    seed reset the notebook's own random draws. Restored however the command ends."""
-    precision, conv, benchmark = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
-                                  torch.backends.cudnn.benchmark)
-    threads, rng = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    """A command called from Python (a notebook) leaves torch's TF32 and cuDNN settings and the RNGs as it found
+    them: a run with tf32_matmul_precision=medium left it set, and the next run trained under it while its
+    banner and checkpoint said 'not set'; the benchmark's strict fp32 turned later runs' TF32 convolutions off;
+    the seed reset the notebook's own random draws. Restored however the command ends. (Threads cut to a CPU
+    quota stay cut: fit_cpu_threads' is a correction for the machine, not a setting of the run.)"""
+    try:
+        precision = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch's newer per-backend TF32 API in use: that one is the caller's to keep
+        precision = None
+    conv, benchmark = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+    rng, seed = (random.getstate(), np.random.get_state(), torch.get_rng_state()), torch.initial_seed()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(precision)  # the API apply_tf32 uses (mixing the two is an error)
+        if precision is not None:
+            torch.set_float32_matmul_precision(precision)  # the API apply_tf32 uses (mixing the two is an error)
         torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = conv, benchmark
-        if torch.get_num_threads() != threads:  # fit_cpu_threads'
-            torch.set_num_threads(threads)
         random.setstate(rng[0])
         np.random.set_state(rng[1])
         torch.set_rng_state(rng[2])
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
+        elif torch.cuda.is_initialized():  # started by the run: as CUDA would have seeded itself from the CPU's seed
+            torch.cuda.manual_seed_all(seed)
 
 
 HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "train_dice", "val_iou", "val_dice", "lr",
@@ -9794,7 +9810,7 @@ def benchmark_in(opts, base, train_args, names, args):
     check_not_a_training_run(out_dir)
     check_writable(out_dir)
     train_pairs, _ = data_pairs(base)  # the data checked (the embedded set written) before earlier files move
-    check_doubled_batch(names, base, train_pairs)
+    check_doubled_batch(names, base, train_pairs, hw)
     claim_output_folder(out_dir, [*names, INFERENCE_DIR] if inference_modes(opts) else names)
     threads = fit_cpu_threads()  # each training row's own process fits its threads the same way (train)
     result = started_benchmark(hw, base, args)
@@ -9949,9 +9965,13 @@ def print_benchmark_summary(rows, bare, hw, bare_spread=None, eval_amp=False):
     rerun 2.27x), and what each column means (eval_amp=True validated each row at its own precision)."""
     print(format_benchmark_table(rows))
     if bare:
-        label, worst = max((bare_spread or {"fp32": 1.0}).items(), key=lambda item: item[1])
+        known = {k: v for k, v in (bare_spread or {}).items() if v is not None} or {"fp32": 1.0}
+        label, worst = max(known.items(), key=lambda item: item[1])
         noisy = (f"; noisy: {label}'s steps {worst:.2f}x apart, so these ratios are not the machine's: run "
                  f"again on a quiet machine, or compare the rows above" if worst > NOISY_SPREAD else "")
+        single = [k for k, v in (bare_spread or {}).items() if v is None]
+        noisy += (f"; {', '.join(single)}: 1 timed step, no spread to judge its noise by (bare_steps=6, or "
+                  f"probe_steps= for bf16 not native)" if single else "")
         print(f"bare loop (s/step, median): fp32 {bare['fp32']:.3f}, bf16{'' if hw.bf16 else ' (not native)'} "
               f"{bare['bf16']:.3f} "
               f"({bare['fp32'] / bare['bf16']:.2f}x), bf16+channels_last {bare['bf16_cl']:.3f} "
@@ -10007,11 +10027,13 @@ def parse_benchmark_args(args):
     return opts, base, train_args, names
 
 
-def check_doubled_batch(names, base, train_pairs):
-    """bf16_2x's batch, twice batch_size, fills from the training set: checked before any row trains (it failed
-    after the rows before it had trained, naming a batch_size=12 never given)."""
+def check_doubled_batch(names, base, train_pairs, hw):
+    """bf16_2x's batch, twice batch_size, fills from the training set where the row trains: checked before any
+    row trains (it failed after the rows before it had trained, naming a batch_size=12 never given). A probe
+    row (bf16 not native) times random batches: no check."""
     samples, doubled = training_samples(train_pairs, base), 2 * base["batch_size"]
-    if "bf16_2x" in names and samples < doubled:
+    trains = "bf16_2x" in names and not probe_instead("bf16_2x", base, hw) and not skip_reason("bf16_2x", base, hw)
+    if trains and samples < doubled:
         what = "image(s)" if base["data_mode"] == "fit" else "patch(es) per epoch"
         raise UserError(f"bf16_2x trains at twice batch_size={base['batch_size']}, {doubled}, more than the training "
                         f"set's {samples} {what}: " + (f"give batch_size={samples // 2} or less, or " if samples > 1
@@ -10096,7 +10118,10 @@ def benchmark_overrides(name, base):
 
 
 def skip_reason(name, base, hw):
-    """Why a configuration cannot run as named on this hardware (None = it can)."""
+    """Why a configuration cannot run as named on this hardware (None = it can). `default` runs as training
+    would, falling back where its precision is not native here (it was skipped, though training ran)."""
+    if name == "default":
+        return None
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
     if name == "tf32" and (hw.kind != "cuda" or hw.capability < AMPERE):
         return f"TF32 needs a CUDA GPU of compute capability >= {capability_text(AMPERE)}"
@@ -10107,8 +10132,11 @@ def skip_reason(name, base, hw):
 def probe_instead(name, base, hw):
     """bf16 where it is not native: a short timed probe answers "how much slower?" (a full run would take
     2.3-33x as long as fp32's: measured, see III.3's note). Compiled runs are not probed: their first
-    epoch is the compile."""
+    epoch is the compile. `default`, the config as given, trains as it would, in the precision it falls
+    back to (amp_dtype=bfloat16 where bf16 is not native: fp32; it was probed as bf16, and labelled so)."""
     cfg = parse_overrides(benchmark_overrides(name, base), base=base)
+    if name == "default" and decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"]).warning:
+        return False
     return (cfg["use_amp"] and cfg["amp_dtype"] == "bfloat16" and not hw.bf16 and not cfg["compile_model"]
             and hw.kind == "cpu")
 
@@ -10125,12 +10153,16 @@ def probe_row(name, base, hw, steps, fp32_times):
           f"{slower_than_fp32(bf16 / ref)}", flush=True)
     return {"config": name, "device": describe(hw), "precision": "bf16 (not native)", "batch": cfg["batch_size"],
             "channels_last": layout, "compile": False, "speedup_vs_fp32": ref / bf16,
-            "slowdown_vs_fp32": bf16 / ref, "step_spread": max(map(spread, times.values())),
+            "slowdown_vs_fp32": bf16 / ref,
+            "step_spread": None if steps == 1 else max(map(spread, times.values())),
             "status": f"probe: {steps} bare steps, {hw.bf16_feature}"}
 
 
 def slower_than_fp32(slowdown):
-    return f"{slowdown:.1f}x slower than fp32" if slowdown >= 1 else f"{1 / slowdown:.2f}x faster than fp32"
+    """A probe row's Note: two decimals as the Speedup column beside it has ('1.0x slower' beside 0.99x)."""
+    if slowdown < 1:
+        return f"{1 / slowdown:.2f}x faster than fp32"
+    return f"{slowdown:.2f}x slower than fp32" if slowdown < 10 else f"{slowdown:.1f}x slower than fp32"
 
 
 def run_benchmark_config(name, base, train_args, out_dir):
@@ -10254,7 +10286,8 @@ def summarize_history(name, history, info):
             "final_val_iou": float(history[-1]["val_iou"]), "final_val_dice": float(history[-1]["val_dice"]),
             "nonfinite_steps": 0 if fp16 else skipped, "scaler_skipped_steps": skipped if fp16 else 0,
             "epochs": len(history), "status": "ok", "optimizer_steps": csv_number(history[-1].get("optimizer_steps")),
-            "accumulation_steps": info["config"].get("accumulation_steps", 1)}
+            "accumulation_steps": info["config"].get("accumulation_steps", 1),
+            "data_mode": info["config"].get("data_mode", "fit")}
 
 
 def spread(seconds):
@@ -10276,7 +10309,12 @@ def bare_loop_speedups(base, hw, steps, probe_steps=2):
     times = {label: train_step_times(base, hw, dtype, channels_last, steps if dtype == torch.float32 else bf16_steps)
              for label, dtype, channels_last in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
                                                  ("bf16_cl", torch.bfloat16, True))}
-    return {k: float(np.median(v)) for k, v in times.items()}, {k: spread(v) for k, v in times.items()}
+    return {k: float(np.median(v)) for k, v in times.items()}, {k: step_spread(v) for k, v in times.items()}
+
+
+def step_spread(seconds):
+    """spread, or None for one timed step: it has none to judge its noise by (1.00 read as steady)."""
+    return spread(seconds) if len(seconds) > 1 else None
 
 
 def time_train_steps(base, hw, dtype, channels_last, steps):
@@ -10320,6 +10358,8 @@ def format_benchmark_table(rows):
             noisy = (r.get("step_spread") or 1) > NOISY_SPREAD
             lines.append((r["config"], str(r["batch"]), r["precision"], "-", f"{r['speedup_vs_fp32']:.2f}x", "-",
                           "-", f"{slower_than_fp32(r['slowdown_vs_fp32'])} ({r['status']})"
+                          + ("; 1 timed step: no spread to judge its noise by; more probe_steps"
+                             if "step_spread" in r and r["step_spread"] is None else "")
                           + (f"; noisy: steps {r['step_spread']:.2f}x apart; more probe_steps, a quiet machine"
                              if noisy else "")))
             continue
@@ -10379,7 +10419,8 @@ def other_batch_note(row, ref):
            f"not compare with fp32's"
     images = [r["optimizer_steps"] * r["batch"] for r in (row, ref)]
     if row.get("accumulation_steps", 1) == ref.get("accumulation_steps", 1) == 1 and images[0] != images[1]:
-        note += (f"; its epoch trains {images[0]} images to fp32's {images[1]} (full batches only), so compare its "
+        what = "patches" if row.get("data_mode") == "patch" else "images"
+        note += (f"; its epoch trains {images[0]} {what} to fp32's {images[1]} (full batches only), so compare its "
                  f"Speedup (images/s), not its Time/Epoch")
     return note
 

@@ -200,11 +200,24 @@ def test_the_bare_loop_line_says_when_its_steps_were_noisy(monkeypatch, capsys):
     assert line.endswith("; noisy: bf16's steps 1.85x apart, so these ratios are not the machine's: run again "
                          "on a quiet machine, or compare the rows above")
     assert train_unet.bare_loop_speedups(dict(train_unet.CONFIG), hw, 0) == ({}, {})
+    # one timed step: a spread of 1.00 read as steady; it has none to judge by (probe_steps=1, bare_steps=1)
+    steps.update({torch.float32: [0.50], torch.bfloat16: [0.20]})
+    bare, spreads = train_unet.bare_loop_speedups(dict(train_unet.CONFIG), hw, 1)
+    train_unet.print_benchmark_summary([], bare, hw, spreads)
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("bare loop"))
+    assert line.endswith("; fp32, bf16, bf16_cl: 1 timed step, no spread to judge its noise by (bare_steps=6, or "
+                         "probe_steps= for bf16 not native)")
+    probe = {"config": "bf16", "batch": 8, "precision": "bf16 (not native)", "speedup_vs_fp32": 0.5,
+             "slowdown_vs_fp32": 2.0, "step_spread": None, "status": "probe: 1 bare steps, none"}
+    assert "; 1 timed step: no spread to judge its noise by; more probe_steps |" in \
+        train_unet.format_benchmark_table([probe])
 
 
 def test_slowdown_wording():
     assert train_unet.slower_than_fp32(33.0) == "33.0x slower than fp32"
     assert train_unet.slower_than_fp32(0.5) == "2.00x faster than fp32"
+    # beside the Speedup column's two decimals: '1.0x slower than fp32' stood beside 0.99x
+    assert train_unet.slower_than_fp32(1 / 0.99) == "1.01x slower than fp32"
 
 
 def test_strict_fp32_and_tf32_rows_set_tf32_explicitly():
@@ -687,7 +700,7 @@ def test_the_benchmark_header_names_the_torch_threads(monkeypatch):
     assert train_unet.thread_words() == f"{os.cpu_count()} cores, {threads + 1} torch threads"
 
 
-def test_benchmark_keys_the_rows_cannot_compare_under_are_refused_or_pinned(tmp_path):
+def test_benchmark_keys_the_rows_cannot_compare_under_are_refused_or_pinned(tmp_path, monkeypatch):
     """batch_size=auto was a traceback from the data check ('<' not supported between 'int' and 'str');
     compile_model=True compiled every row (bf16 was bf16_compile, and each row paid a minute of compiling);
     bf16_2x's doubled batch failed after the rows before it had trained, naming a batch_size never given."""
@@ -700,6 +713,11 @@ def test_benchmark_keys_the_rows_cannot_compare_under_are_refused_or_pinned(tmp_
         assert f"compile_model={name == 'bf16_compile'}" in said or name == "default", (name, said)
     data = train_unet.generate_shapes_dataset(tmp_path / "data", count=10, size=32)
     out = tmp_path / "out"
+    base = train_unet.parse_overrides(["batch_size=6", "max_train_images=8", f"data_dir={data}"])
+    pairs, _ = train_unet.data_pairs(base)
+    no_bf16 = dataclasses.replace(train_unet.detect_hardware("cpu"), bf16=False)
+    train_unet.check_doubled_batch(["bf16_2x"], base, pairs, no_bf16)  # a probe times random batches: no check
+    monkeypatch.setattr(train_unet, "probe_instead", lambda *args: False)  # trained, as where bf16 is native
     with pytest.raises(train_unet.UserError, match=r"^bf16_2x trains at twice batch_size=6, 12, more than the "
                                                    r"training set's 8 image\(s\): give batch_size=4 or less, or leave "
                                                    r"bf16_2x out$"):
@@ -742,3 +760,17 @@ def test_a_stop_as_a_trained_rows_process_exits_keeps_the_row(bench, tmp_path, m
     with pytest.raises(KeyboardInterrupt, match=r"; no row had ended$"):
         train_unet.benchmark_rows(["fp32"], {"epochs": 3}, None, {}, [], mine, kept)
     assert kept["rows"] == []
+
+
+def test_the_default_row_runs_the_config_as_training_would_where_its_precision_falls_back():
+    """amp_dtype=bfloat16 where bf16 is not native: training falls back to fp32, while the default row was
+    probed and labelled 'bf16 (not native)'; amp_dtype=float16 on a CPU: training runs in fp32, the row was
+    skipped. The named rows keep their own rule (a probe, a skip)."""
+    hw = dataclasses.replace(train_unet.detect_hardware("cpu"), bf16=False)
+    base = train_unet.parse_overrides(["amp_dtype=bfloat16"])
+    assert not train_unet.probe_instead("default", base, hw) and train_unet.skip_reason("default", base, hw) is None
+    assert train_unet.probe_instead("bf16", base, hw)
+    forced = train_unet.parse_overrides(["amp_dtype=bfloat16", "force_amp_dtype=True"])
+    assert train_unet.probe_instead("default", forced, hw)  # bf16 as forced: emulated, probed as the bf16 rows
+    half = train_unet.parse_overrides(["amp_dtype=float16"])
+    assert train_unet.skip_reason("default", half, hw) is None and train_unet.skip_reason("fp16", half, hw)

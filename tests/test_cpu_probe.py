@@ -83,6 +83,15 @@ def test_bf16_slower_than_fp32_trains_in_fp32_and_says_the_measured_ratio(probe_
     assert "probe: timing 4 modes on this CPU, 16 training steps" in capsys.readouterr().out
 
 
+def test_the_bf16_ratio_names_the_layouts_it_compares_where_they_differ(probe_cfg, monkeypatch):
+    """fp32 0.223, fp32 + NHWC 0.239, bf16 0.169: the banner said 'bf16 measured 1.41x fp32' (fp32 in NHWC, the
+    layout it keeps within the margin, against bf16 in NCHW), while the probe line's NCHW times gave 1.32x."""
+    times = {"fp32": 0.223, "fp32_cl": 0.239, "bf16": 0.169, "bf16_cl": 0.200}
+    prec, (nhwc, why), _, _ = decide(probe_cfg, BF16_CPU, times, monkeypatch)
+    assert prec.name == "bf16" and nhwc is False
+    assert prec.reason.startswith(f"auto: bf16 (NCHW) measured {0.239 / 0.169:.2f}x fp32 (NHWC) here; kept")
+
+
 def test_bf16_faster_by_the_margin_stays_bf16(probe_cfg, monkeypatch):
     prec, (nhwc, why), _, _ = decide(probe_cfg, BF16_CPU, EPYC, monkeypatch)
     assert prec.name == "bf16" and "bf16 measured 2.27x fp32 here; kept" in prec.reason

@@ -701,8 +701,9 @@ def test_the_numpy_tool_reads_signed_and_float64_tiffs_as_predict_and_skips_a_de
                      np.uint16)]), photometric="minisblack", extrasamples=[2])
     done = run_tool(binary["sidecar"], folder, tmp_path / "numpy")
     assert done.returncode == 1 and "Traceback" not in done.stderr and "[ERROR" not in done.stderr, done.stderr
-    assert f"skipped {folder / 'c_grey_alpha.tif'}: OpenCV cuts its 16-bit samples to 8 bits as it reads them (a TIFF " \
-           f"of grey and alpha?): train_unet.py predict backend=onnxruntime checkpoint=model.onnx reads it" in done.stderr
+    assert f"skipped {folder / 'c_grey_alpha.tif'}: OpenCV cuts its 16-bit samples to 8 bits as it reads them " \
+           f"(a TIFF of grey and alpha?): train_unet.py predict backend=onnxruntime checkpoint=model.onnx reads " \
+           f"it" in done.stderr
     assert "3 mask(s) -> " in done.stdout and "1 image(s) skipped" in done.stdout
     want, got = read_masks(tmp_path / "predict"), read_masks(tmp_path / "numpy")
     assert sorted(got) == sorted(want) == ["a_int16.png", "b_float64.png", "d_fine.png"]
@@ -727,6 +728,20 @@ def test_the_numpy_tool_never_writes_a_mask_beside_predicts_overlay_of_the_image
         "_overlay.png and " in done.stderr and "predict's overlay of an image this tool would write a mask of" \
         in done.stderr and done.stderr.count("\n") == 1, done.stderr
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    # the tool's own mask of an input named <stem>_overlay is no overlay: a rerun replaces it (review)
+    both = tmp_path / "both"
+    both.mkdir()
+    first = sorted(images.iterdir())[0]
+    shutil.copy(first, both / "cell.png")
+    shutil.copy(first, both / "cell_overlay.png")
+    for _ in range(2):
+        done = run_tool(binary["sidecar"], both, tmp_path / "masks")
+        assert done.returncode == 0 and "2 mask(s)" in done.stdout, done.stderr
+    only = tmp_path / "only"
+    only.mkdir()
+    shutil.copy(first, only / "cell.png")
+    done = run_tool(binary["sidecar"], only, tmp_path / "masks")
+    assert done.returncode == 0 and "(1 earlier one(s) replaced)" in done.stdout, done.stderr
 
 
 def test_the_numpy_tool_never_writes_over_images_or_ground_truth_and_names_a_mask_it_cannot_write(binary,

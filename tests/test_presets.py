@@ -41,8 +41,14 @@ def test_train_of_parse_overrides_keeps_the_typed_keys_over_a_preset(make_cfg, c
     assert json.loads((Path(base["checkpoint_dir"]) / "config.json").read_text())["config"]["batch_size"] == 8
     assert not hasattr({**cfg}, "typed")
     # a notebook's sweep, cfg | {"learning_rate": lr}: the typed keys still win (batch_size=8 ran at debug's 2)
-    assert (cfg | {"seed": 1}).typed == cfg.typed and (cfg | {"seed": 1})["seed"] == 1 and cfg["seed"] != 1
+    assert (cfg | {"seed": 1}).typed == cfg.typed | {"seed"} and (cfg | {"seed": 1})["seed"] == 1 and cfg["seed"] != 1
     assert cfg.copy().typed == cfg.typed and cfg.copy() == cfg
+    # a key merged in is typed too: cfg | {"batch_size": 8} under preset=debug trained at debug's 2
+    sweep = parse_overrides(["preset=debug"]) | {"batch_size": 8}
+    assert "batch_size" in sweep.typed and train_unet.apply_preset(sweep, sweep.typed)[0]["batch_size"] == 8
+    sweep = parse_overrides(["preset=debug"])
+    sweep |= {"batch_size": 8}
+    assert "batch_size" in sweep.typed and train_unet.apply_preset(sweep, sweep.typed)[0]["batch_size"] == 8
 
 
 def test_no_preset_changes_nothing():

@@ -268,7 +268,8 @@ def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, 
         message = one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root), num_classes=classes, batch_size=2),
                                  match=r"mask .*\.jpg is a JPEG: lossy compression can change class indices along "
                                        r"every edge, and its values \(\[0, 1, 2")
-        assert message.endswith("cannot show which pixels kept theirs: save masks as PNG") and "num_classes=" not in message
+        assert message.endswith("cannot show which pixels kept theirs: save masks as PNG")
+        assert "num_classes=" not in message
     # by its bytes: a JPEG named .png is one (its values wrong: the old advice was num_classes=N), a PNG named
     # .jpg is not (review)
     first = sorted((root / "masks").iterdir())[0]
@@ -1722,13 +1723,17 @@ def test_a_config_of_numpy_values_and_tuples_is_taken_as_the_command_line_gives_
     'must be a list'. Now they are the Python values the command line gives."""
     given = {"batch_size": np.int64(2), "learning_rate": np.float64(1e-3), "image_size": np.int32(64),
              "use_amp": np.bool_(False), "intensity_range": (0, np.uint16(4095)), "class_weights": np.array([1, 3.0]),
-             "checkpoint_dir": tmp_path / "run", "weight_decay": np.float32(1e-4)}
+             "checkpoint_dir": tmp_path / "run", "weight_decay": np.float32(1e-4),
+             "tile_overlap": np.float16(0.25)}
     cfg = train_unet.validate_config(train_unet.check_config_dict(given))
     # np.float32(1e-4) is 1e-4 as typed: float32's 9.999999747378752e-05 was recorded, and a resume with 1e-4
     # refused ('cannot resume exactly: ... was trained with weight_decay=9.999999747378752e-05')
     assert {k: cfg[k] for k in given} == {"batch_size": 2, "learning_rate": 1e-3, "image_size": 64, "use_amp": False,
                                          "intensity_range": [0, 4095], "class_weights": [1.0, 3.0],
-                                         "checkpoint_dir": str(tmp_path / "run"), "weight_decay": 1e-4}
+                                         "checkpoint_dir": str(tmp_path / "run"), "weight_decay": 1e-4,
+                                         "tile_overlap": 0.25}
+    weights = train_unet.check_config_dict({"class_weights": np.array([1, 0.3], np.float32)})["class_weights"]
+    assert weights == [1.0, 0.3]  # float32's 0.30000001192092896 in an array too
     assert type(cfg["batch_size"]) is int and type(cfg["use_amp"]) is bool
     opts = train_unet.check_command_dict({"tile_batch_size": np.int64(4)}, train_unet.PREDICT_CONFIG)
     assert type(opts["tile_batch_size"]) is int

@@ -228,7 +228,9 @@ def check_output(paths, output):
             raise SystemExit(f"error: {stems[path.stem].name} and {path.name} would both write {path.stem}.png: "
                              f"rename one, or predict them apart")
         stems[path.stem] = path
-    overlays = [output / f"{stem}_overlay.png" for stem in stems if os.path.lexists(output / f"{stem}_overlay.png")]
+    # predict's overlays are colour PNGs; a mask (this tool's own, of an input named <stem>_overlay) is grey
+    overlays = [output / f"{stem}_overlay.png" for stem in stems if f"{stem}_overlay" not in stems
+                and in_colour(output / f"{stem}_overlay.png")]
     if overlays:
         more = f" and {len(overlays) - 1} more" if len(overlays) > 1 else ""
         raise SystemExit(f"error: {output} holds {overlays[0].name}{more}, predict's overlay of an image this tool "
@@ -249,6 +251,16 @@ def check_output(paths, output):
 MARK = struct.pack(">I", 25) + b"tEXt" + b"Software\0unet-amp predict"
 MARK += struct.pack(">I", zlib.crc32(MARK[4:]))
 PNG_HEADER = 8 + 25  # the signature, then the IHDR chunk
+
+
+def in_colour(path):
+    """Whether a file is a colour PNG (IHDR colour type 2 or 6): predict's overlay, not a mask."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(26)
+    except OSError:
+        return False
+    return head[:8] == b"\x89PNG\r\n\x1a\n" and len(head) == 26 and head[25] in (2, 6)
 
 
 def marked(path):
