@@ -4332,7 +4332,12 @@ def read_mask(path, num_classes):
             not 1 <= num_classes < IGNORE_INDEX:  # a library call's
         raise UserError(f"num_classes={num_classes!r} must be a whole number from 1 to {IGNORE_INDEX - 1}")
     mask = decode_mask(path)
-    check_mask_values(path, set(np.unique(mask).tolist()), num_classes, mask.dtype)
+    values = set(np.unique(mask).tolist())
+    check_mask_values(path, values, num_classes, mask.dtype)
+    if num_classes > 1 and values == {0, IGNORE_INDEX}:  # one file cannot tell; training refuses such a data set
+        print(f"note: mask {path} holds only 0 and {IGNORE_INDEX}: with num_classes={num_classes}, {IGNORE_INDEX} is "
+              f"void (not scored), so its foreground counts for nothing; a binary mask? read it with num_classes=1",
+              flush=True)
     return mask_to_classes(mask, num_classes, path)
 
 

@@ -1717,6 +1717,18 @@ def test_library_values_of_numpy_and_pathlib_types_are_taken(tmp_path):
     assert train_unet.read_mask(tmp_path / "m.png", np.int64(1)).tolist() == [[0, 1]]
 
 
+def test_read_mask_notes_a_binary_mask_read_with_several_classes(tmp_path, capsys):
+    """read_mask(path, 3) of a 0/255 mask gave its foreground as void, unsaid: scored, it counted for nothing
+    (training refuses such a data set; one file cannot tell, so a note)."""
+    cv2.imwrite(str(tmp_path / "m.png"), np.array([[0, 255]], np.uint8))
+    assert train_unet.read_mask(tmp_path / "m.png", 3).tolist() == [[0, 255]]
+    assert f"note: mask {tmp_path / 'm.png'} holds only 0 and 255: with num_classes=3, 255 is void (not scored)" \
+        in capsys.readouterr().out
+    assert train_unet.read_mask(tmp_path / "m.png", 1).tolist() == [[0, 1]] and capsys.readouterr().out == ""
+    cv2.imwrite(str(tmp_path / "v.png"), np.array([[0, 1, 255]], np.uint8))  # classes with void: no note
+    assert train_unet.read_mask(tmp_path / "v.png", 3).tolist() == [[0, 1, 255]] and capsys.readouterr().out == ""
+
+
 def test_a_config_of_numpy_values_and_tuples_is_taken_as_the_command_line_gives_them(tmp_path):
     """A sweep's values (np.arange, a DataFrame row) were refused with false messages: 'batch_size=np.int64(2)
     must be a whole number or auto', 'use_amp=np.False_ must be true or false'; (0, 255) for intensity_range
