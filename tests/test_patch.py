@@ -303,6 +303,16 @@ def test_predict_can_override_the_tiling_and_refuses_impossible_values(make_cfg,
         train_unet.predict({**base, "tile_overlap": 0.95})
 
 
+def test_the_overlap_advice_counts_the_tiles_as_the_sliding_window_cuts_them():
+    """'0.5 for smoother seams (~1.8x the tiles)' was 0.25 against no overlap: against 0.25, 0.5 cuts 1.8-2.2x
+    the tiles of small images and 2.25x on large scenes (README audit)."""
+    tiles = lambda side, overlap: len(train_unet.tile_starts(side, 128, overlap)) ** 2  # noqa: E731
+    ratios = [tiles(side, 0.5) / tiles(side, 0.25) for side in (300, 512, 1000, 4000, 20000)]
+    assert 1.75 < min(ratios) and max(ratios) <= 2.25 and sorted(ratios)[len(ratios) // 2] == pytest.approx(2, abs=0.15)
+    with pytest.raises(UserError, match=r"0.5 for smoother seams \(about 2x the tiles of 0.25\)"):
+        train_unet.validate_config({**train_unet.CONFIG, "tile_overlap": 0.95})
+
+
 @pytest.mark.parametrize("arg, message", [
     ("data_mode=tiles", "data_mode='tiles' is not allowed: use one of fit, patch"),
     ("patch_scale=0", r"patch_scale=0.0 must be in \(0, 4\]"),
