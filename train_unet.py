@@ -408,9 +408,11 @@ def interrupted_run_words(cfg, started):
 
 
 def resume_words(cfg):
-    """What continues a stopped run: resume=True, with the run's epochs where they are not CONFIG's (left
-    out on resume, epochs is CONFIG's, which would extend or shorten the run: a note, easily missed)."""
-    return "resume=True" + (f" epochs={cfg['epochs']}" if cfg["epochs"] != CONFIG["epochs"] else "")
+    """What continues a stopped run: resume=True, with its preset (a resume without it was refused: the
+    preset's keys differ) and its epochs where they are not CONFIG's (left out on resume, epochs is CONFIG's,
+    which would extend or shorten the run: a note, easily missed)."""
+    return ("resume=True" + (f" preset={cfg['preset']}" if cfg.get("preset") else "")
+            + (f" epochs={cfg['epochs']}" if cfg["epochs"] != CONFIG["epochs"] else ""))
 
 
 @contextlib.contextmanager
@@ -642,7 +644,7 @@ def checked_config_and_resume_state(cfg, explicit):
             check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
             hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
             remove_stale_temps(Path(cfg["checkpoint_dir"]))
-        state = resume_state(cfg, Path(cfg["checkpoint_dir"]), typed) if cfg["resume"] else None
+        state, cfg = resume_state(cfg, Path(cfg["checkpoint_dir"]), typed) if cfg["resume"] else (None, cfg)
     except UserError as exc:
         said_once_if_alike(exc)
     said_once_if_alike(None)  # every process joins the exchange, errors or not
@@ -747,8 +749,9 @@ def check_class_weights_weigh(cfg):
 
 
 def resume_state(cfg, ckpt_dir, typed=()):
-    """last.pt's state for resume=True, or a UserError saying why it cannot continue exactly. `typed`: the keys
-    given (not set by a preset), for the refusal's hint."""
+    """(last.pt's state for resume=True, cfg with the run's early_stopping_patience where not given), or a
+    UserError saying why it cannot continue exactly. `typed`: the keys given (not set by a preset), for the
+    refusal's hint."""
     path = ckpt_dir / "last.pt"
     if not path.is_file():
         archived = newest_archived_run(ckpt_dir)
@@ -781,8 +784,18 @@ def resume_state(cfg, ckpt_dir, typed=()):
                         + "; this run has " + ", ".join(f"{k}={cfg[k]!r}" for k in changed) + hint
                         + f": resume with the same values ({again}), or start a new run in another checkpoint_dir")
     refuse_no_epochs_left(state, cfg, path)
+    cfg = kept_patience(state, cfg, typed)
     refuse_early_stopped(state, cfg, path)
-    return state
+    return state, cfg
+
+
+def kept_patience(state, cfg, typed):
+    """early_stopping_patience not given on resume: the run's. CONFIG's 5 had stopped a run trained with None
+    three epochs into its resume, unsaid (the uninterrupted run trained all 14), and refused one stopped by
+    Ctrl-C with 'stopped early'; the stop's own 'resume=True continues' left it out."""
+    if "early_stopping_patience" in typed or "early_stopping_patience" not in state["config"]:
+        return cfg
+    return {**cfg, "early_stopping_patience": state["config"]["early_stopping_patience"]}
 
 
 # What a resume reads of last.pt (Run.load, setup_run, keep_chosen_precision); the rest has defaults for
@@ -862,10 +875,14 @@ def refuse_early_stopped(state, cfg, path):
     """A run that stopped early, resumed with the same patience, trained one more epoch and stopped again,
     on every resume: refused, with the key that lets it go on."""
     patience, waited = cfg["early_stopping_patience"], state.get("epochs_since_best", 0)
-    if patience is not None and waited >= patience:
-        raise UserError(f"{path} stopped early after epoch {state['epoch']}: its val IoU had not improved for "
-                        f"{waited} epoch(s), and early_stopping_patience={patience}: raise it to go on (e.g. "
-                        f"early_stopping_patience={waited + 3}), or set it to None to train every epoch")
+    if patience is None or waited < patience:
+        return
+    saved = state["config"].get("early_stopping_patience", CONFIG["early_stopping_patience"])
+    what = f"stopped early after epoch {state['epoch']}: its val IoU had not improved for {waited} epoch(s)" \
+        if saved is not None and waited >= saved else \
+        f"has not improved its val IoU for {waited} epoch(s) (it trained with early_stopping_patience={saved})"
+    raise UserError(f"{path} {what}, and early_stopping_patience={patience}: raise it to go on (e.g. "
+                    f"early_stopping_patience={waited + 3}), or set it to None to train every epoch")
 
 
 def changed_resume_keys(state, cfg):
@@ -1097,7 +1114,7 @@ def setup_run(cfg, hw, prec, sizes, state, notes):
         set_rng_state(state["rng"])
         notes.append(f"resumed from {cfg['checkpoint_dir']}/last.pt after epoch {state['epoch']}"
                      + other_world_size(state, cfg, samples) + other_clipping(state, cfg)
-                     + other_modes(state, cfg, prec))
+                     + other_modes(state, cfg, prec) + patience_words(state, cfg))
         notes.append(set_aside_other_runs_files(cfg["checkpoint_dir"], state) if DIST.is_main else None)
         notes.append(set_aside_edited_history(cfg["checkpoint_dir"], state) if DIST.is_main else None)
         notes.append(check_checkpoint_room(run, cfg, replaced=True) if DIST.is_main else None)
@@ -1190,6 +1207,16 @@ def other_clipping(state, cfg):
     was = state["config"].get("grad_clip_norm", CONFIG["grad_clip_norm"])
     return "" if was == cfg["grad_clip_norm"] else \
         f"; grad_clip_norm changed from {was} to {cfg['grad_clip_norm']}: the steps from here differ from the run's"
+
+
+def patience_words(state, cfg):
+    """What the resume note adds of early stopping: the run's patience, kept (kept_patience) where it is not
+    CONFIG's, or the one given now where it differs (the run stops, or goes on, where it would not have)."""
+    was, now = state["config"].get("early_stopping_patience", CONFIG["early_stopping_patience"]), \
+        cfg["early_stopping_patience"]
+    if was != now:
+        return f"; early_stopping_patience changed from {was} to {now}"
+    return f"; early_stopping_patience={now} as it trained" if now != CONFIG["early_stopping_patience"] else ""
 
 
 def other_modes(state, cfg, prec):

@@ -677,6 +677,27 @@ def test_resuming_a_run_that_stopped_early_is_refused_unless_the_patience_grows(
     assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
 
 
+def test_a_resume_keeps_the_runs_early_stopping_patience_unless_given(make_cfg, monkeypatch, capsys):
+    """A run trained with early_stopping_patience=None, stopped, resumed as its stop said (resume=True epochs=N):
+    CONFIG's 5 came back, unsaid, and the resume stopped early where the uninterrupted run trained every epoch;
+    given a patience it has already waited out, the refusal said 'stopped early' of a run that never did."""
+    rows = iter([0.5, 0.4, 0.3, 0.2, 0.1, 0.09, 0.08, 0.07])
+    real = train_unet.finish_epoch
+    monkeypatch.setattr(train_unet, "finish_epoch",
+                        lambda run, row, cfg: real(run, {**row, "val_iou": next(rows)}, cfg))
+    train(make_cfg(epochs=4, early_stopping_patience=None))
+    resumed = make_cfg(epochs=8, resume=True)  # early_stopping_patience left out: CONFIG's 5
+    assert resumed["early_stopping_patience"] == train_unet.CONFIG["early_stopping_patience"] == 5
+    with pytest.raises(UserError, match=r"last.pt has not improved its val IoU for 3 epoch\(s\) \(it trained with "
+                                        r"early_stopping_patience=None\), and early_stopping_patience=2: raise it"):
+        train({**resumed, "early_stopping_patience": 2})
+    capsys.readouterr()
+    result = train(resumed)
+    assert [row["epoch"] for row in result["history"]] == list(range(1, 9))  # not stopped after epoch 6
+    assert "; early_stopping_patience=None as it trained" in capsys.readouterr().out
+    assert train_unet.resume_words({**train_unet.CONFIG, "preset": "debug"}) == "resume=True preset=debug"
+
+
 def stopped_then_started_again(cfg, epoch, interrupt_at, monkeypatch, capsys):
     """A run stopped by Ctrl-C in `epoch`, then started again in its folder without resume: that run's output."""
     real = interrupt_at(epoch)
