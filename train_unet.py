@@ -3530,7 +3530,7 @@ def classes_only_in_val(train, val, cfg):
     fix = ("move images holding them into train/" if (Path(cfg["data_dir"]) / "val").is_dir() else
            "change seed or val_fraction, or add images holding them")
     if cfg["max_train_images"] is not None:  # it may have cut them away (preset=debug keeps 8)
-        fix = f"raise max_train_images={cfg['max_train_images']}, or {fix}"
+        fix = f"raise max_train_images (now {cfg['max_train_images']}), or {fix}"
     return (f"note: class(es) {', '.join(map(str, only))} appear in validation masks but in no training mask: the "
             f"model cannot learn them, and val_iou averages their IoU, 0 unless predicted by chance; {fix}")
 

@@ -778,7 +778,7 @@ def test_a_class_only_the_validation_masks_hold_gets_a_note(make_cfg, make_data,
             "val_iou averages their IoU, 0 unless predicted by chance; change seed or val_fraction, or add images "
             "holding them") in capsys.readouterr().out
     train_unet.prepare_data({**cfg, "max_train_images": 8, "batch_size": 2})
-    assert "by chance; raise max_train_images=8, or change seed" in capsys.readouterr().out
+    assert "by chance; raise max_train_images (now 8), or change seed" in capsys.readouterr().out
     for _, mask in val:
         cv2.imwrite(str(mask), np.minimum(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED), 1).astype(np.uint8))
     train_unet.prepare_data(cfg)
