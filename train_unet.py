@@ -8399,7 +8399,7 @@ def predict_into_output(opts):
     paths = list_images(opts["input"])
     cfg = predict_intensity_range(cfg, opts)
     prec, layout = predict_modes(cfg, opts, hw, prec, notes, paths)
-    note_validated_precision(cfg, opts, prec, layout[0])
+    note_validated_precision(cfg, opts, prec, layout[0], getattr(model, "trained_precision", None))
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
     moved = archive_earlier_predictions(paths, out_dir, opts["overlay"])
@@ -8500,16 +8500,22 @@ def note_checkpoint_settings(cfg, opts, tiling, given=()):
               f"its validation IoU describes, at {len(TTA(validated))}x the forwards")
 
 
-def note_validated_precision(cfg, opts, prec, nhwc):
+def note_validated_precision(cfg, opts, prec, nhwc, trained=None):
     """A note where predict runs autocast but the checkpoint was validated in fp32 (eval_amp=False, the
-    default): its val IoU scored fp32's masks, and bf16/fp16 logits flip a few pixels at the edges. Where it
-    was validated in autocast (eval_amp=True), the layout counts too: bf16 sums in another order in NHWC."""
+    default, or eval_amp=True in a run that trained in fp32: `trained`, the checkpoint's precision): its val
+    IoU scored fp32's masks, and bf16/fp16 logits flip a few pixels at the edges. Where it was validated in
+    autocast (eval_amp=True), the dtype and the layout count too: bf16 sums in another order in NHWC. (An
+    eval_amp=True run that trained in fp32 was sent to channels_last=False, which kept bf16's masks.)"""
     if opts["backend"] != "torch" or not prec.amp:
         return
-    if not (cfg["eval_amp"] and cfg["use_amp"]):
-        why = "eval_amp=False" if cfg["use_amp"] else "use_amp=False"
+    if not (cfg["eval_amp"] and cfg["use_amp"]) or trained == "fp32":
+        why = "use_amp=False" if not cfg["use_amp"] else "eval_amp=False" if not cfg["eval_amp"] else \
+            "eval_amp=True, in a run that trained in fp32"
         print(f"note: masks in {prec.name}; {opts['checkpoint']} was validated in fp32 ({why}): "
               f"use_amp=False gives the masks its val IoU scored ({prec.name} may change a few edge pixels)")
+    elif trained in AMP_DTYPE_NAMES and trained != prec.name:
+        print(f"note: masks in {prec.name}; {opts['checkpoint']} was validated in {trained} (eval_amp=True): "
+              f"amp_dtype={AMP_DTYPE_NAMES[trained]} gives the masks its val IoU scored")
     elif cfg["channels_last"] in (True, False) and nhwc != cfg["channels_last"]:
         names = {True: "NHWC", False: "NCHW"}
         print(f"note: masks in {prec.name} and {names[nhwc]}; {opts['checkpoint']} was validated in "
@@ -8856,6 +8862,7 @@ def load_model(checkpoint, hw):
                         f"it was changed after training; use the checkpoint as training wrote it") from None
     model.trained_config = {key: cfg[key] for key in MODEL_INPUT_KEYS}  # check_model_config
     model.class_names = state.get("class_names")  # the run's, as it trained (export's sidecar)
+    model.trained_precision = state.get("precision")  # what eval_amp=True validated in (predict's note)
     return model.to(hw.device).eval(), cfg
 
 

@@ -742,3 +742,27 @@ def test_predict_in_another_layout_than_an_eval_amp_validation_says_so(make_cfg,
         assert ("note: masks in bf16 and NHWC; " in out and "was validated in NCHW (eval_amp=True): "
                 "channels_last=False gives the masks its val IoU scored" in out) == said
         assert "was validated in fp32" not in out
+    # another dtype than validation's: the layout advice alone left fp16's masks (user test)
+    train_unet.predict(opts(ckpt, image, tmp_path / "out16", use_amp=True, amp_dtype="float16", force_amp_dtype=True,
+                            channels_last=False))
+    assert f"note: masks in fp16; {ckpt} was validated in bf16 (eval_amp=True): amp_dtype=bfloat16 gives the masks " \
+           f"its val IoU scored" in capsys.readouterr().out
+
+
+def test_predict_says_an_eval_amp_run_that_trained_in_fp32_was_validated_in_fp32(make_cfg, tmp_path, capsys):
+    """eval_amp=True in a run whose precision was fp32 (no native bf16 there, or the probe's choice): predict in
+    bf16 said 'validated in NCHW (eval_amp=True): channels_last=False gives the masks', which kept bf16's."""
+    cfg = make_cfg(use_amp=True, eval_amp=True, channels_last=False)
+    state_precision = "fp32"
+    train_unet.train({**cfg, "use_amp": False, "eval_amp": True})
+    ckpt = Path(cfg["checkpoint_dir"]) / "best.pt"
+    state = train_unet.load_checkpoint(ckpt)
+    state["config"]["use_amp"] = True  # use_amp=True that fell back to fp32: the checkpoint records fp32
+    assert state["precision"] == state_precision
+    train_unet.save_checkpoint(ckpt, state)
+    image = sorted((Path(cfg["data_dir"]) / "images").iterdir())[0]
+    train_unet.predict(opts(ckpt, image, tmp_path / "out", use_amp=True, amp_dtype="bfloat16", force_amp_dtype=True,
+                            channels_last=True))
+    out = capsys.readouterr().out
+    assert f"note: masks in bf16; {ckpt} was validated in fp32 (eval_amp=True, in a run that trained in fp32): " \
+           f"use_amp=False gives the masks its val IoU scored" in out and "channels_last=False gives" not in out
