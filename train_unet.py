@@ -2181,6 +2181,9 @@ def split_argument_hint(args, i, known=None):
     known = known if known is not None else (*CONFIG, *PREDICT_CONFIG, *EXPORT_CONFIG, *BENCHMARK_CONFIG)
     arg, following = args[i], args[i + 1:i + 3]
     key = normalize_key(arg)
+    if key in known and KEY_TYPES.get(key) is bool and (not following or "=" in following[0].lstrip("=")):
+        # '--overlay use_amp=False', or 'overlay' last: a switch given alone ('write overlay=use_amp=False')
+        return f": write {key}=True (every key takes a value: key=value)"
     if key in known and following:
         value = following[1] if following[0] == "=" and len(following) > 1 else following[0].lstrip("=")
         return f": write {key}={value}, with no spaces around = (the command line's key=value)"

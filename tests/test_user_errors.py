@@ -60,6 +60,10 @@ def test_duplicate_keys_and_help(capsys):
                                                   "input=y"),
     (["epochs=1", "data_dir=d/my", "data"],
      'a value with a space is one argument in quotes, e.g. "data_dir=d/my data"'),
+    # a switch given alone: 'write overlay=use_amp=False', 'a value with a space ... "output=o overlay"'
+    (["predict", "checkpoint=x", "--overlay", "use_amp=False"], "write overlay=True (every key takes a value"),
+    (["predict", "checkpoint=x", "output=o", "overlay"], "write overlay=True (every key takes a value"),
+    (["--resume", "epochs=3"], "write resume=True (every key takes a value"),
 ])
 def test_a_key_and_its_value_written_apart_get_the_fix(argv, words, capsys):
     """'epochs = 2' said 'unknown command', '--epochs 2' too (though --batch-size=2 is taken), and an unquoted
