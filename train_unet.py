@@ -1031,6 +1031,8 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
         raise UserError(f"cannot resume exactly: the run was trained with intensity_range={saved!r}, this run "
                         f"has {cfg['intensity_range']!r}: resume with intensity_range=None (the run's), or "
                         f"start a new run in another checkpoint_dir")
+    if saved is not None and notes is not None:
+        notes.append(resumed_range_note(train_pairs, val_pairs, cfg, saved))
     return saved
 
 
@@ -4812,9 +4814,12 @@ def enlarged_in_fit_mode(pairs, facts, cfg):
     least = 2 * MODEL_STRIDE if cfg["batch_size"] == 1 else MODEL_STRIDE  # batch_size=1 at 32 px is refused
     keeps = max(least, math.ceil(largest / MODEL_STRIDE) * MODEL_STRIDE)
     times = cfg["image_size"] / largest
+    fix = f"image_size={keeps} keeps them about as they are" if keeps < cfg["image_size"] else \
+        f"image_size={cfg['image_size']} is the least the model takes{' at batch_size=1' * (least > MODEL_STRIDE)}: " \
+        f"they cannot stay smaller"  # 'image_size=32 keeps them about as they are' was said at image_size=32
     return (f"note: every image is at most {largest} px on its longer side: fit mode enlarges them to image_size="
             f"{cfg['image_size']} ({times:.3g} times), at about {times ** 2:.0f} times the compute and memory per "
-            f"image, with no detail gained: image_size={keeps} keeps them about as they are")
+            f"image, with no detail gained: {fix}")
 
 
 # fit mode enlarging every image this many times or more gets a note (enlarged_in_fit_mode)
@@ -5195,6 +5200,20 @@ def val_outside_learnt(val_pairs, cfg, found):
             f"whose values span {least}-{most}): they reach the model outside 0-1 (there {scale(least):.3g} to "
             f"{scale(most):.3g}), and the val IoU that picks best.pt scores them so; if their bit depth or instrument "
             f"differs, put such images in training too, or give intensity_range= a range that holds both")
+
+
+def resumed_range_note(train_pairs, val_pairs, cfg, saved):
+    """A resumed run's note where its images now have over OUTSIDE_RANGE_SHARE of their pixels outside the range
+    it keeps (the data edited since: 16 times brighter, it trained on at up to 16, val loss 1.25 -> 4.49, with
+    only 'files changed'), else None."""
+    (low, high), (out, ranged) = saved, images_outside([*train_pairs, *val_pairs], cfg, saved)
+    if not out:
+        return None
+    (name, (least, most)), scale = out[0], lambda v: (v - low) / (high - low)  # noqa: E731 - scale_image's map
+    return (f"{len(out)} of {ranged} image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of their pixels "
+            f"outside intensity_range={low:g},{high:g}, the run's, which a resume keeps (e.g. {name}, whose values "
+            f"span {least}-{most}): they reach the model outside 0-1 (there {scale(least):.3g} to {scale(most):.3g}); "
+            f"if the data changed since the run began, start a new run in another checkpoint_dir")
 
 
 def images_outside(pairs, cfg, given):

@@ -534,6 +534,12 @@ def test_images_fit_mode_enlarges_many_times_get_a_note(make_data, make_cfg, cap
            "keeps them about as they are" in capsys.readouterr().out
     prepare_data(make_cfg(data_dir=str(root), image_size=64))
     assert "enlarges" not in capsys.readouterr().out
+    # 8 px images at image_size=32, the least there is: 'image_size=32 keeps them about as they are' (user test)
+    tiny = make_data("tiny", count=6, size=8)
+    prepare_data(make_cfg(data_dir=str(tiny), image_size=32))
+    said = capsys.readouterr().out
+    assert "with no detail gained: image_size=32 is the least the model takes: they cannot stay smaller" in said
+    assert "keeps them about as they are" not in said
 
 
 @pytest.mark.parametrize("tag", [3, 6])

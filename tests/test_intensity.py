@@ -233,14 +233,19 @@ def test_images_outside_the_checkpoints_own_range_get_a_note(make_cfg, depths, t
     assert f"{ckpt}'s, learnt from its training images)" in note[0] and "predict with intensity_range=" in note[0]
 
 
-def test_resume_keeps_the_runs_range(make_cfg, depths, tmp_path):
+def test_resume_keeps_the_runs_range(make_cfg, depths, tmp_path, capsys):
     cfg = make_cfg(data_dir=str(depths[12]))
     train_unet.train(cfg)
-    # new images outside the learnt range do not move a resumed run's scale
+    # new images outside the learnt range do not move a resumed run's scale; they are named (user test: data
+    # edited 16 times brighter trained at up to 16, said only as 'files changed')
     bright = next((depths[12] / "images").iterdir())
     cv2.imwrite(str(bright), np.full((64, 64, 3), 65535, np.uint16))
+    capsys.readouterr()
     result = train_unet.train({**cfg, "epochs": 2, "resume": True})
     assert [r["epoch"] for r in result["history"]] == [1, 2]
+    assert (f"image(s) wider than 8 bits have over 1% of their pixels outside intensity_range=0,4095, the run's, "
+            f"which a resume keeps (e.g. {bright.name}, whose values span 65535-65535): they reach the model outside "
+            f"0-1 (there 16 to 16)") in capsys.readouterr().out
     assert train_unet.load_checkpoint(tmp_path / "ckpt" / "last.pt")["config"]["intensity_range"] == [0, 4095]
     with pytest.raises(UserError, match="intensity_range") as info:
         train_unet.train({**cfg, "epochs": 3, "resume": True, "intensity_range": [0, 65535]})
