@@ -917,9 +917,13 @@ def split_record(train_pairs, val_pairs, data_dir):
     stats = [os.stat(path) for pair in (*train_pairs, *val_pairs) for path in pair]
     sizes = ",".join(str(st.st_size) for st in stats)
     times = ",".join(str(int(st.st_mtime)) for st in stats)  # whole seconds: what a copy that keeps times keeps
+    # status-change times: what no copy keeps, and a rename, a swap of two files' names or an edit whose times
+    # were put back sets (two masks of one size swapped resumed with no word)
+    changed = ",".join(str(st.st_ctime_ns) for st in stats)
     return {"train": len(train_pairs), "val": len(val_pairs), "digest": digest,
             "sizes": hashlib.sha256(sizes.encode()).hexdigest()[:16], "folder": os.path.realpath(data_dir),
-            "times": hashlib.sha256(times.encode()).hexdigest()[:16]}
+            "times": hashlib.sha256(times.encode()).hexdigest()[:16],
+            "changed": hashlib.sha256(changed.encode()).hexdigest()[:16]}
 
 
 def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
@@ -959,6 +963,10 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
         notes.append(f"files in {cfg['data_dir']} were rewritten since this run began (same names and sizes, other "
                      f"modification times: edited in place, or copied again without their times): the resume trains "
                      f"and validates on them as they are now")
+    elif not elsewhere and saved.get("changed", record["changed"]) != record["changed"]:
+        notes.append(f"files in {cfg['data_dir']} were changed since this run began (same names, sizes and "
+                     f"modification times, but renamed, swapped, edited with their times put back, or their "
+                     f"permissions changed): the resume trains and validates on them as they are now")
     elif holds and saved.get("folder"):
         # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
         notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "

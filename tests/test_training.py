@@ -434,6 +434,29 @@ def test_resume_after_an_edit_that_keeps_the_file_size_gets_a_note(make_cfg, tmp
     assert "other file sizes" not in out
 
 
+def test_resume_after_two_masks_of_one_size_swapped_names_gets_a_note(make_cfg, capsys):
+    """Uncompressed masks of one size written in one second, two of them swapped by name: the same names, sizes
+    and modification times, two images trained against each other's masks, and the resume said nothing."""
+    data = Path(make_cfg()["data_dir"])
+    for png in sorted((data / "masks").iterdir()):  # uncompressed: every mask one size
+        cv2.imwrite(str(png.with_suffix(".bmp")), cv2.imread(str(png), cv2.IMREAD_GRAYSCALE))
+        png.unlink()
+    train(make_cfg(epochs=1))
+    first, second = sorted((data / "masks").iterdir())[:2]
+    times = [(p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in (first, second)]
+    first.rename(first.with_name("swap"))
+    second.rename(first)
+    first.with_name("swap").rename(second)
+    for path, (atime, mtime) in zip((second, first), times):  # the times as they were: each name's own
+        os.utime(path, ns=(atime, mtime))
+    capsys.readouterr()
+    assert first.stat().st_size == second.stat().st_size
+    assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2
+    out = capsys.readouterr().out
+    assert "were changed since this run began (same names, sizes and modification times, but renamed" in out
+    assert "other file sizes" not in out and "were rewritten" not in out
+
+
 def test_resume_of_a_data_set_moved_and_then_edited_goes_on_with_a_note(make_cfg, data_dir, tmp_path, capsys):
     """A data folder moved and a label fixed in it: the refusal said to give data_dir= the folder it was moved
     from, which no longer existed (the same edit unmoved was a note). Images added after the move stay refused,
