@@ -8523,6 +8523,11 @@ def note_checkpoint_settings(cfg, opts, tiling, given=()):
         print(f"note: batch_size ignored: {opts['checkpoint']} was trained with data_mode=patch (each image through "
               f"a sliding window): tile_batch_size= sets the tiles per forward, "
               f"{tiling.get('tile_batch_size', cfg['tile_batch_size'])} here")
+    overlap = tiling.get("tile_overlap", cfg["tile_overlap"])
+    if cfg["data_mode"] == "patch" and overlap != cfg["tile_overlap"]:  # the val IoU scored the run's seams
+        print(f"note: {opts['checkpoint']} was validated with tile_overlap={cfg['tile_overlap']:g}; predict blends "
+              f"tiles at {overlap:g}: leave tile_overlap out for the masks its validation IoU describes (the seams "
+              f"move a few pixels)")
     validated = cfg["tta"]  # None: an export from before its sidecar kept the validated tta; nothing to say
     if validated not in (None, "none") and opts["tta"] != validated:
         print(f"note: {opts['checkpoint']} was validated with tta={validated} (the average of "

@@ -298,7 +298,12 @@ def test_predict_can_override_the_tiling_and_refuses_impossible_values(make_cfg,
     base = {"checkpoint": str(tmp_path / "ckpt" / "last.pt"), "input": str(scenes / "images" / "scene_0.png"),
             "output": str(tmp_path / "p"), "use_amp": False, "progress": False, "device": "cpu"}
     assert train_unet.predict({**base, "tile_overlap": 0.5, "tile_batch_size": 2})["predicted"] == 1
-    assert "overlap 0.5, 2 tile(s) per forward" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "overlap 0.5, 2 tile(s) per forward" in out
+    # the val IoU scored the run's seams (0.25): said, as another tta is (user test)
+    assert "was validated with tile_overlap=0.25; predict blends tiles at 0.5: leave tile_overlap out" in out
+    train_unet.predict({**base, "tile_batch_size": 2})
+    assert "was validated with tile_overlap" not in capsys.readouterr().out
     with pytest.raises(UserError, match=r"tile_overlap=0.95 must be in \[0, 0.9\]"):
         train_unet.predict({**base, "tile_overlap": 0.95})
 
