@@ -8447,7 +8447,7 @@ def predict_into_output(opts):
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    writer = MaskWriter(cfg["num_classes"], opts["overlay"])
+    writer = MaskWriter(cfg["num_classes"], opts["overlay"], earlier=moved is not None)
     with earlier_masks_back_if_none_written(moved, out_dir, writer), writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
         for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
@@ -8779,8 +8779,9 @@ class MaskWriter:
     failed write stops predict with save_prediction's one-line error at the next write or at the end;
     the masks written before it stay. At most MAX_PENDING_MASKS wait, so memory stays bounded."""
 
-    def __init__(self, num_classes, overlay):
+    def __init__(self, num_classes, overlay, earlier=False):
         self.num_classes, self.overlay, self.written, self.pending, self.failed = num_classes, overlay, 0, [], False
+        self.earlier = earlier  # earlier masks moved aside: put back over the first mask if its overlay fails
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
         self.waited = 0.0  # seconds the caller waited for writes to finish (predict's summary)
 
@@ -8827,10 +8828,14 @@ class MaskWriter:
         self.written += 1
 
     def save_overlay(self, mask_path, overlay_path, image, mask):
-        """The overlay, after its mask: a failed write's error also names that mask, which stands."""
+        """The overlay, after its mask: a failed write's error also names that mask, which stands, but for the
+        first image where earlier masks were moved aside: they are put back over it (its error said 'this
+        image's mask ... kept' below 'the earlier masks are back')."""
         try:
             save_prediction(overlay_path, overlay_image(image, mask), self.written)
         except UserError as exc:
+            if self.written == 0 and self.earlier:
+                raise
             raise UserError(f"{exc}, and this image's mask {mask_path}") from None
 
     def wait(self):

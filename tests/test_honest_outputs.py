@@ -483,6 +483,22 @@ def test_a_full_disk_keeps_what_was_written_and_counts_honestly(checkpoint, data
         assert cv2.imread(str(path), cv2.IMREAD_UNCHANGED).shape == (64, 64)
 
 
+def test_an_overlay_that_fails_first_says_no_mask_stands_where_the_earlier_ones_are_put_back(checkpoint, data_dir,
+                                                                                            tmp_path, monkeypatch):
+    """A rerun whose first overlay failed put the earlier masks back over the new first mask, and its error
+    said 'this image's mask ... [kept]' below 'the earlier masks are back' (user test)."""
+    out = tmp_path / "pred"
+    run_predict(checkpoint, data_dir, out, overlay=True)
+    before = (out / "shape_0000.png").read_bytes()
+    failing_replace(monkeypatch, 2)  # the earlier folder moved aside, then the new mask; its overlay fails
+    with pytest.raises(UserError, match="free disk space") as err:
+        run_predict(checkpoint, data_dir, out, overlay=True)
+    monkeypatch.undo()
+    assert f"cannot write {out / 'shape_0000_overlay.png'}" in str(err.value)
+    assert "this image's mask" not in str(err.value) and "the 0 image(s) predicted before it" in str(err.value)
+    assert (out / "shape_0000.png").read_bytes() == before
+
+
 def failing_mask_writes(monkeypatch):
     """A full disk for predict's new files (write_png's temporary file renamed into place); moves of whole
     files, which need no room, still work."""
