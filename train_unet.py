@@ -8448,7 +8448,7 @@ def predict_into_output(opts):
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
     writer = MaskWriter(cfg["num_classes"], opts["overlay"], earlier=moved is not None)
-    with earlier_masks_back_if_none_written(moved, out_dir, writer), writer:
+    with earlier_masks_back_if_none_written(moved, out_dir, writer, len(paths)), writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
         for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
                                                    writer, waits):
@@ -9541,18 +9541,23 @@ def archive_earlier_predictions(paths, out_dir, overlay=False):
 
 
 @contextlib.contextmanager
-def earlier_masks_back_if_none_written(moved, out_dir, writer):
+def earlier_masks_back_if_none_written(moved, out_dir, writer, total=0):
     """A predict that fails, is stopped or ends before its first mask is written (a full disk, Ctrl-C, a model
     that cannot take the images, every image unreadable) puts the earlier masks it moved to `moved`
     (previous/<time>/) back: the folder is as it was found. Each retry on a full disk had moved them one folder
     further and written
     nothing, until the output folder held only previous/. Once a mask is written, the moved ones stay there
-    (a mask never stands beside an older run's masks of the same images)."""
+    (a mask never stands beside an older run's masks of the same images); a stop then says how many of the
+    `total` were written and where the others' earlier masks are (24 of 240 written, 216 earlier masks in
+    previous/, unsaid)."""
     try:
         yield
-    except BaseException:
+    except BaseException as exc:
         if moved is not None and writer.written == 0:
             put_back_predictions(moved, out_dir)
+        elif isinstance(exc, KeyboardInterrupt) and total:
+            raise KeyboardInterrupt(f"{INTERRUPTED['predict']}; {writer.written} of {total} image(s) written"
+                                    + (f"; the earlier masks of the others are in {moved}/" if moved else "")) from None
         raise
     if moved is not None and writer.written == 0:  # every image failed (each named): none replaced them
         put_back_predictions(moved, out_dir)

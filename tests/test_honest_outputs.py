@@ -499,6 +499,29 @@ def test_an_overlay_that_fails_first_says_no_mask_stands_where_the_earlier_ones_
     assert (out / "shape_0000.png").read_bytes() == before
 
 
+def test_a_predict_stopped_partway_says_how_many_it_wrote_and_where_the_others_are(checkpoint, data_dir, tmp_path,
+                                                                                     monkeypatch):
+    """Ctrl-C in a rerun after 2 masks: the earlier masks of every image were in previous/, and the stop said
+    only 'the masks written so far are complete' (24 of 240 written, 216 earlier masks moved, unsaid)."""
+    out = tmp_path / "pred"
+    run_predict(checkpoint, data_dir, out)
+    total = len(list((data_dir / "images").iterdir()))
+    real, calls = train_unet.masks_within_memory, []
+
+    def stopped_at_the_second_batch(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(train_unet, "masks_within_memory", stopped_at_the_second_batch)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        run_predict(checkpoint, data_dir, out)
+    moved = next((out / "previous").iterdir())
+    assert str(stop.value) == (f"the masks written so far are complete; no partial file is left; 2 of {total} "
+                               f"image(s) written; the earlier masks of the others are in {moved}/")
+    assert len(list(out.glob("*.png"))) == 2
+
+
 def failing_mask_writes(monkeypatch):
     """A full disk for predict's new files (write_png's temporary file renamed into place); moves of whole
     files, which need no room, still work."""
