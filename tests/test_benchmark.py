@@ -718,6 +718,7 @@ def test_benchmark_keys_the_rows_cannot_compare_under_are_refused_or_pinned(tmp_
     no_bf16 = dataclasses.replace(train_unet.detect_hardware("cpu"), bf16=False)
     train_unet.check_doubled_batch(["bf16_2x"], base, pairs, no_bf16)  # a probe times random batches: no check
     monkeypatch.setattr(train_unet, "probe_instead", lambda *args: False)  # trained, as where bf16 is native
+    monkeypatch.setattr(train_unet, "skip_reason", lambda *args: None)
     with pytest.raises(train_unet.UserError, match=r"^bf16_2x trains at twice batch_size=6, 12, more than the "
                                                    r"training set's 8 image\(s\): give batch_size=4 or less, or leave "
                                                    r"bf16_2x out$"):
