@@ -603,7 +603,8 @@ def set_up_training(cfg, explicit):
     # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
     train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
-    notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state)]
+    notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state),
+              unused_amp_dtype(cfg, explicit)]
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
@@ -712,6 +713,15 @@ def unused_val_fraction(cfg, explicit):
     if not (given and split_folders(root)):
         return None
     return f"val_fraction={cfg['val_fraction']:g} not used: {root} has train/ and val/ folders, which are the split"
+
+
+def unused_amp_dtype(cfg, explicit):
+    """A note where amp_dtype was given (typed, or changed in CONFIG) with use_amp=False, which reads none of it:
+    use_amp=False amp_dtype=bfloat16 trained in fp32, unsaid; else None."""
+    given = "amp_dtype" in explicit or cfg["amp_dtype"] != CONFIG["amp_dtype"]
+    if cfg["use_amp"] or not given or cfg["amp_dtype"] == "auto":
+        return None
+    return f"amp_dtype={cfg['amp_dtype']} not used: use_amp=False runs in fp32 (give use_amp=True for {cfg['amp_dtype']})"
 
 
 # The keys of patch mode alone (data_mode="patch": its patches and its sliding window); fit mode reads none.

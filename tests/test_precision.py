@@ -237,3 +237,15 @@ def test_setup_precision_reports_the_fallback(make_cfg, monkeypatch):
     assert prec.dtype != torch.float16
     _, prec, _, _ = train_unet.effective_config(cfg, hw, prec, None, 10, notes)  # noted once the probe settled it
     assert prec.warning and prec.warning in notes
+
+
+def test_an_amp_dtype_given_with_use_amp_false_is_noted_as_unused(make_cfg, capsys):
+    """use_amp=False amp_dtype=bfloat16 trained in fp32 with no word of the amp_dtype (predict notes the keys
+    a backend ignores; training said nothing)."""
+    cfg = make_cfg(use_amp=False, amp_dtype="bfloat16")
+    assert train_unet.unused_amp_dtype(cfg, {"amp_dtype"}) == (
+        "amp_dtype=bfloat16 not used: use_amp=False runs in fp32 (give use_amp=True for bfloat16)")
+    assert train_unet.unused_amp_dtype(make_cfg(use_amp=False), set()) is None  # auto: nothing given
+    assert train_unet.unused_amp_dtype(make_cfg(use_amp=True, amp_dtype="bfloat16"), {"amp_dtype"}) is None
+    train_unet.train(cfg)
+    assert "amp_dtype=bfloat16 not used: use_amp=False runs in fp32" in capsys.readouterr().out
