@@ -9285,8 +9285,10 @@ def overlay_image(image, mask, alpha=0.45):
     return cv2.cvtColor(overlay, cv2.COLOR_RGB2BGR, dst=overlay)
 
 
+# Background, then one colour a class: 12 apart (class 7 was drawn in class 1's colour with 6), repeating after
 OVERLAY_PALETTE = np.array([[0, 0, 0], [255, 60, 60], [60, 200, 60], [60, 90, 255], [240, 200, 40],
-                            [200, 60, 220], [40, 210, 220]], np.float32)
+                            [200, 60, 220], [40, 210, 220], [255, 140, 0], [140, 80, 20], [255, 120, 190],
+                            [130, 130, 0], [0, 128, 128], [170, 170, 255]], np.float32)
 
 
 def tinted(image, mask, alpha):

@@ -316,7 +316,7 @@ def test_masks_of_large_logits_are_made_in_bands_equal_to_the_whole_image_rule(c
 def test_overlays_are_made_in_bands_equal_to_the_whole_image_blend(gray, monkeypatch):
     rng = np.random.default_rng(2)
     image = rng.integers(0, 256, (70, 40) if gray else (70, 40, 3), dtype=np.uint8)
-    mask = rng.integers(0, 9, (70, 40), dtype=np.uint8)  # more classes than colours: the palette wraps
+    mask = rng.integers(0, 16, (70, 40), dtype=np.uint8)  # more classes than colours: the palette wraps
     rgb = np.repeat(image[..., None], 3, axis=2) if gray else image
     palette = train_unet.OVERLAY_PALETTE
     colour = palette[1:][(mask.astype(np.int64) - 1) % (len(palette) - 1)]
@@ -325,6 +325,13 @@ def test_overlays_are_made_in_bands_equal_to_the_whole_image_blend(gray, monkeyp
     assert np.array_equal(train_unet.overlay_image(image, mask), whole)
     monkeypatch.setattr(train_unet, "SCORE_BAND_PIXELS", 40 * 16)
     assert np.array_equal(train_unet.overlay_image(image, mask), whole)
+
+
+def test_the_first_twelve_classes_are_drawn_in_twelve_colours():
+    """Six colours: class 7 was drawn in class 1's, class 8 in class 2's (user test)."""
+    mask = np.arange(1, 13, dtype=np.uint8)[None]
+    drawn = train_unet.overlay_image(np.zeros((1, 12, 3), np.uint8), mask)[0]
+    assert len({tuple(pixel) for pixel in drawn}) == 12
 
 
 def test_the_memory_tool_reports_both_mask_rules_above_the_lower_bound(tmp_path):
