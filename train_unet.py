@@ -721,7 +721,8 @@ def unused_amp_dtype(cfg, explicit):
     given = "amp_dtype" in explicit or cfg["amp_dtype"] != CONFIG["amp_dtype"]
     if cfg["use_amp"] or not given or cfg["amp_dtype"] == "auto":
         return None
-    return f"amp_dtype={cfg['amp_dtype']} not used: use_amp=False runs in fp32 (give use_amp=True for {cfg['amp_dtype']})"
+    return (f"amp_dtype={cfg['amp_dtype']} not used: use_amp=False runs in fp32 (give use_amp=True for "
+            f"{cfg['amp_dtype']})")
 
 
 # The keys of patch mode alone (data_mode="patch": its patches and its sliding window); fit mode reads none.
@@ -5209,29 +5210,29 @@ def val_outside_learnt(val_pairs, cfg, found):
     the training images (a bit depth or an instrument the training images lack): they reach the model outside
     0-1, and the val IoU that picks best.pt scores them so, unsaid, while predict's note named such images.
     Else None."""
-    (low, high), (out, ranged) = found, images_outside(val_pairs, cfg, found)
-    if not out:
-        return None
-    (name, (least, most)), scale = out[0], lambda v: (v - low) / (high - low)  # noqa: E731 - scale_image's map
-    return (f"{len(out)} of {ranged} validation image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of "
-            f"their pixels outside intensity_range={low:g},{high:g}, learnt from the training images (e.g. {name}, "
-            f"whose values span {least}-{most}): they reach the model outside 0-1 (there {scale(least):.3g} to "
-            f"{scale(most):.3g}), and the val IoU that picks best.pt scores them so; if their bit depth or instrument "
-            f"differs, put such images in training too, or give intensity_range= a range that holds both")
+    said = outside_range_words(val_pairs, cfg, found, "validation image(s)", "learnt from the training images")
+    return said and (f"{said}, and the val IoU that picks best.pt scores them so; if their bit depth or instrument "
+                     f"differs, put such images in training too, or give intensity_range= a range that holds both")
 
 
 def resumed_range_note(train_pairs, val_pairs, cfg, saved):
     """A resumed run's note where its images now have over OUTSIDE_RANGE_SHARE of their pixels outside the range
     it keeps (the data edited since: 16 times brighter, it trained on at up to 16, val loss 1.25 -> 4.49, with
     only 'files changed'), else None."""
-    (low, high), (out, ranged) = saved, images_outside([*train_pairs, *val_pairs], cfg, saved)
+    said = outside_range_words([*train_pairs, *val_pairs], cfg, saved, "image(s)", "the run's, which a resume keeps")
+    return said and f"{said}; if the data changed since the run began, start a new run in another checkpoint_dir"
+
+
+def outside_range_words(pairs, cfg, given, which, whose):
+    """'N of M <which> wider than 8 bits have over 1% of their pixels outside intensity_range=low,high, <whose>
+    (e.g. ...): they reach the model outside 0-1 (there ...)', or None where no image is outside."""
+    (low, high), (out, ranged) = given, images_outside(pairs, cfg, given)
     if not out:
         return None
     (name, (least, most)), scale = out[0], lambda v: (v - low) / (high - low)  # noqa: E731 - scale_image's map
-    return (f"{len(out)} of {ranged} image(s) wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of their pixels "
-            f"outside intensity_range={low:g},{high:g}, the run's, which a resume keeps (e.g. {name}, whose values "
-            f"span {least}-{most}): they reach the model outside 0-1 (there {scale(least):.3g} to {scale(most):.3g}); "
-            f"if the data changed since the run began, start a new run in another checkpoint_dir")
+    return (f"{len(out)} of {ranged} {which} wider than 8 bits have over {OUTSIDE_RANGE_SHARE:.0%} of their pixels "
+            f"outside intensity_range={low:g},{high:g}, {whose} (e.g. {name}, whose values span {least}-{most}): "
+            f"they reach the model outside 0-1 (there {scale(least):.3g} to {scale(most):.3g})")
 
 
 def images_outside(pairs, cfg, given):
