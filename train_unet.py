@@ -387,19 +387,19 @@ def train_main(cfg, explicit=()):
             # the run is over: torch's handler would report the other loader's stopped workers as they are
             # shut down at exit ("Exception ignored in ... RuntimeError: DataLoader worker ... Terminated")
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        raise KeyboardInterrupt(interrupted_run_words(cfg, started)) from None
+        raise KeyboardInterrupt(interrupted_run_words(cfg, started, explicit)) from None
     finally:
         cleanup_distributed()
 
 
-def interrupted_run_words(cfg, started):
+def interrupted_run_words(cfg, started, explicit=()):
     """The line a run stopped by Ctrl-C (or SIGTERM) ends with. Its last.pt is the run's own where it resumed
     or wrote it since `started`; one older in a fresh run's folder is the earlier run's, not yet moved to
     previous/ (set-up stopped first), which resume=True with this run's settings would refuse."""
     folder = Path(cfg["checkpoint_dir"])
     last = folder / "last.pt"
     if last.is_file() and (cfg["resume"] or last.stat().st_mtime >= started - 1):
-        return INTERRUPTED["train"].replace("resume=True", resume_words(cfg))
+        return INTERRUPTED["train"].replace("resume=True", resume_words(cfg, explicit))
     if last.is_file():
         return INTERRUPTED["train, in set-up"].format(folder=folder)
     moved = archived_since(folder, started)
@@ -407,12 +407,14 @@ def interrupted_run_words(cfg, started):
         f"; the earlier run is in {moved}/ (move its files back to resume it)" if moved else "")
 
 
-def resume_words(cfg):
+def resume_words(cfg, explicit=()):
     """What continues a stopped run: resume=True, with its preset (a resume without it was refused: the
     preset's keys differ) and its epochs where they are not CONFIG's (left out on resume, epochs is CONFIG's,
-    which would extend or shorten the run: a note, easily missed)."""
+    which would extend or shorten the run: a note, easily missed), or were typed over the preset's
+    (preset=debug epochs=10: 'resume=True preset=debug' would end the run at debug's 2). `cfg`: as given."""
+    typed = cfg.get("preset") and "epochs" in explicit
     return ("resume=True" + (f" preset={cfg['preset']}" if cfg.get("preset") else "")
-            + (f" epochs={cfg['epochs']}" if cfg["epochs"] != CONFIG["epochs"] else ""))
+            + (f" epochs={cfg['epochs']}" if cfg["epochs"] != CONFIG["epochs"] or typed else ""))
 
 
 @contextlib.contextmanager
@@ -566,7 +568,7 @@ def train(cfg, explicit=()):
     except KeyboardInterrupt as exc:  # a notebook's interrupt says what the command line's says
         if exc.args:
             raise
-        raise KeyboardInterrupt(interrupted_run_words(cfg, started)) from None
+        raise KeyboardInterrupt(interrupted_run_words(cfg, started, explicit)) from None
 
 
 def train_checked(cfg, explicit):
@@ -604,7 +606,7 @@ def set_up_training(cfg, explicit):
     train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
     notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state),
-              unused_amp_dtype(cfg, explicit)]
+              unused_amp_dtype(cfg, explicit) if state is None else None]  # a resume puts the run's back
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
@@ -889,8 +891,10 @@ def refuse_early_stopped(state, cfg, path):
     if patience is None or waited < patience:
         return
     saved = state["config"].get("early_stopping_patience", CONFIG["early_stopping_patience"])
+    finished = state["epoch"] >= state["config"].get("epochs", state["epoch"])  # never stopped at its last epoch
     what = f"stopped early after epoch {state['epoch']}: its val IoU had not improved for {waited} epoch(s)" \
-        if saved is not None and waited >= saved else \
+        if saved is not None and waited >= saved and not finished else \
+        f"ended its {state['epoch']} epochs without a better val IoU for {waited} epoch(s)" if finished else \
         f"has not improved its val IoU for {waited} epoch(s) (it trained with early_stopping_patience={saved})"
     raise UserError(f"{path} {what}, and early_stopping_patience={patience}: raise it to go on (e.g. "
                     f"early_stopping_patience={waited + 3}), or set it to None to train every epoch")
@@ -976,8 +980,9 @@ def same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes):
                      f"and validates on them as they are now")
     elif not elsewhere and saved.get("changed", record["changed"]) != record["changed"]:
         notes.append(f"files in {cfg['data_dir']} were changed since this run began (same names, sizes and "
-                     f"modification times, but renamed, swapped, edited with their times put back, or their "
-                     f"permissions changed): the resume trains and validates on them as they are now")
+                     f"modification times, other status-change times: renamed, swapped, edited with their times put "
+                     f"back, copied again with their times kept (cp -a, rsync -a, tar) or their permissions changed): "
+                     f"the resume trains and validates on them as they are now")
     elif holds and saved.get("folder"):
         # names and sizes alike (uncompressed BMPs and TIFFs of one size are all one size): a copy, or not
         notes.append(f"this run began on {saved['folder']}, which still holds its data; it goes on with "
@@ -1051,7 +1056,7 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
                         f"has {cfg['intensity_range']!r}: resume with intensity_range=None (the run's), or "
                         f"start a new run in another checkpoint_dir")
     if saved is not None and notes is not None:
-        notes.append(resumed_range_note(train_pairs, val_pairs, cfg, saved))
+        notes.append(resumed_range_note(train_pairs, val_pairs, cfg, state))
     return saved
 
 
@@ -2202,7 +2207,8 @@ def split_argument_hint(args, i, known=None):
     known = known if known is not None else (*CONFIG, *PREDICT_CONFIG, *EXPORT_CONFIG, *BENCHMARK_CONFIG)
     arg, following = args[i], args[i + 1:i + 3]
     key = normalize_key(arg)
-    if key in known and KEY_TYPES.get(key) is bool and (not following or "=" in following[0].lstrip("=")):
+    if key in known and KEY_TYPES.get(key) is bool and (not following or "=" in following[0].lstrip("=")
+                                                         or following[0].startswith("-")):
         # '--overlay use_amp=False', or 'overlay' last: a switch given alone ('write overlay=use_amp=False')
         return f": write {key}=True (every key takes a value: key=value)"
     if key in known and following:
@@ -4389,7 +4395,7 @@ def read_mask(path, num_classes):
     check_mask_values(path, values, num_classes, mask.dtype)
     if num_classes > 1 and values == {0, IGNORE_INDEX}:  # one file cannot tell; training refuses such a data set
         print(f"note: mask {path} holds only 0 and {IGNORE_INDEX}: with num_classes={num_classes}, {IGNORE_INDEX} is "
-              f"void (not scored), so its foreground counts for nothing; a binary mask? read it with num_classes=1",
+              f"void (not scored); if it is a binary mask (its foreground 255), read it with num_classes=1",
               flush=True)
     return mask_to_classes(mask, num_classes, path)
 
@@ -5215,10 +5221,15 @@ def val_outside_learnt(val_pairs, cfg, found):
                      f"differs, put such images in training too, or give intensity_range= a range that holds both")
 
 
-def resumed_range_note(train_pairs, val_pairs, cfg, saved):
-    """A resumed run's note where its images now have over OUTSIDE_RANGE_SHARE of their pixels outside the range
-    it keeps (the data edited since: 16 times brighter, it trained on at up to 16, val loss 1.25 -> 4.49, with
-    only 'files changed'), else None."""
+def resumed_range_note(train_pairs, val_pairs, cfg, state):
+    """A resumed run's note where its files changed since it began (split_record's sizes or times) and its images
+    now have over OUTSIDE_RANGE_SHARE of their pixels outside the range it keeps (edited 16 times brighter, it
+    trained on them at up to 16, val loss 1.25 -> 4.49, with only 'files changed'), else None. Data as the run
+    had it: what lies outside was said at its start (val_outside_learnt, range_leaves_out), not at each resume."""
+    record, was, saved = split_record(train_pairs, val_pairs, cfg["data_dir"]), state.get("data_split") or {}, \
+        state["config"]["intensity_range"]
+    if all(was.get(key, record[key]) == record[key] for key in ("sizes", "times")):
+        return None
     said = outside_range_words([*train_pairs, *val_pairs], cfg, saved, "image(s)", "the run's, which a resume keeps")
     return said and f"{said}; if the data changed since the run began, start a new run in another checkpoint_dir"
 
@@ -8458,7 +8469,7 @@ def predict_into_output(opts):
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    writer = MaskWriter(cfg["num_classes"], opts["overlay"], earlier=moved is not None)
+    writer = MaskWriter(cfg["num_classes"], opts["overlay"], earlier=moved)
     with earlier_masks_back_if_none_written(moved, out_dir, writer, len(paths)), writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
         for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
@@ -8790,9 +8801,9 @@ class MaskWriter:
     failed write stops predict with save_prediction's one-line error at the next write or at the end;
     the masks written before it stay. At most MAX_PENDING_MASKS wait, so memory stays bounded."""
 
-    def __init__(self, num_classes, overlay, earlier=False):
+    def __init__(self, num_classes, overlay, earlier=None):
         self.num_classes, self.overlay, self.written, self.pending, self.failed = num_classes, overlay, 0, [], False
-        self.earlier = earlier  # earlier masks moved aside: put back over the first mask if its overlay fails
+        self.earlier = earlier  # where earlier masks moved: put back over the first mask if its overlay fails
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
         self.waited = 0.0  # seconds the caller waited for writes to finish (predict's summary)
 
@@ -8845,7 +8856,7 @@ class MaskWriter:
         try:
             save_prediction(overlay_path, overlay_image(image, mask), self.written)
         except UserError as exc:
-            if self.written == 0 and self.earlier:
+            if self.written == 0 and self.earlier is not None and (Path(self.earlier) / Path(mask_path).name).exists():
                 raise
             raise UserError(f"{exc}, and this image's mask {mask_path}") from None
 
@@ -9570,7 +9581,8 @@ def earlier_masks_back_if_none_written(moved, out_dir, writer, total=0):
             put_back_predictions(moved, out_dir)
         elif isinstance(exc, KeyboardInterrupt) and total:
             raise KeyboardInterrupt(f"{INTERRUPTED['predict']}; {writer.written} of {total} image(s) written"
-                                    + (f"; the earlier masks of the others are in {moved}/" if moved else "")) from None
+                                    + (f"; the earlier masks of the others are in {moved}/"
+                                       if moved and writer.written < total else "")) from None
         raise
     if moved is not None and writer.written == 0:  # every image failed (each named): none replaced them
         put_back_predictions(moved, out_dir)
@@ -9860,9 +9872,10 @@ STRICT_FP32 = {"tf32_matmul_precision": "highest"}  # also turns cuDNN's TF32 co
 
 BENCHMARK_SETTINGS = {
     "default": {},
-    "fp32": {"use_amp": False, "channels_last": False, "compile_model": False, **STRICT_FP32},
-    "tf32": {"use_amp": False, "channels_last": False, "compile_model": False, "tf32_matmul_precision": "high"},
-    "fp32_cl": {"use_amp": False, "channels_last": True, "compile_model": False, **STRICT_FP32},
+    "fp32": {"use_amp": False, "amp_dtype": "auto", "channels_last": False, "compile_model": False, **STRICT_FP32},
+    "tf32": {"use_amp": False, "amp_dtype": "auto", "channels_last": False, "compile_model": False,
+             "tf32_matmul_precision": "high"},
+    "fp32_cl": {"use_amp": False, "amp_dtype": "auto", "channels_last": True, "compile_model": False, **STRICT_FP32},
     "bf16": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": False},
     "bf16_cl": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": True, "compile_model": False},
     "bf16_compile": {"use_amp": True, "amp_dtype": "bfloat16", "channels_last": False, "compile_model": True},
@@ -9929,7 +9942,10 @@ def benchmark_in(opts, base, train_args, names, args):
     rows = benchmark_rows(names, base, hw, opts, train_args, out_dir, result)
     atomic_write(out_dir / "benchmark.csv", lambda tmp: write_rows_csv(tmp, rows))
     print_benchmark_summary(rows, bare, hw, bare_spread, base["eval_amp"])
-    result["inference"] = inference_table(base, hw, opts, out_dir)
+    try:
+        result["inference"] = inference_table(base, hw, opts, out_dir)
+    except KeyboardInterrupt:  # its predicts' own stop line ('2 of 6 image(s) written') is not the benchmark's
+        raise KeyboardInterrupt(rows_kept_words(result["rows"])) from None
     result["complete"] = True
     write_json(out_dir / "benchmark.json", result)
     return result

@@ -775,3 +775,19 @@ def test_the_default_row_runs_the_config_as_training_would_where_its_precision_f
     assert train_unet.probe_instead("default", forced, hw)  # bf16 as forced: emulated, probed as the bf16 rows
     half = train_unet.parse_overrides(["amp_dtype=float16"])
     assert train_unet.skip_reason("default", half, hw) is None and train_unet.skip_reason("fp16", half, hw)
+
+
+def test_a_benchmark_stopped_in_its_inference_table_ends_with_its_own_line(tmp_path, monkeypatch):
+    """Ctrl-C during the inference table's in-process predict ended with predict's line ('2 of 6 image(s)
+    written'), not the benchmark's (review)."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=6, size=32)
+    monkeypatch.setattr(train_unet, "bare_loop_speedups", lambda *args: ({}, {}))
+    monkeypatch.setattr(train_unet, "benchmark_rows", lambda *args: [])
+
+    def stopped(*args):
+        raise KeyboardInterrupt("the masks written so far are complete; 2 of 6 image(s) written")
+    monkeypatch.setattr(train_unet, "inference_table", stopped)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        train_unet.run_benchmark(["configs=fp32", "image_size=32", "batch_size=2", f"data_dir={data}",
+                                  f"output={tmp_path / 'o'}"])
+    assert str(stop.value) == train_unet.INTERRUPTED["benchmark"] + "; no row had ended"

@@ -497,6 +497,16 @@ def test_an_overlay_that_fails_first_says_no_mask_stands_where_the_earlier_ones_
     assert f"cannot write {out / 'shape_0000_overlay.png'}" in str(err.value)
     assert "this image's mask" not in str(err.value) and "the 0 image(s) predicted before it" in str(err.value)
     assert (out / "shape_0000.png").read_bytes() == before
+    # earlier masks of other images only: this image's new mask stands, and the error names it (review)
+    shutil.rmtree(out)
+    train_unet.predict({"checkpoint": str(checkpoint), "input": str(data_dir / "images" / "shape_0005.png"),
+                        "output": str(out), "device": "cpu", "use_amp": False, "progress": False, "overlay": True})
+    failing_replace(monkeypatch, 2)
+    with pytest.raises(UserError, match="free disk space") as err:
+        run_predict(checkpoint, data_dir, out, overlay=True)
+    monkeypatch.undo()
+    assert str(err.value).endswith(f"and this image's mask {out / 'shape_0000.png'}")
+    assert (out / "shape_0000.png").is_file()
 
 
 def test_a_predict_stopped_partway_says_how_many_it_wrote_and_where_the_others_are(checkpoint, data_dir, tmp_path,
@@ -514,6 +524,12 @@ def test_a_predict_stopped_partway_says_how_many_it_wrote_and_where_the_others_a
             raise KeyboardInterrupt
         return real(*args)
     monkeypatch.setattr(train_unet, "masks_within_memory", stopped_at_the_second_batch)
+    write = train_unet.MaskWriter.write
+
+    def written_at_once(self, *args):  # the first batch's masks written before the stop, however slow the disk
+        write(self, *args)
+        self.wait()
+    monkeypatch.setattr(train_unet.MaskWriter, "write", written_at_once)
     with pytest.raises(KeyboardInterrupt) as stop:
         run_predict(checkpoint, data_dir, out)
     moved = next((out / "previous").iterdir())

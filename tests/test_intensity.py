@@ -435,6 +435,8 @@ def test_validation_images_outside_the_learnt_range_get_a_note_in_training(make_
     assert "(there 0 to 15." in notes[1]  # 16-bit values, scaled as 12-bit ones
     train_unet.train({**cfg, "epochs": 1})
     assert "validation image(s) wider than 8 bits" in capsys.readouterr().out  # in the banner's notes
+    train_unet.train({**cfg, "epochs": 2, "resume": True})  # nothing changed: said at the start, not again
+    assert "outside intensity_range" not in capsys.readouterr().out
 
 
 

@@ -249,3 +249,8 @@ def test_an_amp_dtype_given_with_use_amp_false_is_noted_as_unused(make_cfg, caps
     assert train_unet.unused_amp_dtype(make_cfg(use_amp=True, amp_dtype="bfloat16"), {"amp_dtype"}) is None
     train_unet.train(cfg)
     assert "amp_dtype=bfloat16 not used: use_amp=False runs in fp32" in capsys.readouterr().out
+    train_unet.train({**cfg, "epochs": 2, "resume": True})  # the run's own settings, put back: not said again
+    assert "not used" not in capsys.readouterr().out
+    base = train_unet.parse_overrides(["amp_dtype=bfloat16"])  # a benchmark's fp32 rows read no amp_dtype
+    for row in ("fp32", "tf32", "fp32_cl"):
+        assert "amp_dtype=auto" in train_unet.benchmark_overrides(row, base)

@@ -453,7 +453,8 @@ def test_resume_after_two_masks_of_one_size_swapped_names_gets_a_note(make_cfg, 
     assert first.stat().st_size == second.stat().st_size
     assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2
     out = capsys.readouterr().out
-    assert "were changed since this run began (same names, sizes and modification times, but renamed" in out
+    assert "were changed since this run began (same names, sizes and modification times, other status-change " \
+           "times: renamed, swapped" in out
     assert "other file sizes" not in out and "were rewritten" not in out
 
 
@@ -700,6 +701,19 @@ def test_resuming_a_run_that_stopped_early_is_refused_unless_the_patience_grows(
     assert [row["epoch"] for row in result["history"]] == [1, 2, 3]
 
 
+def test_a_run_that_ended_its_epochs_without_improving_is_not_said_to_have_stopped_early(make_cfg, monkeypatch):
+    """A run never stops early at its last epoch: one that ended its 3 epochs 2 epochs after its best, extended
+    with its patience of 2 kept, was refused as 'stopped early after epoch 3' (review)."""
+    rows = iter([0.5, 0.4, 0.3])
+    real = train_unet.finish_epoch
+    monkeypatch.setattr(train_unet, "finish_epoch",
+                        lambda run, row, cfg: real(run, {**row, "val_iou": next(rows)}, cfg))
+    train(make_cfg(epochs=3, early_stopping_patience=2))
+    with pytest.raises(UserError, match=r"last.pt ended its 3 epochs without a better val IoU for 2 epoch\(s\), and "
+                                        r"early_stopping_patience=2: raise it to go on"):
+        train(make_cfg(epochs=5, early_stopping_patience=2, resume=True))
+
+
 def test_a_resume_keeps_the_runs_early_stopping_patience_unless_given(make_cfg, monkeypatch, capsys):
     """A run trained with early_stopping_patience=None, stopped, resumed as its stop said (resume=True epochs=N):
     CONFIG's 5 came back, unsaid, and the resume stopped early where the uninterrupted run trained every epoch;
@@ -710,15 +724,27 @@ def test_a_resume_keeps_the_runs_early_stopping_patience_unless_given(make_cfg, 
                         lambda run, row, cfg: real(run, {**row, "val_iou": next(rows)}, cfg))
     train(make_cfg(epochs=4, early_stopping_patience=None))
     resumed = make_cfg(epochs=8, resume=True)  # early_stopping_patience left out: CONFIG's 5
+    last = Path(resumed["checkpoint_dir"]) / "last.pt"
+    stopped = train_unet.load_checkpoint(last)
+    train_unet.save_checkpoint(last.with_name("stopped.pt"), {**stopped, "config": {**stopped["config"], "epochs": 8}})
     assert resumed["early_stopping_patience"] == train_unet.CONFIG["early_stopping_patience"] == 5
+    with pytest.raises(UserError, match=r"last.pt ended its 4 epochs without a better val IoU for 3 epoch\(s\), and "
+                                        r"early_stopping_patience=2: raise it"):
+        train({**resumed, "early_stopping_patience": 2})
+    finished = last.read_bytes()
+    last.write_bytes(last.with_name("stopped.pt").read_bytes())  # a run of 8 epochs stopped after 4 (Ctrl-C)
     with pytest.raises(UserError, match=r"last.pt has not improved its val IoU for 3 epoch\(s\) \(it trained with "
                                         r"early_stopping_patience=None\), and early_stopping_patience=2: raise it"):
         train({**resumed, "early_stopping_patience": 2})
+    last.write_bytes(finished)
     capsys.readouterr()
     result = train(resumed)
     assert [row["epoch"] for row in result["history"]] == list(range(1, 9))  # not stopped after epoch 6
     assert "; early_stopping_patience=None as it trained" in capsys.readouterr().out
     assert train_unet.resume_words({**train_unet.CONFIG, "preset": "debug"}) == "resume=True preset=debug"
+    # epochs typed as CONFIG's over the preset's: named, or the resume would end the run at debug's 2 (review)
+    assert train_unet.resume_words({**train_unet.CONFIG, "preset": "debug"}, {"epochs"}) == \
+        f"resume=True preset=debug epochs={train_unet.CONFIG['epochs']}"
 
 
 def stopped_then_started_again(cfg, epoch, interrupt_at, monkeypatch, capsys):

@@ -64,6 +64,7 @@ def test_duplicate_keys_and_help(capsys):
     (["predict", "checkpoint=x", "--overlay", "use_amp=False"], "write overlay=True (every key takes a value"),
     (["predict", "checkpoint=x", "output=o", "overlay"], "write overlay=True (every key takes a value"),
     (["--resume", "epochs=3"], "write resume=True (every key takes a value"),
+    (["predict", "checkpoint=x", "--overlay", "--progress"], "write overlay=True (every key takes a value"),
 ])
 def test_a_key_and_its_value_written_apart_get_the_fix(argv, words, capsys):
     """'epochs = 2' said 'unknown command', '--epochs 2' too (though --batch-size=2 is taken), and an unquoted
