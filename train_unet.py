@@ -10026,16 +10026,11 @@ def finished_before_the_stop(name, base, out_dir):
     """(row, history) of a configuration whose run had trained all its epochs when the benchmark was stopped (a
     trained process takes seconds to exit after its 'done' line: the row was lost, benchmark.json's rows
     empty beside a complete history.csv), else None."""
-    run_dir = out_dir / name
     try:
-        with open(run_dir / "history.csv") as f:
-            history = list(csv.DictReader(f))
-        info = json.loads((run_dir / "config.json").read_text())
-    except (OSError, ValueError):
+        history, info = run_records(out_dir / name)
+    except (OSError, ValueError):  # not there, or cut short
         return None
-    if len(history) != base["epochs"]:
-        return None
-    return summarize_history(name, history, info), history
+    return (summarize_history(name, history, info), history) if len(history) == base["epochs"] else None
 
 
 def rows_kept_words(rows):
@@ -10294,10 +10289,15 @@ def run_benchmark_config(name, base, train_args, out_dir):
     if returncode != 0 or not history_path.is_file():
         tail = log_path.read_text().strip().splitlines()[-1:] or ["no output"]  # whole: the fix ends the line
         return {"config": name, "status": f"failed (exit {returncode}): {tail[0]} (log: {log_path})"}, []
-    with open(history_path) as f:
-        history = list(csv.DictReader(f))
-    info = json.loads((run_dir / "config.json").read_text())
+    history, info = run_records(run_dir)
     return summarize_history(name, history, info), history
+
+
+def run_records(run_dir):
+    """(per-epoch history, config.json's record) of a configuration trained in run_dir."""
+    with open(run_dir / "history.csv") as f:
+        history = list(csv.DictReader(f))
+    return history, json.loads((run_dir / "config.json").read_text())
 
 
 def run_child(cmd, stdout, stderr):
