@@ -607,7 +607,7 @@ def set_up_training(cfg, explicit):
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
     notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state),
               unused_amp_dtype(cfg, explicit) if state is None else None]  # a resume puts the run's back
-    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes),
+    cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes, data_split),
            "class_weights": run_class_weights(cfg, state, train_pairs, notes)}
     class_names = same_class_names(state, load_class_names(cfg), cfg)  # before anything moves
     # 4. The effective config (batch size, layout, CPU probe), and the loaders built from it.
@@ -1035,7 +1035,7 @@ def setup_precision(cfg, state=None, explicit=()):
     return cfg, hw, prec, notes
 
 
-def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
+def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None, record=None):
     """scale_image's range for this run: a resumed run's (its model learnt on that scale; None for a run
     from before ranges were learnt), else intensity_range as given, else learnt from the training images
     (with a note where one or two of them set it: range_set_by_few). With none, an image no range maps
@@ -1056,7 +1056,7 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None):
                         f"has {cfg['intensity_range']!r}: resume with intensity_range=None (the run's), or "
                         f"start a new run in another checkpoint_dir")
     if saved is not None and notes is not None:
-        notes.append(resumed_range_note(train_pairs, val_pairs, cfg, state))
+        notes.append(resumed_range_note(train_pairs, val_pairs, cfg, state, record))
     return saved
 
 
@@ -5221,13 +5221,14 @@ def val_outside_learnt(val_pairs, cfg, found):
                      f"differs, put such images in training too, or give intensity_range= a range that holds both")
 
 
-def resumed_range_note(train_pairs, val_pairs, cfg, state):
-    """A resumed run's note where its files changed since it began (split_record's sizes or times) and its images
-    now have over OUTSIDE_RANGE_SHARE of their pixels outside the range it keeps (edited 16 times brighter, it
-    trained on them at up to 16, val loss 1.25 -> 4.49, with only 'files changed'), else None. Data as the run
-    had it: what lies outside was said at its start (val_outside_learnt, range_leaves_out), not at each resume."""
-    record, was, saved = split_record(train_pairs, val_pairs, cfg["data_dir"]), state.get("data_split") or {}, \
-        state["config"]["intensity_range"]
+def resumed_range_note(train_pairs, val_pairs, cfg, state, record=None):
+    """A resumed run's note where its files changed since it began (split_record's sizes or times: `record`, the
+    one same_split_as_resumed took, else taken here) and its images now have over OUTSIDE_RANGE_SHARE of their
+    pixels outside the range it keeps (edited 16 times brighter, it trained on them at up to 16, val loss 1.25
+    -> 4.49, with only 'files changed'), else None. Data as the run had it: what lies outside was said at its
+    start (val_outside_learnt, range_leaves_out), not at each resume."""
+    record = record or split_record(train_pairs, val_pairs, cfg["data_dir"])  # a stat of every file: once
+    was, saved = state.get("data_split") or {}, state["config"]["intensity_range"]
     if all(was.get(key, record[key]) == record[key] for key in ("sizes", "times")):
         return None
     said = outside_range_words([*train_pairs, *val_pairs], cfg, saved, "image(s)", "the run's, which a resume keeps")
