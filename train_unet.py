@@ -1892,8 +1892,8 @@ def system_limit_message(exc):
         limit = raise_open_files_limit()
         return (f"too many open files{f' (the limit here is {limit}, ulimit -n)' if limit else ''}: raise it "
                 f"(ulimit -n 4096; in Docker --ulimit nofile=4096)")
-    return (f"cannot write {exc.filename or 'a file'} ({exc.strerror}): free disk space there or choose another "
-            f"folder; files are written under temporary names, so those written before are intact")
+    return (f"cannot write {exc.filename or 'a file'} ({exc.strerror}): {write_fix(exc)}; files are written under "
+            f"temporary names, so those written before are intact")
 
 
 ZIP_SLACK = 2**20  # a checkpoint's bytes past its tensors' (torch.save's zip records, the pickle): ~100 B a tensor
@@ -5663,7 +5663,30 @@ def image_cache(pairs, cfg):
               f"{size_text(free)} free in {folder}: decoding them every epoch instead (point TMPDIR at a "
               f"larger disk to cache them)")
         return None
-    return ResizedImages(cfg)
+    if (files := cache_files_short(pairs, folder)) is not None:
+        print(f"cache_images: {files}: decoding them every epoch instead (point TMPDIR at another disk to cache them)")
+        return None
+    return ResizedImages(cfg, files=2 * len(pairs))
+
+
+# Files the temporary directory must still have room for beside a cache's: the loader workers' socket files
+# (worker_files_problem), the cache's folder and lock, a write's temporary name.
+CACHE_SPARE_FILES = 64
+
+
+def cache_files_short(pairs, folder):
+    """Where the file system of `folder` cannot make a decoded copy's files (2 an image, a copy per process on
+    this machine), those the caches made before it have still to write, and CACHE_SPARE_FILES more: how many
+    it can make, in words; else None. A tmpfs's inodes, used up by the cache, left a loader worker no socket
+    file: a traceback, then training waited for ever."""
+    own, coming = 2 * len(pairs) * processes_per_node(), sum(c.files_to_come() for c in LIVE_CACHES)
+    left = files_left(folder)
+    if left is None or left >= own + coming + CACHE_SPARE_FILES:
+        return None
+    return (f"the decoded copies would make {own} files{node_share()} in {folder}"
+            + (f" beside the {coming} still to come from the other set's" if coming else "")
+            + f", whose file system can create only {left} more (its inodes; {CACHE_SPARE_FILES} kept for loader "
+              f"workers)")
 
 
 def check_patch_cache_room(pairs, sizes, cfg):
@@ -5676,6 +5699,9 @@ def check_patch_cache_room(pairs, sizes, cfg):
         raise UserError(f"patch mode decodes the training images once, into {size_text(need)}{node_share()} "
                         f"of temporary files, but {folder} has {size_text(free)} free: point TMPDIR at a "
                         f"larger disk, lower patch_scale or max_train_images")
+    if pairs and (files := cache_files_short(pairs, folder)) is not None:
+        raise UserError(f"patch mode decodes the training images once, and {files}: point TMPDIR at another "
+                        f"disk, delete files there or lower max_train_images")
 
 
 def size_text(n):
@@ -5716,11 +5742,11 @@ class ResizedImages:
     CPU time (BENCHMARKS.md "Data loading"). The result is the same to the bit: the resize draws no random
     numbers, so the augmentation that follows draws the same ones."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, files=0):
         import albumentations as A
 
         self.cfg, self.fit = cfg, A.Compose(fit_transforms(cfg["image_size"]))
-        self.decoded = DecodedImages(fix=("set cache_images=False",))
+        self.decoded = DecodedImages(fix=("set cache_images=False",), files=files)
 
     def get(self, index, pair):
         # Copied into memory: small at image_size, and the augmentation may write to its input.
@@ -5739,9 +5765,10 @@ class DecodedImages:
     it removes when the data set is collected or at exit, and the next run removes if this one was
     killed first (remove_stale_caches); the kernel's page cache keeps the busy ones in memory. Loader
     workers share the files (each written atomically), so an image is decoded about once in all.
-    `fix`: what else the user can do when the disk is full."""
+    `fix`: what else the user can do when the disk is full; `files`: how many it will write (cache_files_short).
+    """
 
-    def __init__(self, fix=()):
+    def __init__(self, fix=(), files=0):
         try:
             remove_stale_caches(tempfile.gettempdir())
             (self.folder, lock), self.fix, self.layouts = locked_cache_folder(), fix, {}
@@ -5749,6 +5776,15 @@ class DecodedImages:
             raise UserError(f"cannot make a folder for decoded images in {tempfile.gettempdir()} "
                             f"({exc.strerror or exc}): point TMPDIR at a writable folder") from None
         weakref.finalize(self, remove_folder, self.folder, os.getpid(), lock)
+        self.files = files
+        LIVE_CACHES.add(self)
+
+    def files_to_come(self):
+        """How many of its files this cache has still to write (a loader worker writes them as it decodes)."""
+        try:
+            return max(0, self.files - sum(1 for _ in os.scandir(self.folder)))
+        except OSError:
+            return 0
 
     def get(self, key, decode):
         """(image, mask) as read-only memory maps; `decode()` makes them the first time. Each file's
@@ -5777,7 +5813,7 @@ class DecodedImages:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            fixes = [*(["free disk space there", "point TMPDIR at a larger disk"] if exc.errno in FULL_DISK else
+            fixes = [*([room_fix(self.folder), "point TMPDIR at a larger disk"] if exc.errno in FULL_DISK else
                        ["check that it still exists and is writable (a temporary-file cleaner may have removed it)",
                         "point TMPDIR elsewhere"]), *self.fix]
             raise UserError(f"cannot write decoded images to {self.folder} ({exc.strerror or exc}): "
@@ -5785,6 +5821,28 @@ class DecodedImages:
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+LIVE_CACHES = weakref.WeakSet()  # this process's DecodedImages: the files they have still to write count as used
+
+
+def files_left(folder):
+    """How many more files (inodes) the file system holding `folder` lets this user make; None where it keeps
+    no such count (btrfs, ZFS and many network mounts report 0 in all) or cannot be asked (Windows). A tmpfs
+    or a volume of many small files runs out of them with gigabytes free: 'No space left on device' too."""
+    try:
+        stat = os.statvfs(folder)
+    except (AttributeError, OSError):
+        return None
+    return stat.f_favail if stat.f_files else None
+
+
+def room_fix(folder):
+    """The first fix for a full disk at `folder`: room, or, where its file system has bytes free but can make
+    no more files (its inodes are used up), files to delete: 'free disk space' sent users to the wrong fix
+    beside gigabytes free."""
+    if files_left(folder) == 0:
+        return (f"delete files there (its file system can create no more files: every inode is in use, with "
+                f"{size_text(free_bytes(folder))} free)")
+    return "free disk space there"
 
 CACHE_PREFIX = "unet_amp_decoded_"  # DecodedImages' folders in the temporary directory: + "<pid>-<random>"
 
@@ -5846,8 +5904,15 @@ def worker_count(cfg, hw):
     if shared_memory_problem():  # workers hand batches over in it (check_worker_count's note)
         return 0
     cores = cores_per_process()
+    if worker_files_problem(most_auto_workers(cores)):  # no room for their socket files (check_worker_files' note)
+        return 0
     if hw.kind == "cpu":
         return CPU_WORKERS if cores >= 2 else 0
+    return most_auto_workers(cores)
+
+
+def most_auto_workers(cores):
+    """num_workers=None's workers on a GPU: half the cores, 1 to 8 (the most it takes anywhere)."""
     return min(8, max(1, cores // 2))
 
 
@@ -5915,7 +5980,8 @@ def check_worker_count(cfg):
               f"cores with the training itself and each other, which slows an epoch; num_workers=None picks for "
               f"this machine")
     check_shared_memory(cfg)
-    workers = cfg["num_workers"] if cfg["num_workers"] is not None else min(8, max(1, cores // 2))  # auto's most
+    workers = cfg["num_workers"] if cfg["num_workers"] is not None else most_auto_workers(cores)
+    check_worker_files(cfg, workers)
     limit = raise_open_files_limit()
     if workers and limit is not None and limit < OPEN_FILES_BASE + OPEN_FILES_PER_WORKER * workers:
         raise UserError(f"the open-file limit here is {limit} (ulimit -n, its hard limit too): too few for "
@@ -5932,12 +5998,54 @@ def check_shared_memory(cfg):
     if not problem:
         return
     fix = "make /dev/shm writable (a container: --shm-size=2g, or --ipc=host)"
+    no_workers_here(cfg, f"loader workers pass batches through shared memory, which cannot be made here ({problem}): "
+                         f"{fix}, or set num_workers=0",
+                    f"shared memory cannot be made here ({problem}): images are read in the training process "
+                    f"(num_workers=0), with no loader workers to overlap it; {fix} for them")
+
+
+def no_workers_here(cfg, refusal, note):
+    """Where loader workers cannot run here: workers asked for (num_workers=N) are refused with `refusal`;
+    num_workers=None reads in the training process (worker_count), with `note` said once."""
     if cfg["num_workers"]:
-        raise UserError(f"num_workers={cfg['num_workers']}: loader workers pass batches through shared memory, which "
-                        f"cannot be made here ({problem}): {fix}, or set num_workers=0")
+        raise UserError(f"num_workers={cfg['num_workers']}: {refusal}")
     if cfg["num_workers"] is None and DIST.is_main:
-        print(f"note: shared memory cannot be made here ({problem}): images are read in the training process "
-              f"(num_workers=0), with no loader workers to overlap it; {fix} for them")
+        print(f"note: {note}")
+
+
+def check_worker_files(cfg, workers):
+    """Loader workers each make a socket file in a folder of the temporary directory: where it cannot hold
+    them (worker_files_problem), num_workers=None reads in the training process (a note), and workers asked
+    for are refused. A worker that met it had printed a traceback, and training waited for its batch for ever."""
+    problem = worker_files_problem(workers) if workers else None
+    if not problem:
+        return
+    fix = "point TMPDIR at a folder on another disk (TMPDIR=/var/tmp)"
+    no_workers_here(cfg, f"each loader worker makes a socket file in the temporary directory, and {problem}: {fix}, "
+                         f"delete files there or set num_workers=0",
+                    f"loader workers make socket files in the temporary directory, and {problem}: images are read "
+                    f"in the training process (num_workers=0); for workers, {fix} or delete files there")
+
+
+# Files a loader worker makes in the temporary directory: the socket through which it hands over its
+# batches' shared memory (multiprocessing's resource sharer), and one to spare. Each loader has its workers.
+WORKER_FILES, LOADERS = 2, 2
+
+
+def worker_files_problem(workers):
+    """Why `workers` loader workers (of each loader) could not make their socket files here, in words, or None.
+    The folder multiprocessing puts them in is made now, in this process: the workers it forks share it."""
+    import multiprocessing.util
+
+    try:
+        folder = multiprocessing.util.get_temp_dir()
+    except OSError as exc:
+        return f"no folder can be made in {tempfile.gettempdir()} ({exc.strerror or exc})"
+    left, need = files_left(folder), WORKER_FILES * LOADERS * workers * processes_per_node()
+    if left is None or left >= need:
+        return None
+    return (f"{os.path.dirname(folder)}'s file system can create only {left} more file(s) (its inodes; "
+            f"{need} wanted)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -6164,7 +6272,7 @@ class PatchDataset(SegDataset):
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
         check_patch_cache_room(pairs, sizes, cfg)
-        self.decoded, self.maps, self.foreground = DecodedImages(), {}, {}
+        self.decoded, self.maps, self.foreground = DecodedImages(files=2 * len(pairs)), {}, {}
         self.open_limit = open_images_limit()
 
     def __len__(self):
@@ -7918,7 +8026,9 @@ def save_checkpoint(path, state):
         if getattr(exc, "errno", None) == errno.EFBIG or limit is not None and tensor_bytes(state) + ZIP_SLACK >= limit:
             raise UserError(f"cannot write {path}: about {size_text(tensor_bytes(state))}, "
                             f"{file_size_limit_words()}; the files written before it are intact") from None
-        if not isinstance(exc, OSError) or exc.errno in FULL_DISK:
+        if files_left(Path(path).parent) == 0:  # bytes free, but no file can be made: not its size
+            exc = OSError(errno.ENOSPC, why, str(Path(path).parent / ".tmp"))
+        elif not isinstance(exc, OSError) or exc.errno in FULL_DISK:
             why += f": it needs about {size_text(tensor_bytes(state))}, {size_text(free_bytes(Path(path).parent))} free"
         raise UserError(f"cannot write {path} ({why}): {write_fix(exc)}; the files written before it are "
                         f"intact") from None
@@ -7945,7 +8055,8 @@ def write_fix(exc, key=None):
     other = f"choose another {key}=..." if key else "choose another folder"
     if isinstance(exc, OSError) and exc.errno not in FULL_DISK:
         return f"check that the {key + ' ' if key else ''}folder still exists and is writable, or {other}"
-    return f"free disk space there or {other}"
+    folder = os.path.dirname(exc.filename) if isinstance(exc, OSError) and isinstance(exc.filename, str) else None
+    return f"{room_fix(folder) if folder else 'free disk space there'} or {other}"
 
 
 def load_checkpoint(path, map_location="cpu", fix="give a best.pt or last.pt as training wrote it"):

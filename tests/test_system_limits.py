@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import train_unet
-from train_unet import UserError
+from train_unet import SegDataset, UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -260,3 +260,103 @@ def test_out_of_memory_advice_fits_the_run(make_cfg):
     assert "batch_size=auto" in str(train_unet.out_of_memory(gpu, make_cfg())).split(": use ")[1]
     mps = RuntimeError("MPS backend out of memory (MPS allocated: 17.5 GB, other allocations: 1.2 GB)")
     assert "ran out of GPU memory" in str(train_unet.out_of_memory(mps, make_cfg()))
+
+
+# ------------------------------------------------------------------------------------------------
+# A temporary directory whose file system can create no more files (its inodes used up)
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def files_left_here(monkeypatch):
+    """files_left_here(n): every file system here can create only n more files (bytes to spare)."""
+    return lambda n: monkeypatch.setattr(train_unet, "files_left", lambda folder: n)
+
+
+def test_workers_without_room_for_their_socket_files_are_refused_or_left_out(make_cfg, files_left_here, capsys):
+    """Each loader worker makes a socket file in the temporary directory: where none could be made, the worker's
+    batch failed in a traceback on its feeder thread, and training waited for that batch for ever."""
+    files_left_here(3)
+    with pytest.raises(UserError, match=r"^num_workers=2: each loader worker makes a socket file in the temporary "
+                                        r"directory, and .* can create only 3 more file\(s\) \(its inodes; 8 wanted\):"
+                                        r" point TMPDIR at .*, delete files there or set num_workers=0$"):
+        train_unet.train(make_cfg(num_workers=2, epochs=1))
+    result = train_unet.train(make_cfg(num_workers=None, epochs=1, checkpoint_dir=make_cfg()["checkpoint_dir"] + "2"))
+    assert len(result["history"]) == 1
+    assert "images are read in the training process (num_workers=0)" in capsys.readouterr().out
+    assert train_unet.worker_count(make_cfg(num_workers=None), train_unet.detect_hardware("cpu")) == 0
+    files_left_here(None)  # a file system that keeps no count (btrfs): nothing is checked
+    assert train_unet.worker_files_problem(8) is None
+
+
+def test_a_cache_of_more_files_than_are_left_decodes_every_epoch(make_cfg, files_left_here, capsys):
+    """The train and validation caches' files together, and files kept for the workers, must fit."""
+    cfg = make_cfg(cache_images=True)
+    train, val = train_unet.prepare_data(cfg)
+    files_left_here(2 * len(train) + train_unet.CACHE_SPARE_FILES + 2 * len(val) - 1)
+    first = SegDataset(train, cfg, train=True)
+    assert first.resized is not None and not capsys.readouterr().out
+    second = train_unet.ValidationImages(val, cfg)  # the training set's files are still to come
+    assert second.resized is None
+    said = capsys.readouterr().out
+    assert (f"the decoded copies would make {2 * len(val)} files in" in said and f"beside the {2 * len(train)} "
+            f"still to come from the other set's" in said and "decoding them every epoch instead" in said)
+    for i in range(len(first)):  # written: no longer to come
+        first[i]
+    assert train_unet.ValidationImages(val, cfg).resized is not None
+    files_left_here(10)
+    with pytest.raises(UserError, match=r"patch mode decodes the training images once, and the decoded copies "
+                                        r"would make \d+ files in .* only 10 more"):
+        train_unet.check_patch_cache_room(train, [(64, 64)] * len(train), {**cfg, "data_mode": "patch"})
+
+
+def test_a_write_where_no_file_can_be_made_says_so_beside_the_bytes_free(make_cfg, files_left_here, monkeypatch,
+                                                                         tmp_path):
+    """'No space left on device' with gigabytes free: the fix is to delete files, not to free disk space."""
+    files_left_here(0)
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x.tmp"))
+    assert train_unet.write_fix(full, "output").startswith("delete files there (its file system can create no more "
+                                                           "files: every inode is in use, with ")
+    assert "delete files there" in train_unet.system_limit_message(full)
+
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(train_unet.torch, "save", refused)
+    with pytest.raises(UserError) as info:
+        train_unet.save_checkpoint(tmp_path / "last.pt", {"w": torch.zeros(4)})
+    assert "delete files there" in str(info.value) and "it needs about" not in str(info.value)
+    files_left_here(None)
+    cfg = make_cfg(cache_images=True)
+    dataset = SegDataset(train_unet.prepare_data(cfg)[0], cfg, train=True)  # made while files were left
+    files_left_here(0)
+    monkeypatch.setattr(train_unet.np, "save", refused)
+    with pytest.raises(UserError, match=r"cannot write decoded images to .*: delete files there \(its file system "
+                                        r"can create no more files.*point TMPDIR at a larger disk or set "
+                                        r"cache_images=False$"):
+        dataset[0]
+    files_left_here(None)
+    assert train_unet.write_fix(full, "output") == "free disk space there or choose another output=..."
+
+
+@pytest.fixture
+def few_inodes(tmp_path):
+    """A real tmpfs of 100 files (inodes), where this machine lets the tests mount one (root, Linux)."""
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=100", "tmpfs",
+                                            str(folder)], capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no mount); the faked tests above cover the rules")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_training_with_workers_and_a_cache_in_a_tmpfs_of_few_inodes_ends(make_data, few_inodes, tmp_path):
+    """The user test that found it: 2 of 4 such runs printed a traceback from a worker and then waited for ever;
+    now the cache stays within the files left, and the workers have their socket files."""
+    data = make_data(count=60, size=32)
+    done = subprocess.run([sys.executable, str(ROOT / "train_unet.py"), f"data_dir={data}", "image_size=32",
+                           "batch_size=4", "epochs=1", "num_workers=2", "cache_images=True", "progress=False",
+                           "cpu_probe=False", "device=cpu", f"checkpoint_dir={tmp_path / 'ck'}"],
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "TMPDIR": str(few_inodes), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "decoding them every epoch instead" in done.stdout
+    assert (tmp_path / "ck" / "last.pt").exists()
