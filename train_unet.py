@@ -77,7 +77,7 @@ import unicodedata
 import warnings
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -8581,11 +8581,11 @@ def predict_into_output(opts):
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
-    writer = MaskWriter(cfg["num_classes"], opts["overlay"], earlier=moved)
+    writer = MaskWriter(cfg["num_classes"], opts["overlay"], earlier=moved, threads=predict_host_threads(hw))
     with earlier_masks_back_if_none_written(moved, out_dir, writer, len(paths)), writer:
         budget = MemoryBudget(available_memory(), cfg, hw)
-        for batch, unreadable in waiting_for_reads(read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look),
-                                                   writer, waits):
+        reads = read_ahead(paths, per_batch, cfg, budget, writer.wait, seen.look, writer.threads)
+        for batch, unreadable in waiting_for_reads(reads, writer, waits):
             failed = failed + unreadable
             images, inputs = [image for _, image, _ in batch], [x for _, _, x in batch]
             masks = masks_within_memory(model, [p for p, _, _ in batch], images, inputs, (cfg, prec, hw, opts))
@@ -8596,7 +8596,7 @@ def predict_into_output(opts):
     bar.close()
     seen.print()
     done, seconds = writer.written, time.perf_counter() - start
-    print_predict_summary(done, seconds, waits, failed, out_dir)
+    print_predict_summary(done, seconds, waits, failed, out_dir, writer.threads)
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir), "waited_s": waits}
 
@@ -8605,8 +8605,9 @@ def waiting_for_reads(batches, writer, waits):
     """read_ahead's batches, the seconds predict's main thread waited for each after the first (its images
     still being read and decoded) added to waits["reading"]: the first batch's reading has nothing to
     overlap with (and holds one-off costs: the first import of a decoder). A wait for the writer inside it
-    (read_ahead's settle) is the writer's own (MaskWriter.waited), not counted twice."""
-    first = True
+    (read_ahead's settle) is the writer's own (MaskWriter.waited), not counted twice. Without threads
+    (predict_host_threads) every batch's reading is counted: the model waits for each."""
+    first = writer.threads
     try:
         while True:
             start, writing = time.perf_counter(), writer.waited
@@ -8627,12 +8628,15 @@ def waiting_for_reads(batches, writer, waits):
 PREDICT_WAIT_SHARE = 0.1
 
 
-def print_predict_summary(done, seconds, waits, failed, out_dir):
-    """predict's last line (images, time, rate, folder; the waits where they count) and its failures."""
+def print_predict_summary(done, seconds, waits, failed, out_dir, threads=True):
+    """predict's last line (images, time, rate, folder; the waits where they count) and its failures. Without
+    threads (predict_host_threads) the waits are the reading and writing, done between the forwards."""
     waited = sum(waits.values()) >= PREDICT_WAIT_SHARE * seconds
+    words = (f"the model waited {waits['reading']:.2f}s for images to be read, {waits['writing']:.2f}s for masks to "
+             f"be written" if threads else f"reading took {waits['reading']:.2f}s, writing {waits['writing']:.2f}s, "
+             f"between the forwards: the model's threads use every core")
     print(f"predicted {done} image(s) in {seconds:.1f}s ({done / max(seconds, 1e-9):.1f} img/s) -> {out_dir}/"
-          + (f" (the model waited {waits['reading']:.2f}s for images to be read, {waits['writing']:.2f}s for "
-             f"masks to be written)" if waited else "") + (f"; {len(failed)} failed:" if failed else ""))
+          + (f" ({words})" if waited else "") + (f"; {len(failed)} failed:" if failed else ""))
     for path, reason in failed:
         print(f"  failed: {reason}")
 
@@ -8705,14 +8709,15 @@ def masks_within_memory(model, paths, images, inputs, run):
                         f"with a data_mode=patch checkpoint); the masks of the images before them are written") from None
 
 
-def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None, look=None):
+def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None, look=None, threads=True):
     """([(path, image, model input)], [(path, why unreadable)]) per per_batch paths, read on threads: the
     next batch's images are decoded (OpenCV, tifffile and Pillow release the GIL) while the model works
     on this one. In fit mode the threads also resize and normalise each image (fit_input), so the main
     thread only stacks the batch and feeds the model; patch mode's tiles are cut later (input None).
     With a MemoryBudget, an image that cannot fit is unreadable, with the reason, undecoded; and the next
     batch is read after this one, not beside it, where the two would not fit together: once the caller
-    has let this batch go and `settle` has returned (predict: its masks are written). look: read_image's."""
+    has let this batch go and `settle` has returned (predict: its masks are written). look: read_image's.
+    threads=False (predict_host_threads): each batch is read on the calling thread as it is taken."""
     budget = budget or MemoryBudget(None, cfg, None)
 
     def read(path):
@@ -8723,7 +8728,8 @@ def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None, look=Non
             return path, None, str(exc)
         return path, (image, fit_input(image, cfg) if cfg["data_mode"] == "fit" else None), None
 
-    with ThreadPoolExecutor(max_workers=min(per_batch, PREDICT_READERS), thread_name_prefix="unet-amp-read") as pool:
+    with (ThreadPoolExecutor(max_workers=min(per_batch, PREDICT_READERS), thread_name_prefix="unet-amp-read")
+          if threads else CallingThread()) as pool:
         batches = [paths[i:i + per_batch] for i in range(0, len(paths), per_batch)]
         current = pool.map(read, batches[0]) if batches else None
         for k, batch in enumerate(batches):
@@ -8741,6 +8747,32 @@ def read_ahead(paths, per_batch, cfg, budget=None, settle=lambda: None, look=Non
 
 
 PREDICT_READERS = 4  # threads decoding predict's next batch of images
+
+
+def predict_host_threads(hw):
+    """Whether predict reads and writes on threads beside the model: where the model leaves the host a core
+    (on a GPU; torch on fewer threads than the cores it may use). Where torch's threads take every core, a
+    reader or writer thread can only take a core from one of them, and the others wait for it at the next
+    barrier: on a 2-core Xeon with AMX, fit predict took 1.10-1.21x its forwards alone reading and writing
+    between the forwards, 1.13-1.28x on threads (BENCHMARKS.md "Predict speed")."""
+    return hw.kind != "cpu" or torch.get_num_threads() < (usable_cores() or 1)
+
+
+class CallingThread(Executor):
+    """An executor with no threads: map's jobs run as their results are taken, submit's at once, on the
+    calling thread (predict's reading and writing where predict_host_threads says no). A job's Exception
+    is its future's, as on a thread; Ctrl-C goes straight up."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - held for result(), as a pool thread holds it
+            future.set_exception(exc)
+        return future
+
+    def map(self, fn, *iterables, timeout=None, chunksize=1):
+        return map(fn, *iterables)
 
 
 class MemoryBudget:
@@ -8913,11 +8945,14 @@ class MaskWriter:
     failed write stops predict with save_prediction's one-line error at the next write or at the end;
     the masks written before it stay. At most MAX_PENDING_MASKS wait, so memory stays bounded."""
 
-    def __init__(self, num_classes, overlay, earlier=None):
+    def __init__(self, num_classes, overlay, earlier=None, threads=True):
         self.num_classes, self.overlay, self.written, self.pending, self.failed = num_classes, overlay, 0, [], False
         self.earlier = earlier  # where earlier masks moved: put back over the first mask if its overlay fails
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write")
-        self.waited = 0.0  # seconds the caller waited for writes to finish (predict's summary)
+        # threads=False (predict_host_threads): each mask is written as it is handed over, on the caller's thread
+        self.threads = threads
+        self.pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="unet-amp-write") if threads
+                     else CallingThread())
+        self.waited = 0.0  # seconds the caller waited for writes to finish, or wrote (predict's summary)
 
     def __enter__(self):
         return self
@@ -8929,15 +8964,11 @@ class MaskWriter:
             self.write(outputs[path], out_dir / prediction_names(path)[1], image, mask, ready)
 
     def write(self, path, overlay_path, image, mask, ready=None):
-        self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask, ready]))
-        while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
-            self.result()  # raises a failed write's UserError here, in predict
-
-    def result(self):
-        """The oldest pending write's result, waited for (the wait counted in `waited`)."""
-        start = time.perf_counter()
+        start = time.perf_counter()  # on threads a wait for the writer; without, the write itself
         try:
-            return self.pending.pop(0).result()
+            self.pending.append(self.pool.submit(self.save, [path, overlay_path, image, mask, ready]))
+            while self.pending and (self.pending[0].done() or len(self.pending) > MAX_PENDING_MASKS):
+                self.pending.pop(0).result()  # raises a failed write's UserError here, in predict
         finally:
             self.waited += time.perf_counter() - start
 
@@ -8973,9 +9004,13 @@ class MaskWriter:
             raise UserError(f"{exc}, and this image's mask {mask_path}") from None
 
     def wait(self):
-        """Until every mask handed over is written (a failed write raises its error here)."""
-        while self.pending:
-            self.result()
+        """Until every mask handed over is written (a failed write raises its error here; the wait counted)."""
+        start = time.perf_counter()
+        try:
+            while self.pending:
+                self.pending.pop(0).result()
+        finally:
+            self.waited += time.perf_counter() - start
 
     def __exit__(self, kind, *exc):
         try:
@@ -10831,7 +10866,8 @@ def format_inference_table(rows):
                       "-" if agree is None else f"{100 * agree:.3f}%", inference_note(r)))
     return ("Inference: the whole predict command (reading, writing) against the forward passes alone over the "
             "same batches, medians of alternating rounds; Waited: predict's main thread waiting for its reader "
-            "and writer threads\n" + markdown_table(lines))
+            "and writer threads, or, where torch's threads take every core (a CPU), reading and writing between "
+            "the forwards\n" + markdown_table(lines))
 
 
 def inference_note(row):

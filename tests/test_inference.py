@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import cv2
@@ -143,7 +144,14 @@ def test_tiles_normalised_on_the_device_add_no_sync_and_few_ops(cpu_hw, monkeypa
     assert (ops_4 - ops_1) / 3 <= (host_4 - host_1) / 3 + 6, ((ops_4 - ops_1) / 3, (host_4 - host_1) / 3)
 
 
-def test_predict_reads_the_next_batch_while_this_one_is_predicted(checkpoint_cfg, tmp_path, monkeypatch):
+@pytest.fixture
+def on_threads(monkeypatch):
+    """predict reads and writes on threads, as where the model leaves a core free (predict_host_threads): the
+    suite's torch runs on one thread, but a machine whose cores are all torch's reads between the forwards."""
+    monkeypatch.setattr(train_unet, "predict_host_threads", lambda hw: True)
+
+
+def test_predict_reads_the_next_batch_while_this_one_is_predicted(on_threads, checkpoint_cfg, tmp_path, monkeypatch):
     """The second batch's images are read (on reader threads) before the first batch's masks are done,
     and masks are written on a writer thread, in order."""
     ckpt, data = checkpoint_cfg
@@ -179,7 +187,7 @@ def test_predict_reads_the_next_batch_while_this_one_is_predicted(checkpoint_cfg
 
 
 @pytest.mark.parametrize("slow", ["reading", "writing"])
-def test_predict_says_what_its_model_waited_for(checkpoint_cfg, tmp_path, monkeypatch, capsys, slow):
+def test_predict_says_what_its_model_waited_for(on_threads, checkpoint_cfg, tmp_path, monkeypatch, capsys, slow):
     """Where the disk or decoding sets predict's pace (here a 150 ms read or write per image, one reader, two
     masks waiting at most), its last line says how long the model waited for images to be read and for
     masks to be written, and the result holds both (the benchmark's inference table shows them): the slow
@@ -216,7 +224,7 @@ def test_predicts_last_line_names_waits_only_where_they_count():
     assert waited.endswith("(the model waited 0.25s for images to be read, 0.05s for masks to be written)")
 
 
-def test_the_last_masks_writing_is_not_a_wait(checkpoint_cfg, tmp_path, monkeypatch):
+def test_the_last_masks_writing_is_not_a_wait(on_threads, checkpoint_cfg, tmp_path, monkeypatch):
     """12 masks at 100 ms each, all of them allowed to wait (MAX_PENDING_MASKS): the model never waited for
     the writer; the writing after the last forward (read_ahead's settle once counted it) is left out."""
     ckpt, data = checkpoint_cfg
@@ -227,7 +235,7 @@ def test_the_last_masks_writing_is_not_a_wait(checkpoint_cfg, tmp_path, monkeypa
     assert result["predicted"] == 12 and result["waited_s"]["writing"] < 0.3, result["waited_s"]
 
 
-def test_a_failed_predict_ends_its_reader_threads_at_once(checkpoint_cfg, tmp_path, monkeypatch):
+def test_a_failed_predict_ends_its_reader_threads_at_once(on_threads, checkpoint_cfg, tmp_path, monkeypatch):
     """A batch that cannot be predicted stops predict; the reader threads (and the images they read ahead)
     end then, not when the kept traceback goes (a notebook keeps the last one)."""
     ckpt, data = checkpoint_cfg
@@ -256,8 +264,8 @@ def test_the_inference_table_shows_predicts_waits():
     assert table.splitlines()[-1].split("|")[6].strip() == "-"  # a row from an older inference.json
 
 
-def test_fit_inputs_are_made_on_the_reader_threads_with_validations_preprocessing(checkpoint_cfg, tmp_path,
-                                                                                  monkeypatch):
+def test_fit_inputs_are_made_on_the_reader_threads_with_validations_preprocessing(on_threads, checkpoint_cfg,
+                                                                                  tmp_path, monkeypatch):
     """Fit mode: each image is resized and normalised on a reader thread (fit_input), not by the main
     thread that feeds the model; the albumentations pipeline is built once per thread, not per batch; the
     masks are predict_batch's (made on the main thread) to the bit."""
@@ -291,6 +299,73 @@ def test_fit_inputs_are_made_on_the_reader_threads_with_validations_preprocessin
     for path, mask in zip(paths, expected):
         written = train_unet.cv2.imread(str(out / f"{path.stem}.png"), train_unet.cv2.IMREAD_UNCHANGED)
         assert np.array_equal(written, train_unet.mask_to_png(mask, cfg["num_classes"]))
+
+
+def test_predict_reads_on_threads_only_where_the_model_leaves_a_core(monkeypatch):
+    """Where torch's threads take every core, a reader thread takes a core from one of them and the others
+    wait for it at the next barrier: predict reads and writes between the forwards there."""
+    cores = train_unet.usable_cores() or 1
+    monkeypatch.setattr(train_unet.torch, "get_num_threads", lambda: cores)
+    cpu = train_unet.detect_hardware("cpu")
+    assert train_unet.predict_host_threads(cpu) is False
+    assert train_unet.predict_host_threads(types.SimpleNamespace(kind="cuda")) is True  # the GPU runs the model
+    assert train_unet.predict_host_threads(types.SimpleNamespace(kind="mps")) is True
+    monkeypatch.setattr(train_unet, "usable_cores", lambda: cores + 1)  # a core torch leaves free
+    assert train_unet.predict_host_threads(cpu) is True
+
+
+@pytest.mark.parametrize("slow", [None, "reading", "writing"])
+def test_without_a_free_core_predict_reads_and_writes_between_the_forwards(checkpoint_cfg, tmp_path, monkeypatch,
+                                                                           capsys, slow):
+    """No reader or writer thread: batch k is read, predicted and its masks written before batch k + 1 is read;
+    the masks are those of the threaded run to the bit; the last line says what reading and writing took."""
+    ckpt, data = checkpoint_cfg
+    args = {"checkpoint": str(ckpt), "input": str(data / "images"), "batch_size": 4, "device": "cpu",
+            "use_amp": False, "progress": False}
+    train_unet.predict({**args, "output": str(tmp_path / "threads")})  # the suite's torch leaves a core: threads
+    events, real = [], {name: getattr(train_unet, name) for name in ("read_image", "predict_masks", "save_prediction")}
+
+    def noted(kind, name):
+        def call(*a):
+            events.append((kind, threading.current_thread().name))
+            time.sleep(0.1 if slow == {"read": "reading", "write": "writing"}.get(kind) else 0)
+            return real[name](*a)
+        return call
+    monkeypatch.setattr(train_unet, "predict_host_threads", lambda hw: False)
+    for kind, name in (("read", "read_image"), ("masks", "predict_masks"), ("write", "save_prediction")):
+        monkeypatch.setattr(train_unet, name, noted(kind, name))
+    capsys.readouterr()
+    result = train_unet.predict({**args, "output": str(tmp_path / "between")})
+    assert result["predicted"] == 12 and not result["failed"]
+    assert {name for _, name in events} == {threading.current_thread().name}
+    assert [kind for kind, _ in events] == (["read"] * 4 + ["masks"] + ["write"] * 4) * 3
+    for mask in (tmp_path / "threads").glob("*.png"):
+        assert np.array_equal(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED),
+                              cv2.imread(str(tmp_path / "between" / mask.name), cv2.IMREAD_UNCHANGED))
+    last, waits = capsys.readouterr().out.strip().splitlines()[-1], result["waited_s"]
+    if slow:  # every batch's reading counts (the model waited for each), and every mask's writing
+        assert waits[slow] >= 12 * 0.1 and waits["reading" if slow == "writing" else "writing"] < waits[slow] / 2
+        assert (f"(reading took {waits['reading']:.2f}s, writing {waits['writing']:.2f}s, between the forwards: "
+                f"the model's threads use every core)") in last
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("unet-amp-read", "unet-amp-write"))]
+
+
+def test_without_a_free_core_a_failed_write_is_predicts_one_line_error(checkpoint_cfg, tmp_path, monkeypatch):
+    ckpt, data = checkpoint_cfg
+    monkeypatch.setattr(train_unet, "predict_host_threads", lambda hw: False)
+    real_save, saved = train_unet.save_prediction, []
+
+    def save(path, image, done):
+        if len(saved) == 5:
+            raise train_unet.UserError(f"cannot write {path} (No space left on device): stand-in; the {done} "
+                                       f"image(s) predicted before it are kept")
+        saved.append(path)
+        return real_save(path, image, done)
+    monkeypatch.setattr(train_unet, "save_prediction", save)
+    with pytest.raises(train_unet.UserError, match=r"No space left on device.*the 5 image\(s\) predicted before it"):
+        train_unet.predict({"checkpoint": str(ckpt), "input": str(data / "images"), "output": str(tmp_path / "p"),
+                            "batch_size": 4, "device": "cpu", "use_amp": False, "progress": False})
+    assert sorted(p.name for p in (tmp_path / "p").glob("*.png")) == sorted(p.name for p in saved)
 
 
 @pytest.fixture
@@ -697,14 +772,14 @@ def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path,
 
     data = train_unet.generate_shapes_dataset(tmp_path / "data", count=3, size=32)
     before = sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads()
-    before = (*before, train_unet.read_ahead)
+    before = (*before, train_unet.read_ahead, train_unet.predict_host_threads)
+    settings = [(5.0, 4, 0, "threads"), (5.0, 4, 0, "between"), (0.2, 1, 2, "processes")]
     found = predict_threads.measure({**predict_threads.TOOL_CONFIG, "input": str(data / "images"), "mode": "fp32",
-                                     "batch_size": 2, "rounds": 1},
-                                    [(5.0, 4, 0, "threads"), (0.2, 1, 2, "processes")], tmp_path / "work")
-    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads(), train_unet.read_ahead) \
-        == before
+                                     "batch_size": 2, "rounds": 1}, settings, tmp_path / "work")
+    assert (sys.getswitchinterval(), train_unet.PREDICT_READERS, torch.get_num_threads(), train_unet.read_ahead,
+            train_unet.predict_host_threads) == before
     assert found["images"] == 3 and found["forward_s"] > 0
-    assert [r[:4] for r in found["rows"]] == [(5.0, 4, 0, "threads"), (0.2, 1, 2, "processes")]
+    assert [r[:4] for r in found["rows"]] == settings
     lines = predict_threads.report(found).splitlines()
     assert lines[0].startswith("fp32, 3 images, 1 alternating rounds") and "| 0.2 ms " in lines[-1]
     assert "(its own)" in lines[-2] and "| 2 " in lines[-1] and "| processes |" in lines[-1]
@@ -713,7 +788,8 @@ def test_the_predict_threads_tool_times_each_setting_and_restores_them(tmp_path,
     assert predict_threads.main([f"input={data / 'images'}", "readers=two"]) == 2
     assert "give comma-separated numbers, e.g. switch_ms=5,0.2 readers=4,1" in capsys.readouterr().err
     assert predict_threads.main(["rounds=0"]) == 2 and "rounds=0 must be 1 or more" in capsys.readouterr().err
-    assert predict_threads.main(["read_in=forks"]) == 2 and "give threads or processes" in capsys.readouterr().err
+    assert predict_threads.main(["read_in=forks"]) == 2
+    assert "give threads, between, processes" in capsys.readouterr().err
 
 
 def test_predict_reading_in_processes_writes_the_same_masks(tmp_path):

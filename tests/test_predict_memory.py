@@ -105,6 +105,7 @@ def test_the_next_large_image_is_read_beside_this_one_only_where_both_fit(room, 
         seen.append(list(read))
         return predicting(model, image, *args)
     monkeypatch.setattr(train_unet, "predict_logits", slow_predict)
+    monkeypatch.setattr(train_unet, "predict_host_threads", lambda hw: True)  # reads ahead (a core to spare)
 
     result = train_unet.predict({**predict_opts(patch, inp, tmp_path / "out"), "overlay": True})
 

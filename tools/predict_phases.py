@@ -7,8 +7,9 @@ Per image, medians of `rounds` passes after an untimed one, in milliseconds and 
 forward: reading (read_image), preprocessing (fit_input), stacking the batch, the forward, the masks
 (cropped, resized back, thresholded: fit_masks, as predict_masks), the copy to the host and to numpy, PNG encoding, and
 write_png into a new file and over the file a previous pass wrote (on ext4 the second also deletes the
-old file). Predict runs the reading and writing on threads beside the forward; with every core in the
-forward, the sum of the host steps is about what they add (BENCHMARKS.md "Predict speed").
+old file). Predict runs the reading and writing on threads beside the forward where the model leaves a core
+free, and between the forwards where torch's threads take every core; there the sum of the host steps is
+about what they add (BENCHMARKS.md "Predict speed").
 Keys: input (a folder of images; default: the embedded shapes set), checkpoint (default: a fresh
 resnet18, CONFIG's), mode (fp32, fp32_cl, bf16, bf16_cl; default: bf16_cl where bf16 is native, else
 fp32), rounds, batch_size, device (cpu, or cuda: there each device step is timed to its end, with a

@@ -1,5 +1,6 @@
 """Where fit-mode predict's main thread spends its time while predict runs as it does (reader and writer
-threads beside it), against the forwards alone over the same batches.
+threads beside it, or, where torch's threads take every core, reading and writing between the forwards),
+against the forwards alone over the same batches.
 
     python tools/predict_profile.py                                  # 200 shapes images, bf16_cl (else fp32)
     python tools/predict_profile.py input=data/cells/images mode=fp32 device=cuda top=15

@@ -4,6 +4,7 @@ of reader threads and torch's own threads, side by side in one process, alternat
     python tools/predict_threads.py                                   # 200 shapes images, bf16_cl (else fp32)
     python tools/predict_threads.py device=cuda switch_ms=5 readers=4,1 torch_threads=0,1 rounds=3
     python tools/predict_threads.py device=cuda switch_ms=5 readers=4 read_in=threads,processes
+    python tools/predict_threads.py switch_ms=5 readers=4 read_in=threads,between rounds=9   # a CPU
 
 Why: on an H100 (BENCHMARKS.md "GPU: H100") fit predict took 5-8x its forwards alone. predict's main
 thread launches the model's kernels and needs the GIL for each op; its reader threads (read_image,
@@ -16,11 +17,13 @@ read_in=processes reads in that many forked processes instead (ReaderProcesses; 
 fit_input's Python work then runs under their own GILs, and predict's process only sends each path and
 unpickles what comes back (on the executor's threads). An experiment, not how predict runs: the question
 for a GPU host. The processes start before the timed rounds (a product would start them once a run).
+read_in=between reads and writes on predict's own thread, between the forwards, as predict does where
+torch's threads take every core (predict_host_threads); read_in=threads keeps the threads there too.
 Each setting's predict writes into a fresh folder; one predict before the rounds is untimed.
 Keys: input (a folder of images; default: 200 of the embedded shapes set), checkpoint (default: a fresh
 resnet18, CONFIG's), mode (fp32, fp32_cl, bf16, bf16_cl; default: bf16_cl where bf16 is native, else fp32),
 batch_size, device (cpu, cuda), rounds, and comma-separated values to try: switch_ms, readers, torch_threads
-(0: torch's own count, as predict runs), read_in (threads, processes).
+(0: torch's own count, as predict runs), read_in (threads, between, processes).
 """
 import itertools
 import multiprocessing
@@ -41,7 +44,7 @@ import train_unet as T  # noqa: E402
 
 TOOL_CONFIG = {"input": "", "checkpoint": "", "mode": "auto", "batch_size": 8, "device": "cpu", "rounds": 3,
                "switch_ms": "5,1,0.2,0.05", "readers": "4,1", "torch_threads": "0", "read_in": "threads"}
-READ_IN = ("threads", "processes")
+READ_IN = ("threads", "between", "processes")
 
 
 def main(argv):
@@ -75,8 +78,8 @@ def settings_of(opts):
                           "own count) or more, e.g. switch_ms=5,0.2 readers=4,1 torch_threads=0,1")
     read_in = [v.strip() for v in str(opts["read_in"]).split(",") if v.strip()]
     if not read_in or set(read_in) - set(READ_IN):
-        raise T.UserError(f"read_in={opts['read_in']!r}: give {' or '.join(READ_IN)}, or both: "
-                          f"read_in=threads,processes")
+        raise T.UserError(f"read_in={opts['read_in']!r}: give {', '.join(READ_IN)}, or several: "
+                          f"read_in=threads,between")
     return list(itertools.product(switches, readers, threads, read_in))
 
 
@@ -96,7 +99,7 @@ def measure(opts, settings, tmp):
             for k, (switch_ms, readers, threads, read_in) in enumerate(settings):
                 times[switch_ms, readers, threads, read_in].append(one_predict(
                     run, tmp / f"out_{r}_{k}", switch_ms, readers, threads, pools.get(readers) if read_in ==
-                    "processes" else None))
+                    "processes" else None, between=read_in == "between"))
     finally:
         for pool in pools.values():
             pool.close()
@@ -105,13 +108,15 @@ def measure(opts, settings, tmp):
             "rounds": opts["rounds"], "rows": rows}
 
 
-def one_predict(run, out, switch_ms, readers, threads, processes=None, results=None):
+def one_predict(run, out, switch_ms, readers, threads, processes=None, results=None, between=False):
     """(seconds of predict's loop, seconds it waited for reads and writes) at this setting, its reads on
-    `readers` threads or, given ReaderProcesses, in those; predict's result appended to `results`."""
-    before = sys.getswitchinterval(), T.PREDICT_READERS, torch.get_num_threads(), T.read_ahead
+    `readers` threads or, given ReaderProcesses, in those, or (between) on predict's thread between the
+    forwards; predict's result appended to `results`."""
+    before = sys.getswitchinterval(), T.PREDICT_READERS, torch.get_num_threads(), T.read_ahead, T.predict_host_threads
     sys.setswitchinterval(switch_ms / 1e3)
     T.PREDICT_READERS = readers
     torch.set_num_threads(threads or before[2])
+    T.predict_host_threads = lambda hw: not between  # threads (or processes) even where predict would not
     if processes is not None:
         T.read_ahead = processes.read_ahead
     try:
@@ -120,7 +125,7 @@ def one_predict(run, out, switch_ms, readers, threads, processes=None, results=N
         sys.setswitchinterval(before[0])
         T.PREDICT_READERS = before[1]
         torch.set_num_threads(before[2])
-        T.read_ahead = before[3]
+        T.read_ahead, T.predict_host_threads = before[3], before[4]
     if results is not None:
         results.append(result)
     return wall, sum(result["waited_s"].values())
@@ -144,7 +149,7 @@ class ReaderProcesses:
         self.pids = set()
         list(self.pool.map(_pid, range(readers)))  # forked (all at once) and started
 
-    def read_ahead(self, paths, per_batch, cfg, budget=None, settle=lambda: None, look=None):
+    def read_ahead(self, paths, per_batch, cfg, budget=None, settle=lambda: None, look=None, threads=True):
         assert cfg["data_mode"] == "fit", "ReaderProcesses reads fit-mode images"
         needs = {key: cfg[key] for key in ("in_channels", "intensity_range", "image_size")}  # what a read uses
         batches = [paths[i:i + per_batch] for i in range(0, len(paths), per_batch)]
