@@ -11037,8 +11037,13 @@ NOT_FOLDER_SUFFIXES = (".json", ".txt", ".pt", ".pth", ".ckpt", ".pb", ".ort", "
 def export_path(output):
     """The .onnx file export's output= names (a folder: <folder>/model.onnx). Refused: a file name that is all
     suffix ('.onnx': predict would not take it as an .onnx), and one whose sidecar would be config.json, the
-    record a training run keeps in its folder (a resume there would write over the sidecar)."""
+    record a training run keeps in its folder (a resume there would write over the sidecar), and a folder
+    named like an .onnx file that is not there yet (output=x/model.onnx/ made x/model.onnx/model.onnx)."""
     path = Path(output) if output.lower().endswith(".onnx") else Path(output) / "model.onnx"
+    file = output.rstrip("/" + os.sep)
+    if file != output and file.lower().endswith(".onnx") and not Path(file).is_dir():
+        raise UserError(f"output={output} names a folder {Path(file).name}/, where export would write {path}: give "
+                        f"output={file} for the file, or a folder name without .onnx")
     if Path(output).suffix.lower() in NOT_FOLDER_SUFFIXES and not Path(output).is_dir():
         raise UserError(f"output={output} names a {Path(output).suffix} file, where export writes an .onnx file and "
                         f"its .json: give {Path(output).with_suffix('.onnx')}, or a folder")

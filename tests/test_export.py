@@ -847,6 +847,19 @@ def test_an_export_name_predict_would_refuse_or_a_resume_overwrite_is_refused(bi
     assert not (tmp_path / output).parent.exists()
 
 
+def test_an_onnx_name_with_a_trailing_slash_is_refused_unless_that_folder_is_there(binary, tmp_path):
+    """output=x/model.onnx/ made a folder model.onnx holding model.onnx and model.json (a gap a session left)."""
+    output = f"{tmp_path / 'x' / 'model.onnx'}/"
+    with pytest.raises(train_unet.UserError, match=r"names a folder model\.onnx/, where export would write .*x/model"
+                                                   r"\.onnx/model\.onnx: give output=.*x/model\.onnx for the file, "
+                                                   r"or a folder name without \.onnx$"):
+        train_unet.export_path(output)
+    assert not (tmp_path / "x").exists()
+    (tmp_path / "x" / "model.onnx").mkdir(parents=True)  # a folder of that name, made on purpose: it is used
+    assert train_unet.export_path(output) == tmp_path / "x" / "model.onnx" / "model.onnx"
+    assert train_unet.export_path(str(tmp_path / "y.onnx")) == tmp_path / "y.onnx"
+
+
 def test_an_export_whose_sidecar_name_is_an_earlier_pairs_moves_both_of_that_pair(binary, tmp_path, capsys):
     """m.ONNX beside an earlier m.onnx: both write m.json, and only m.json moved aside, leaving m.onnx without
     its sidecar (user test)."""
