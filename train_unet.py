@@ -5666,7 +5666,7 @@ def image_cache(pairs, cfg):
     if (files := cache_files_short(pairs, folder)) is not None:
         print(f"cache_images: {files}: decoding them every epoch instead (point TMPDIR at another disk to cache them)")
         return None
-    return ResizedImages(cfg, files=2 * len(pairs))
+    return ResizedImages(cfg, images=len(pairs))
 
 
 # Files the temporary directory must still have room for beside a cache's: the loader workers' socket files
@@ -5679,7 +5679,8 @@ def cache_files_short(pairs, folder):
     this machine), those the caches made before it have still to write, and CACHE_SPARE_FILES more: how many
     it can make, in words; else None. A tmpfs's inodes, used up by the cache, left a loader worker no socket
     file: a traceback, then training waited for ever."""
-    own, coming = 2 * len(pairs) * processes_per_node(), sum(c.files_to_come() for c in LIVE_CACHES)
+    own = len(DecodedImages.PARTS) * len(pairs) * processes_per_node()
+    coming = sum(c.files_to_come() for c in LIVE_CACHES)
     left = files_left(folder)
     if left is None or left >= own + coming + CACHE_SPARE_FILES:
         return None
@@ -5742,11 +5743,11 @@ class ResizedImages:
     CPU time (BENCHMARKS.md "Data loading"). The result is the same to the bit: the resize draws no random
     numbers, so the augmentation that follows draws the same ones."""
 
-    def __init__(self, cfg, files=0):
+    def __init__(self, cfg, images=0):
         import albumentations as A
 
         self.cfg, self.fit = cfg, A.Compose(fit_transforms(cfg["image_size"]))
-        self.decoded = DecodedImages(fix=("set cache_images=False",), files=files)
+        self.decoded = DecodedImages(fix=("set cache_images=False",), images=images)
 
     def get(self, index, pair):
         # Copied into memory: small at image_size, and the augmentation may write to its input.
@@ -5765,10 +5766,12 @@ class DecodedImages:
     it removes when the data set is collected or at exit, and the next run removes if this one was
     killed first (remove_stale_caches); the kernel's page cache keeps the busy ones in memory. Loader
     workers share the files (each written atomically), so an image is decoded about once in all.
-    `fix`: what else the user can do when the disk is full; `files`: how many it will write (cache_files_short).
+    `fix`: what else the user can do when the disk is full; `images`: how many it will hold (cache_files_short).
     """
 
-    def __init__(self, fix=(), files=0):
+    PARTS = ("image", "mask")  # the files of one decoded image: <key>_image.npy, <key>_mask.npy
+
+    def __init__(self, fix=(), images=0):
         try:
             remove_stale_caches(tempfile.gettempdir())
             (self.folder, lock), self.fix, self.layouts = locked_cache_folder(), fix, {}
@@ -5776,7 +5779,7 @@ class DecodedImages:
             raise UserError(f"cannot make a folder for decoded images in {tempfile.gettempdir()} "
                             f"({exc.strerror or exc}): point TMPDIR at a writable folder") from None
         weakref.finalize(self, remove_folder, self.folder, os.getpid(), lock)
-        self.files = files
+        self.files = len(self.PARTS) * images
         LIVE_CACHES.add(self)
 
     def files_to_come(self):
@@ -5789,7 +5792,7 @@ class DecodedImages:
     def get(self, key, decode):
         """(image, mask) as read-only memory maps; `decode()` makes them the first time. Each file's
         layout is read once per process: parsing a .npy header takes 4x as long as mapping the file."""
-        paths = [self.folder / f"{key}_{part}.npy" for part in ("image", "mask")]
+        paths = [self.folder / f"{key}_{part}.npy" for part in self.PARTS]
         if key in self.layouts:
             try:
                 return [np.memmap(path, mode="r", **layout) for path, layout in zip(paths, self.layouts[key])]
@@ -6272,7 +6275,7 @@ class PatchDataset(SegDataset):
         self.transform = build_transforms(cfg, train=True, resize=False)
         self.starts = np.cumsum([0, *patch_counts(sizes, cfg)])
         check_patch_cache_room(pairs, sizes, cfg)
-        self.decoded, self.maps, self.foreground = DecodedImages(files=2 * len(pairs)), {}, {}
+        self.decoded, self.maps, self.foreground = DecodedImages(images=len(pairs)), {}, {}
         self.open_limit = open_images_limit()
 
     def __len__(self):
@@ -8026,12 +8029,12 @@ def save_checkpoint(path, state):
         if getattr(exc, "errno", None) == errno.EFBIG or limit is not None and tensor_bytes(state) + ZIP_SLACK >= limit:
             raise UserError(f"cannot write {path}: about {size_text(tensor_bytes(state))}, "
                             f"{file_size_limit_words()}; the files written before it are intact") from None
-        if files_left(Path(path).parent) == 0:  # bytes free, but no file can be made: not its size
-            exc = OSError(errno.ENOSPC, why, str(Path(path).parent / ".tmp"))
-        elif not isinstance(exc, OSError) or exc.errno in FULL_DISK:
-            why += f": it needs about {size_text(tensor_bytes(state))}, {size_text(free_bytes(Path(path).parent))} free"
-        raise UserError(f"cannot write {path} ({why}): {write_fix(exc)}; the files written before it are "
-                        f"intact") from None
+        folder = Path(path).parent
+        full = not isinstance(exc, OSError) or exc.errno in FULL_DISK
+        if full and files_left(folder) != 0:  # where no file can be made (inodes), its size is not the cause
+            why += f": it needs about {size_text(tensor_bytes(state))}, {size_text(free_bytes(folder))} free"
+        raise UserError(f"cannot write {path} ({why}): {write_fix(exc, folder=folder)}; the files written before "
+                        f"it are intact") from None
 
 
 def tensor_bytes(value):
@@ -8049,13 +8052,15 @@ def free_bytes(folder):
         return 0
 
 
-def write_fix(exc, key=None):
+def write_fix(exc, key=None, folder=None):
     """The fix in a failed write's message: room, for a full disk (and torch's RuntimeError, which is one
-    in practice), else the folder (removed, or not writable); `key` names the option that chose it."""
+    in practice), else the folder (removed, or not writable); `key` names the option that chose it. `folder`:
+    where it wrote (else the OSError's file's), whose file system may have bytes free but no inodes (room_fix)."""
     other = f"choose another {key}=..." if key else "choose another folder"
     if isinstance(exc, OSError) and exc.errno not in FULL_DISK:
         return f"check that the {key + ' ' if key else ''}folder still exists and is writable, or {other}"
-    folder = os.path.dirname(exc.filename) if isinstance(exc, OSError) and isinstance(exc.filename, str) else None
+    if folder is None and isinstance(exc, OSError) and isinstance(exc.filename, str):
+        folder = os.path.dirname(exc.filename)
     return f"{room_fix(folder) if folder else 'free disk space there'} or {other}"
 
 
@@ -8753,8 +8758,9 @@ def predict_host_threads(hw):
     """Whether predict reads and writes on threads beside the model: where the model leaves the host a core
     (on a GPU; torch on fewer threads than the cores it may use). Where torch's threads take every core, a
     reader or writer thread can only take a core from one of them, and the others wait for it at the next
-    barrier: on a 2-core Xeon with AMX, fit predict took 1.10-1.21x its forwards alone reading and writing
-    between the forwards, 1.13-1.28x on threads (BENCHMARKS.md "Predict speed")."""
+    barrier: on a 2-core Xeon with AMX, fit predict took 1.07-1.32x its forwards alone reading and writing
+    between the forwards, 1.09-1.44x on threads, faster in all 16 pairs timed side by side (BENCHMARKS.md
+    "Reading and writing between the forwards")."""
     return hw.kind != "cpu" or torch.get_num_threads() < (usable_cores() or 1)
 
 
