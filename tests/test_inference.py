@@ -597,6 +597,39 @@ def each_alone(logits, sizes, cfg):
     return [train_unet.original_size(logits[i:i + 1].float(), h, w, cfg)[0] for i, (h, w) in enumerate(sizes)]
 
 
+def test_fit_region_is_where_the_pipeline_puts_the_image():
+    """fit_region works out where fit mode's resize and padding put an image: for every size here, the
+    rows and columns of an all-ones mask that fit_transforms' pipeline leaves at 1 (sides below, at and
+    above the model's, every aspect, odd sides whose rounding lands on .5)."""
+    import albumentations as A
+
+    rng = np.random.default_rng(0)
+    sizes = {(h, w) for h in (1, 2, 3, 63, 64, 65, 127, 128, 129, 255, 383) for w in (1, 5, 64, 100, 129, 1000)}
+    sizes |= {tuple(int(v) for v in rng.integers(1, 2000, 2)) for _ in range(150)}
+    for size in (64, 100):
+        pipeline = A.Compose(train_unet.fit_transforms(size))
+        for h, w in sorted(sizes):
+            placed = pipeline(image=np.zeros((h, w, 3), np.uint8), mask=np.ones((h, w), np.uint8))["mask"] == 1
+            rows, cols = np.flatnonzero(placed.any(axis=1)), np.flatnonzero(placed.any(axis=0))
+            assert placed[:rows[-1] + 1, :cols[-1] + 1].all() and rows[0] == cols[0] == 0, (size, h, w)
+            assert train_unet.fit_region(size, h, w) == (rows[-1] + 1, cols[-1] + 1), (size, h, w)
+
+
+def test_fit_region_of_a_large_scene_allocates_nothing_its_size():
+    """A 20,000 x 30,000 scene's region came from running the pipeline on a stand-in image as large as the
+    scene (2.4 GB, 1.4 GB of it resident, and 1.9 s) beside the scene itself; it is worked out now."""
+    import tracemalloc
+
+    train_unet.fit_region.cache_clear()
+    tracemalloc.start()
+    try:
+        region = train_unet.fit_region(256, 20_000, 30_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert region == (171, 256) and peak < 1 << 20
+
+
 @pytest.mark.parametrize("classes, nhwc", [(1, False), (3, False), (3, True)])
 def test_fit_masks_of_a_batch_are_each_images_own_to_the_bit(classes, nhwc, monkeypatch):
     """fit_masks crops, resizes back and thresholds the images of one size together; the masks are those of
