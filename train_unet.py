@@ -602,9 +602,14 @@ def set_up_training(cfg, explicit):
     cfg, hw, prec, notes = setup_precision(cfg, state, explicit)
     notes.insert(0, preset_line and ("preset", preset_line))
     seed_everything(cfg["seed"])
-    # 3. The data: checked and split; its intensity range and class weights (saved with the model), class names.
-    train_pairs, val_pairs = data_pairs(cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1})
+    # 3. The data: split, a resume's checked to be its run's, then checked; its intensity range and class weights
+    # (saved with the model), class names.
+    checked = cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1}  # data_pairs' why
+    train_pairs, val_pairs = listed_pairs(checked)
+    # a resume's data is its run's before the data check reads it: another data set given as data_dir had been
+    # refused for its masks (values the run's num_classes cannot hold), not for being another data set
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
+    checked_pairs(train_pairs, val_pairs, checked)
     notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state),
               unused_amp_dtype(cfg, explicit) if state is None else None]  # a resume puts the run's back
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes, data_split),
@@ -3405,7 +3410,13 @@ def prepare_data(cfg):
 
 def data_pairs(cfg):
     """prepare_data for a config training or the benchmark has already checked (and adapted: batch_size=auto
-    is checked with batch 1, which validate_config would refuse at some image sizes)."""
+    is checked with batch 1, which validate_config would refuse at some image sizes): the pairs found and
+    split (listed_pairs), then checked (checked_pairs). Training runs the two itself, a resume's check between."""
+    return checked_pairs(*listed_pairs(cfg), cfg)
+
+
+def listed_pairs(cfg):
+    """data_pairs' (train, val) pairs as found and split, with the notes on how the folder is laid out."""
     root = Path(cfg["data_dir"])
     if DIST.is_main and root == Path(EMBEDDED_DATA_DIR) and not has_files(root):
         print(f"no data in {root}: writing the embedded shapes data set there (300 PNG pairs)")
@@ -3420,6 +3431,11 @@ def data_pairs(cfg):
     for note in (pairs_in_both(train, val, root), pairs_beside_the_split(root), half_a_split_note(root)):
         if note and DIST.is_main:
             print(note)
+    return train, val
+
+
+def checked_pairs(train, val, cfg):
+    """The data check of data_pairs (check_pairs), its notes on what the masks hold, the samples counted."""
     check_pairs(train + val, cfg)
     for note in (nothing_to_score(val, cfg), classes_only_in_val(train, val, cfg), patches_of_padding(train, cfg)):
         if note and DIST.is_main:

@@ -370,6 +370,20 @@ def test_resume_after_images_were_added_or_removed_is_refused(make_cfg, make_dat
     assert len(train(make_cfg(epochs=2, resume=True))["history"]) == 2  # put back: it resumes
 
 
+def test_resume_on_another_data_set_says_so_before_its_masks(make_cfg, make_data, data_dir):
+    """A binary run resumed with data_dir= a 3-class data set was refused for that set's masks ("holds values
+    [0, 1, 2, 3]: with num_classes=1 masks must be 0/1 ...; set num_classes=4"), a fix that could not resume it:
+    the data check ran first. The refusal now names the data set, and the folder to give."""
+    train(make_cfg(epochs=1))
+    other = make_data(name="classes", count=8, num_classes=3, seed=5)
+    with pytest.raises(UserError, match=rf"^cannot resume exactly: {re.escape(str(other))} is not the data set this "
+                                        rf"run started on \(10 train / 2 val images then, \d+ / \d+ now, or other "
+                                        rf"files\): give data_dir={re.escape(os.path.realpath(data_dir))}, or start"):
+        train(make_cfg(epochs=2, resume=True, data_dir=str(other)))
+    with pytest.raises(UserError, match=r"num_classes"):  # a new run on it: the data check's refusal, as before
+        train(make_cfg(epochs=1, data_dir=str(other), checkpoint_dir=str(Path(other).parent / "new")))
+
+
 def test_resume_finds_the_same_data_set_however_its_folder_is_given(make_cfg, data_dir, tmp_path, monkeypatch,
                                                                      capsys):
     """data_dir=./data or a moved folder held the same files, yet the path's spelling refused the resume:
