@@ -67,6 +67,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import struct
 import sys
 import tempfile
@@ -3822,6 +3823,7 @@ def index_by_stem(folder):
         if not path.exists():  # before pairing, where it would read as a file without a partner
             raise UserError(f"{path} is a broken link (it points to {os.readlink(path)}, which is not there): "
                             f"fix or remove it")
+        refuse_special_file(path, "mask" if folder.name == "masks" else "image")
         stem = unicodedata.normalize("NFC", path.stem)
         if stem in found:
             alike = " (spelt in two Unicode forms that look alike)" if found[stem].stem != path.stem else ""
@@ -3852,6 +3854,7 @@ def decode_image(path, channels=3):
     which also tells multi-page stacks apart; OpenCV reads the rest, and the TIFFs read_tiff leaves to it
     (palette colours, CMYK), which OpenCV's TIFF decoder turns by their Orientation tag whatever the flags."""
     readers_quieted()  # a library caller's (a notebook's) too: OpenCV's log lines came before its one-line error
+    refuse_special_file(path, "image")
     with read_errors_named(path, "image"):
         image = read_tiff(path) if is_tiff(path) else None
         return image if image is not None else opencv_image(path, channels)
@@ -4144,9 +4147,30 @@ def unreadable_why(path):
         return "a folder, not an image"
     if not path.exists():
         return "a broken link" if path.is_symlink() else "not found"
+    if special_file(path):
+        return f"{special_file(path)}, not a file"
     if not os.access(path, os.R_OK):  # cv2.imread returns None for it, as for a damaged file
         return "permission denied: this user may not read it"
     return "an empty file" if path.stat().st_size == 0 else "corrupt or not an image"
+
+
+def special_file(path):
+    """'a named pipe', 'a socket' or 'a device' where `path` (or what it links to) is one, else None. Opening a
+    named pipe waits for a writer: one named like an image hung the data check and predict for ever (and the
+    run then outlived its SIGTERM, a thread still in open()); none is opened."""
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return None
+    return ("a named pipe" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else None)
+
+
+def refuse_special_file(path, kind):
+    special = special_file(path)
+    if special:
+        raise UserError(f"cannot read {kind} {path} ({special}, not a file): remove it, or put the {kind} file in "
+                        f"its place")
 
 
 @contextlib.contextmanager
@@ -4408,6 +4432,8 @@ def read_mask(path, num_classes):
         raise UserError(f"num_classes={num_classes!r} must be a whole number from 1 to {IGNORE_INDEX - 1}")
     mask = decode_mask(path)
     values = set(np.unique(mask).tolist())
+    if format_suffix(path) == ".jpg":  # a JPEG named .png: as the data check finds it (check_pair_facts)
+        check_not_jpeg(path, values)
     check_mask_values(path, values, num_classes, mask.dtype)
     if num_classes > 1 and values == {0, IGNORE_INDEX}:  # one file cannot tell; training refuses such a data set
         print(f"note: mask {path} holds only 0 and {IGNORE_INDEX}: with num_classes={num_classes}, {IGNORE_INDEX} is "
@@ -4420,6 +4446,7 @@ def decode_mask(path):
     """A mask's stored values. Palette files (VOC and labelme PNGs) give their indices, not colours;
     TIFFs follow read_tiff's rules (level 0, no stacks)."""
     readers_quieted()
+    refuse_special_file(path, "mask")
     with read_errors_named(path, "mask"):
         mask = read_tiff(path, mask=True) if is_tiff(path) else palette_indices(path)
         if mask is None:
@@ -4518,6 +4545,7 @@ def check_mask_values(path, values, num_classes, dtype, others=None, greys=None,
     they are classes saved as evenly spaced greys (even_grey_levels; else this mask's are looked at, where its
     values are wrong: not for every mask at every start-up); `at_least`: the num_classes the whole set needs
     (set_classes), so the fix suggested is not one the next mask refuses."""
+    check_finite_mask(path, values, num_classes, dtype)
     if num_classes == 1:
         if values <= {0, 1} or values <= {0, 255}:
             return
@@ -4552,6 +4580,16 @@ def check_mask_values(path, values, num_classes, dtype, others=None, greys=None,
         hint = greys_hint(greys) if greys else hint
         raise UserError(f"mask {path} holds class {top} but num_classes={num_classes} (255 = void is "
                         f"allowed): " + (f"{palette}; else {hint}" if palette else hint))
+
+
+def check_finite_mask(path, values, num_classes, dtype):
+    """A float mask holding NaN (or inf), which some pipelines write for 'no label': no class is NaN. A binary
+    mask's error had advised 0/255 beside values [0.0, nan] (its other values), never the NaN."""
+    unset = sorted({f"{v}" for v in values if not math.isfinite(v)})
+    if unset:
+        fill = "0 (background) or 1 (foreground)" if num_classes == 1 else f"a class index, or {IGNORE_INDEX} for void"
+        raise UserError(f"mask {path} ({np.dtype(dtype)}) holds {' and '.join(unset)} pixels, which are no class: "
+                        f"give them {fill} and save it again")
 
 
 def even_grey_levels(values):
@@ -4686,7 +4724,7 @@ def mask_hint(path, dtype, values, at_least=0):
 
 CHECK_CACHE_NAME = ".unet_amp_data_check.json"  # in data_dir, else in checkpoint_dir (read-only data)
 
-CHECK_CACHE_VERSION = 12  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
+CHECK_CACHE_VERSION = 13  # 2: stamps with ctime (file_stamp); 3: images' dtype and value range (image_facts);
                          # 4: masks' pixel count per value (class_pixel_counts); 5: images' in_channels;
                          # 6: images' EXIF orientation (exif_turned_images); 7: colour read as grey
                          # (colour_read_as_grey); 8: a full grey palette read by index (palette_indices),
@@ -4694,7 +4732,8 @@ CHECK_CACHE_VERSION = 12  # 2: stamps with ctime (file_stamp); 3: images' dtype 
                          # not alpha (extra_channels_dropped); colour in wide images by their span (holds_colour);
                          # 9: a TIFF mask's lossy codec (tiff_codec); 10: MinIsWhite images as shown (as_shown);
                          # 11: wide images' span without their outer 1% each side (range_leaves_out);
-                         # 12: damaged JPEGs (jpeg_decode) and truncated TIFFs (check_tiff_complete) refused
+                         # 12: damaged JPEGs (jpeg_decode) and truncated TIFFs (check_tiff_complete) refused;
+                         # 13: a mask that is a JPEG by its bytes, whatever its name (codec "JPEG")
 
 
 def check_pairs(pairs, cfg):
@@ -4736,7 +4775,8 @@ def check_pair_facts(pairs, facts, cfg):
     at_least = set_classes(values, cfg)
     for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
-        if mask.get("codec") == "JPEG":
+        # a binary JPEG file is judged by its values (check_mask_values: noise is not 0/1 or 0/255), as by name
+        if mask.get("codec") == "JPEG" and (cfg["num_classes"] > 1 or is_tiff(mask_path)):
             check_not_jpeg(mask_path, found)
         check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys, at_least)
         if image["hw"] != mask["hw"]:
@@ -4950,7 +4990,9 @@ def checked_facts(paths, cfg, write, share=False):
         if path in masks:
             mask = decode_mask(path)
             values, counts = np.unique(mask, return_counts=True)
-            codec = tiff_codec(path)  # a JPEG's noise can stay within the classes: its values cannot tell
+            # a JPEG's noise can stay within the classes: its values cannot tell. Its bytes, not its name: a JPEG
+            # named .png (a converter's output renamed) passed with 37 edge pixels of a class-2 square made class 1
+            codec = "JPEG" if format_suffix(path) == ".jpg" else tiff_codec(path)
             return {"hw": list(mask.shape[:2]), "values": values.tolist(), "counts": counts.tolist(),
                     "dtype": str(mask.dtype), **({"codec": codec} if codec else {})}
         return image_facts(path, cfg["in_channels"])
@@ -8860,7 +8902,9 @@ def image_bytes(depth, cfg):
 
 def image_header(path):
     """(height, width, bytes a sample) from an image file's header, without decoding it; None where its
-    header cannot be read here (the decoder then says what is wrong)."""
+    header cannot be read here (the decoder then says what is wrong; a named pipe is not opened)."""
+    if special_file(path):
+        return None
     if is_tiff(path):
         return tiff_header(path)
     reader = pillow_reader(path)
@@ -9172,7 +9216,8 @@ def list_images(path):
         raise UserError(f"input {path} not found: a pattern is not expanded here; give the folder, "
                         f"input={cli_value(path.parent)}, whose images are all predicted (or one file)")
     if not path.is_dir():
-        raise UserError(f"input {path} not found: give an image file or a folder of images")
+        raise UserError(f"input {path} " + (f"is {special_file(path)}, not a file" if special_file(path) else
+                                            "not found") + ": give an image file or a folder of images")
     with os.scandir(path) as scan:  # each entry's type without a stat per file (a large folder)
         found = list(scan)
     entries = [e for e in found if not e.name.startswith(".")]

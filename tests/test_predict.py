@@ -4,7 +4,10 @@ Two tiny models are trained once for the whole module (32x32, 1 epoch, fp32, a f
 a binary RGB one and a 3-class grayscale (in_channels=1) one. Everything else is inference.
 """
 import copy
+import errno
+import os
 import sys
+import threading
 from pathlib import Path
 
 import cv2
@@ -766,3 +769,63 @@ def test_predict_says_an_eval_amp_run_that_trained_in_fp32_was_validated_in_fp32
     out = capsys.readouterr().out
     assert f"note: masks in bf16; {ckpt} was validated in fp32 (eval_amp=True, in a run that trained in fp32): " \
            f"use_amp=False gives the masks its val IoU scored" in out and "channels_last=False gives" not in out
+
+
+@pytest.fixture
+def pipe_opened():
+    """fifo -> a function telling whether anything opened that named pipe to read. A thread stands ready to
+    open it for writing, which succeeds only once a reader has it open, and then lets that reader go (it reads
+    no bytes): code that opened it waits for ever otherwise, and the test would hang, not fail."""
+    stop, opened, threads = threading.Event(), {}, []
+
+    def watch(fifo):
+        while not stop.wait(0.01):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError as exc:
+                assert exc.errno == errno.ENXIO, exc  # no reader yet
+                continue
+            opened[fifo] = True
+
+    def make(fifo):
+        os.mkfifo(fifo)
+        threads.append(threading.Thread(target=watch, args=(fifo,), daemon=True))
+        threads[-1].start()
+        return lambda: opened.get(fifo, False)
+    yield make
+    stop.set()
+    for thread in threads:
+        thread.join()
+
+
+def test_a_named_pipe_among_the_images_is_named_and_not_opened(binary_model, tmp_path, pipe_opened, capsys):
+    """A named pipe named like an image (f.png, g.tif) hung predict for ever: its memory check opened it,
+    waiting for a writer, and the run then outlived its SIGTERM. It fails with the reason; the rest predict."""
+    ckpt, data = binary_model
+    folder = tmp_path / "in"
+    folder.mkdir()
+    cv2.imwrite(str(folder / "a.png"), cv2.imread(str(sorted((data / "images").glob("*.png"))[0])))
+    opened = [pipe_opened(folder / name) for name in ("f.png", "g.tif")]
+    result = train_unet.predict(opts(ckpt, folder, tmp_path / "out"))
+    assert result["predicted"] == 1 and (tmp_path / "out" / "a.png").is_file()
+    assert [why for _, why in result["failed"]] == [
+        f"cannot read image {folder / name} (a named pipe, not a file): remove it, or put the image file in its place"
+        for name in ("f.png", "g.tif")]
+    assert not any(was() for was in opened)
+    with pytest.raises(train_unet.UserError, match=r"^input .*f\.png is a named pipe, not a file: give an image "
+                                                   r"file or a folder of images$"):
+        train_unet.predict(opts(ckpt, folder / "f.png", tmp_path / "out2"))
+
+
+def test_a_named_pipe_as_a_mask_stops_training_at_once(tmp_path, pipe_opened):
+    """The data check opened a mask that was a named pipe and waited for ever (a SIGTERM did not end it)."""
+    data = train_unet.generate_shapes_dataset(tmp_path / "data", count=8, size=SIZE)
+    mask = sorted((data / "masks").glob("*.png"))[2]
+    mask.unlink()
+    opened = pipe_opened(mask)
+    cfg = dict(data_dir=str(data), checkpoint_dir=str(tmp_path / "ckpt"), image_size=SIZE, epochs=1, batch_size=2,
+               encoder_name="resnet18", encoder_weights=None, device="cpu", progress=False, num_workers=0)
+    with pytest.raises(train_unet.UserError, match=rf"^cannot read mask {mask} \(a named pipe, not a file\): remove "
+                                                   rf"it, or put the mask file in its place$"):
+        train_unet.train(cfg)
+    assert not opened()

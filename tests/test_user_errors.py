@@ -287,6 +287,29 @@ def test_class_masks_saved_as_jpeg_are_refused_whatever_their_values(make_data, 
     train_unet.check_mask_values(lossless, {0, 1, 2}, 3, "uint8")
 
 
+def test_a_class_mask_that_is_a_jpeg_named_png_is_refused_even_where_its_values_are_classes(make_data, make_cfg):
+    """A JPEG class mask named .png whose noise stayed within num_classes trained silently (37 edge pixels of a
+    class-2 square read as class 1): the data check looked at the bytes only where the values were wrong. Its
+    facts now hold the format its bytes say (CHECK_CACHE_VERSION 13), and read_mask looks at them too."""
+    root = make_data("jpeg_png", count=8, size=64, num_classes=3)
+    square = np.zeros((64, 64), np.uint8)
+    square[10:40, 10:40] = 2
+    mask = sorted((root / "masks").iterdir())[2]
+    mask.write_bytes(cv2.imencode(".jpg", square)[1].tobytes())
+    assert set(np.unique(cv2.imread(str(mask), cv2.IMREAD_UNCHANGED))) <= {0, 1, 2}  # within the classes
+    for read in (train_unet.prepare_data, lambda cfg: train_unet.read_mask(mask, cfg["num_classes"])):
+        one_line_error(read, make_cfg(data_dir=str(root), num_classes=3, batch_size=2),
+                       match=rf"mask .*{mask.name} is a JPEG: lossy compression can change class indices along "
+                             r"every edge, and its values \(\[0, 1, 2\]\) cannot show which pixels kept theirs")
+    binary = make_data("jpeg_binary", count=8, size=64)  # exact 0/255 in a JPEG: taken by its values, as by name
+    first = sorted((binary / "masks").iterdir())[0]
+    block = np.zeros((64, 64), np.uint8)
+    block[8:32, 16:40] = 255  # on JPEG's 8 px grid, quality 100: every value kept
+    first.write_bytes(cv2.imencode(".jpg", block, [cv2.IMWRITE_JPEG_QUALITY, 100])[1].tobytes())
+    assert set(np.unique(cv2.imread(str(first), cv2.IMREAD_UNCHANGED))) == {0, 255}
+    train_unet.prepare_data(make_cfg(data_dir=str(binary), batch_size=2))
+
+
 def test_one_odd_mask_in_a_binary_set_is_named_as_the_fix_not_num_classes(make_data, make_cfg, capsys):
     """Eleven 0/255 masks and one 0/2: the error advised num_classes=3, which made 255 void in the eleven
     (their foreground ignored) without a word, and the absent-class note then advised num_classes=3 again."""
