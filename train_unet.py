@@ -3717,8 +3717,8 @@ def find_pairs(folder):
             raise UserError(f"{folder} holds the images themselves: give the folder that holds images/ and "
                             f"masks/{' (in train/ and val/)' if root != folder.parent else ''}, data_dir={root}")
         if not (folder / sub).is_dir():
-            raise UserError(f"{folder / sub} not found: put images in {folder}/images and masks with "
-                            f"the same file names in {folder}/masks")
+            raise UserError(f"{folder / sub} " + ("is a file, not a folder" if (folder / sub).exists() else "not found")
+                            + f": put images in {folder}/images and masks with the same file names in {folder}/masks")
     if (folder / "masks").resolve() == (folder / "images").resolve():  # a link: each image its own "mask"
         raise UserError(f"{folder / 'masks'} and {folder / 'images'} are one folder ({(folder / 'images').resolve()}): "
                         f"masks are files of their own, one channel of class indices: put them in a masks/ folder "
@@ -7391,6 +7391,9 @@ def load_class_names(cfg):
     """
     n = cfg["num_classes"]
     path = Path(cfg["data_dir"]) / "class_names.txt"
+    if path.is_dir() or special_file(path):  # was taken as no file: the names silently the indices
+        raise UserError(f"{path} is {'a folder' if path.is_dir() else special_file(path)}: class names are a text "
+                        f"file, one name per line, class 0 first: put that file in its place, or remove it")
     if not path.is_file():
         return ["foreground"] if n == 1 else [str(i) for i in range(n)]
     try:

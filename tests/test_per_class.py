@@ -149,6 +149,14 @@ def test_bad_class_names_file_is_a_one_line_error(make_cfg, multi_data, text, ma
     assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1
 
 
+def test_a_class_names_folder_is_refused_not_taken_as_no_file(multi_data):
+    """A folder named class_names.txt (a zip's unpacking) was taken as no file: the names silently the indices."""
+    (multi_data / "class_names.txt").mkdir()
+    with pytest.raises(UserError, match=r"^.*class_names\.txt is a folder: class names are a text file, one name per "
+                                        r"line, class 0 first: put that file in its place, or remove it$"):
+        load_class_names({"data_dir": str(multi_data), "num_classes": 3})
+
+
 def test_the_table_says_when_a_class_absent_from_the_val_set_was_predicted():
     """A class in no validation mask but predicted has IoU 0 and counts in the mean: the table printed a bare
     0.0000 for it, while one neither held nor predicted read 'absent from the val set'."""

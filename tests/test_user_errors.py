@@ -120,6 +120,15 @@ def test_pairs_beside_train_and_val_are_named_as_not_read(make_data, make_cfg, c
            f"are not read: move those pairs into train/ or val/" in out
 
 
+def test_a_masks_file_in_place_of_the_folder_is_named_so(make_data, make_cfg):
+    """masks as a file (an archive not unpacked) read '.../masks not found', which it was not."""
+    root = make_data("masks_file", count=6, size=32)
+    shutil.rmtree(root / "masks")
+    (root / "masks").write_bytes(b"PK\x03\x04")
+    one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root)),
+                   match=rf"^{root / 'masks'} is a file, not a folder: put images in {root}/images and masks")
+
+
 @pytest.mark.parametrize("inside", ["", "train"])
 def test_data_dir_given_as_the_images_folder_names_the_folder_above(make_data, make_cfg, inside):
     root = make_data("mine", count=6, size=32)
