@@ -3737,6 +3737,10 @@ def find_pairs(folder):
         what = f"image(s) in {folder / 'images'} have no mask" if have is images else \
             f"mask(s) in {folder / 'masks'} have no image"
         if missing:
+            partner = next((p for p in sorted(there.glob(f"{glob.escape(min(missing))}.*")) if p.is_dir()), None)
+            if partner:  # a folder named like one ('has no mask' hid it): unread_entries' rule, said here
+                raise UserError(f"{partner} is a folder, not {'a mask' if there.name == 'masks' else 'an image'}: "
+                                f"{have[min(missing)].name}'s partner must be a file; move it out of that folder")
             unreadable = next((p.name for p in sorted(there.glob(f"{glob.escape(min(missing))}.*"))
                                if p.suffix.lower() not in IMAGE_EXTS), None)
             if unreadable:  # s000.webp beside s000.png: not "no partner", a format this script cannot read

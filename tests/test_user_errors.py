@@ -120,6 +120,20 @@ def test_pairs_beside_train_and_val_are_named_as_not_read(make_data, make_cfg, c
            f"are not read: move those pairs into train/ or val/" in out
 
 
+@pytest.mark.parametrize("sub", ["images", "masks"])
+def test_a_folder_named_like_an_image_or_mask_is_named_as_one(make_data, make_cfg, sub):
+    """masks/shape_0002.png as a folder (the file inside it) read '1 image(s) ... have no mask'."""
+    root = make_data(f"folder_{sub}", count=6, size=32)
+    target = root / sub / "shape_0002.png"
+    target.rename(root / "moved.png")
+    target.mkdir()
+    (root / "moved.png").rename(target / "shape_0002.png")
+    kind = "a mask" if sub == "masks" else "an image"
+    one_line_error(train_unet.prepare_data, make_cfg(data_dir=str(root)),
+                   match=rf"^{target} is a folder, not {kind}: shape_0002.png's partner must be a file; move it out "
+                         rf"of that folder$")
+
+
 def test_a_masks_file_in_place_of_the_folder_is_named_so(make_data, make_cfg):
     """masks as a file (an archive not unpacked) read '.../masks not found', which it was not."""
     root = make_data("masks_file", count=6, size=32)
