@@ -605,12 +605,12 @@ def set_up_training(cfg, explicit):
     seed_everything(cfg["seed"])
     # 3. The data: split, a resume's checked to be its run's, then checked; its intensity range and class weights
     # (saved with the model), class names.
-    checked = cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1}  # data_pairs' why
-    train_pairs, val_pairs = listed_pairs(checked)
+    data_cfg = cfg if cfg["batch_size"] != "auto" else {**cfg, "batch_size": 1}  # data_pairs' why
+    train_pairs, val_pairs = listed_pairs(data_cfg)
     # a resume's data is its run's before the data check reads it: another data set given as data_dir had been
     # refused for its masks (values the run's num_classes cannot hold), not for being another data set
     data_split = same_split_as_resumed(state, train_pairs, val_pairs, cfg, notes)
-    checked_pairs(train_pairs, val_pairs, checked)
+    checked_pairs(train_pairs, val_pairs, data_cfg)
     notes += [unused_val_fraction(cfg, explicit), unused_patch_keys(cfg, explicit), changed_loss_rule(cfg, state),
               unused_amp_dtype(cfg, explicit) if state is None else None]  # a resume puts the run's back
     cfg = {**cfg, "intensity_range": run_intensity_range(cfg, state, train_pairs, val_pairs, notes, data_split),
@@ -3737,12 +3737,12 @@ def find_pairs(folder):
         what = f"image(s) in {folder / 'images'} have no mask" if have is images else \
             f"mask(s) in {folder / 'masks'} have no image"
         if missing:
-            partner = next((p for p in sorted(there.glob(f"{glob.escape(min(missing))}.*")) if p.is_dir()), None)
+            alike = sorted(there.glob(f"{glob.escape(min(missing))}.*"))  # the first unpaired stem's namesakes there
+            partner = next((p for p in alike if p.is_dir()), None)
             if partner:  # a folder named like one ('has no mask' hid it): unread_entries' rule, said here
                 raise UserError(f"{partner} is a folder, not {'a mask' if there.name == 'masks' else 'an image'}: "
                                 f"{have[min(missing)].name}'s partner must be a file; move it out of that folder")
-            unreadable = next((p.name for p in sorted(there.glob(f"{glob.escape(min(missing))}.*"))
-                               if p.suffix.lower() not in IMAGE_EXTS), None)
+            unreadable = next((p.name for p in alike if p.suffix.lower() not in IMAGE_EXTS), None)
             if unreadable:  # s000.webp beside s000.png: not "no partner", a format this script cannot read
                 raise UserError(f"{there / unreadable} is not a format this script reads ({', '.join(IMAGE_EXTS)}): "
                                 f"convert it (and any like it), e.g. to PNG")
@@ -4151,8 +4151,8 @@ def unreadable_why(path):
         return "a folder, not an image"
     if not path.exists():
         return "a broken link" if path.is_symlink() else "not found"
-    if special_file(path):
-        return f"{special_file(path)}, not a file"
+    if special := special_file(path):
+        return f"{special}, not a file"
     if not os.access(path, os.R_OK):  # cv2.imread returns None for it, as for a damaged file
         return "permission denied: this user may not read it"
     return "an empty file" if path.stat().st_size == 0 else "corrupt or not an image"
@@ -4436,8 +4436,7 @@ def read_mask(path, num_classes):
         raise UserError(f"num_classes={num_classes!r} must be a whole number from 1 to {IGNORE_INDEX - 1}")
     mask = decode_mask(path)
     values = set(np.unique(mask).tolist())
-    if format_suffix(path) == ".jpg":  # a JPEG named .png: as the data check finds it (check_pair_facts)
-        check_not_jpeg(path, values)
+    refuse_jpeg_codec(path, values, mask_codec(path), num_classes)  # as the data check (check_pair_facts)
     check_mask_values(path, values, num_classes, mask.dtype)
     if num_classes > 1 and values == {0, IGNORE_INDEX}:  # one file cannot tell; training refuses such a data set
         print(f"note: mask {path} holds only 0 and {IGNORE_INDEX}: with num_classes={num_classes}, {IGNORE_INDEX} is "
@@ -4672,6 +4671,19 @@ def lossy_format(path):
     return None
 
 
+def mask_codec(path):
+    """'JPEG' where a mask file is a JPEG by its bytes, whatever its name (a JPEG named .png, a converter's output
+    renamed, passed with 37 edge pixels of a class-2 square made class 1), else its TIFF codec (tiff_codec)."""
+    return "JPEG" if format_suffix(path) == ".jpg" else tiff_codec(path)
+
+
+def refuse_jpeg_codec(path, values, codec, num_classes):
+    """check_not_jpeg for a mask stored as JPEG (mask_codec): a class mask, or a JPEG-compressed TIFF. A binary
+    JPEG file is judged by its values (check_mask_values: JPEG's noise is not 0/1 or 0/255), as one named .jpg."""
+    if codec == "JPEG" and (num_classes > 1 or is_tiff(path)):
+        check_not_jpeg(path, values)
+
+
 def tiff_codec(path):
     """'JPEG', or the name of a codec that may be lossy (MAYBE_LOSSY_TIFF_COMPRESSIONS), where a TIFF's first
     image is stored so; else None (another compression, or not a TIFF)."""
@@ -4779,9 +4791,7 @@ def check_pair_facts(pairs, facts, cfg):
     at_least = set_classes(values, cfg)
     for (image_path, mask_path), found in zip(pairs, values):
         image, mask = facts[os.path.abspath(image_path)], facts[os.path.abspath(mask_path)]
-        # a binary JPEG file is judged by its values (check_mask_values: noise is not 0/1 or 0/255), as by name
-        if mask.get("codec") == "JPEG" and (cfg["num_classes"] > 1 or is_tiff(mask_path)):
-            check_not_jpeg(mask_path, found)
+        refuse_jpeg_codec(mask_path, found, mask.get("codec"), cfg["num_classes"])
         check_mask_values(mask_path, found, cfg["num_classes"], mask["dtype"], others, greys, at_least)
         if image["hw"] != mask["hw"]:
             raise UserError(size_mismatch(image_path, image["hw"], mask["hw"], pairs, facts))
@@ -4994,9 +5004,7 @@ def checked_facts(paths, cfg, write, share=False):
         if path in masks:
             mask = decode_mask(path)
             values, counts = np.unique(mask, return_counts=True)
-            # a JPEG's noise can stay within the classes: its values cannot tell. Its bytes, not its name: a JPEG
-            # named .png (a converter's output renamed) passed with 37 edge pixels of a class-2 square made class 1
-            codec = "JPEG" if format_suffix(path) == ".jpg" else tiff_codec(path)
+            codec = mask_codec(path)  # a JPEG's noise can stay within the classes: its values cannot tell
             return {"hw": list(mask.shape[:2]), "values": values.tolist(), "counts": counts.tolist(),
                     "dtype": str(mask.dtype), **({"codec": codec} if codec else {})}
         return image_facts(path, cfg["in_channels"])
@@ -7395,9 +7403,9 @@ def load_class_names(cfg):
     """
     n = cfg["num_classes"]
     path = Path(cfg["data_dir"]) / "class_names.txt"
-    if path.is_dir() or special_file(path):  # was taken as no file: the names silently the indices
-        raise UserError(f"{path} is {'a folder' if path.is_dir() else special_file(path)}: class names are a text "
-                        f"file, one name per line, class 0 first: put that file in its place, or remove it")
+    if not_a_file := ("a folder" if path.is_dir() else special_file(path)):  # was taken as no file: the indices
+        raise UserError(f"{path} is {not_a_file}: class names are a text file, one name per line, class 0 first: "
+                        f"put that file in its place, or remove it")
     if not path.is_file():
         return ["foreground"] if n == 1 else [str(i) for i in range(n)]
     try:
@@ -9223,8 +9231,9 @@ def list_images(path):
         raise UserError(f"input {path} not found: a pattern is not expanded here; give the folder, "
                         f"input={cli_value(path.parent)}, whose images are all predicted (or one file)")
     if not path.is_dir():
-        raise UserError(f"input {path} " + (f"is {special_file(path)}, not a file" if special_file(path) else
-                                            "not found") + ": give an image file or a folder of images")
+        special = special_file(path)
+        raise UserError(f"input {path} {f'is {special}, not a file' if special else 'not found'}: give an image "
+                        f"file or a folder of images")
     with os.scandir(path) as scan:  # each entry's type without a stat per file (a large folder)
         found = list(scan)
     entries = [e for e in found if not e.name.startswith(".")]

@@ -331,6 +331,7 @@ def test_a_class_mask_that_is_a_jpeg_named_png_is_refused_even_where_its_values_
     first.write_bytes(cv2.imencode(".jpg", block, [cv2.IMWRITE_JPEG_QUALITY, 100])[1].tobytes())
     assert set(np.unique(cv2.imread(str(first), cv2.IMREAD_UNCHANGED))) == {0, 255}
     train_unet.prepare_data(make_cfg(data_dir=str(binary), batch_size=2))
+    assert np.array_equal(train_unet.read_mask(first, 1), block == 255)  # read_mask's rule is the data check's
 
 
 def test_one_odd_mask_in_a_binary_set_is_named_as_the_fix_not_num_classes(make_data, make_cfg, capsys):
