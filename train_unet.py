@@ -5977,11 +5977,10 @@ def worker_count(cfg, hw):
     if shared_memory_problem():  # workers hand batches over in it (check_worker_count's note)
         return 0
     cores = cores_per_process()
-    if worker_files_problem(most_auto_workers(cores)):  # no room for their socket files (check_worker_files' note)
+    workers = (CPU_WORKERS if cores >= 2 else 0) if hw.kind == "cpu" else most_auto_workers(cores)
+    if workers and worker_files_problem(workers):  # no room for their socket files (check_worker_files' note)
         return 0
-    if hw.kind == "cpu":
-        return CPU_WORKERS if cores >= 2 else 0
-    return most_auto_workers(cores)
+    return workers
 
 
 def most_auto_workers(cores):

@@ -120,3 +120,17 @@ def test_a_low_open_file_limit_is_raised_or_refused_in_one_line(make_data, tmp_p
     else:
         assert run.returncode == 0, run.stderr[-2000:]
         assert (tmp_path / "ck" / "best.pt").is_file()
+
+
+def test_room_for_socket_files_is_counted_for_the_workers_that_would_run(monkeypatch, cpu_hw):
+    """On a 16-core CPU num_workers=None starts one worker: room for its socket files is enough. The check had
+    counted a GPU's 8 workers there, and read in the training process where one worker had room."""
+    monkeypatch.setattr(train_unet, "usable_cores", lambda: 16)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one_worker = train_unet.WORKER_FILES * train_unet.LOADERS
+    monkeypatch.setattr(train_unet, "files_left", lambda folder: one_worker)
+    cfg = dict(train_unet.CONFIG, num_workers=None)
+    assert train_unet.worker_count(cfg, cpu_hw) == train_unet.CPU_WORKERS == 1
+    assert train_unet.worker_count(cfg, cuda_hw(cpu_hw)) == 0  # 8 workers' files do not fit: none
+    monkeypatch.setattr(train_unet, "files_left", lambda folder: one_worker - 1)
+    assert train_unet.worker_count(cfg, cpu_hw) == 0
