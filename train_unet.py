@@ -7510,13 +7510,19 @@ def write_csv_rows(path, rows):
         csv.writer(f).writerows(rows)
 
 
+# The confusion figure's class names are cut to this many characters (the rest as …): a 40-character name had
+# no room beside the cells (cut off, and a tight_layout warning every epoch); class_names.txt keeps them whole.
+CONFUSION_NAME_CHARS = 32
+
+
 def confusion_figure(counts, names):
     """The confusion matrix normalised per true class, as a matplotlib figure (TensorBoard, notebook)."""
     from matplotlib.figure import Figure
 
     shares = np.array([[math.nan if v is None else v for v in row] for row in confusion_shares(counts)])
-    size = 1.2 + 0.5 * len(names)
-    fig = Figure(figsize=(size + 1.5, size))
+    names = [n if len(n) <= CONFUSION_NAME_CHARS else n[:CONFUSION_NAME_CHARS - 1] + "…" for n in map(str, names)]
+    size, label = 1.2 + 0.5 * len(names), 0.075 * max(map(len, names))  # inches: the labels' room beside the cells
+    fig = Figure(figsize=(size + 1.5 + label, size + 0.75 * label))  # x labels at 45°: about 3/4 as tall as long
     ax = fig.add_subplot()
     image = ax.imshow(shares, vmin=0, vmax=1, cmap="Blues")
     ax.set_xticks(range(len(names)), names, rotation=45, ha="right")

@@ -1,6 +1,7 @@
 """The confusion matrix of multi-class runs: its counts are the IoU's counts; saved at the best epoch
 (CSV, normalised per true class, with class names), drawn in TensorBoard and in my_run.ipynb."""
 import csv
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,3 +114,21 @@ def test_figure_shows_shares_per_true_class():
     fig = train_unet.confusion_figure([[3, 1], [0, 0]], ["bg", "fg"])
     texts = sorted(t.get_text() for t in fig.axes[0].texts)
     assert texts == ["0.25", "0.75"]  # the empty true class has no shares
+
+
+@pytest.mark.parametrize("length", [40, 5000])
+def test_long_class_names_are_cut_and_fit_the_figure(length):
+    """A 40-character class name had no room beside the cells: cut off in the figure, and matplotlib warned
+    'Tight layout not applied' every epoch. Names longer than CONFUSION_NAME_CHARS are cut, with an ellipsis."""
+    import warnings
+
+    long = "W" * length
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the tight_layout warning fails the test
+        fig = train_unet.confusion_figure([[5, 1, 0], [2, 7, 0], [0, 0, 1]], ["bg", long, "road sign"])
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    cut = long[:train_unet.CONFUSION_NAME_CHARS - 1] + "…"
+    assert labels == ["bg", cut, "road sign"]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == labels
+    readme = (Path(train_unet.__file__).parent / "README.md").read_text()
+    assert f"names over {train_unet.CONFUSION_NAME_CHARS} characters cut" in readme
