@@ -2170,14 +2170,16 @@ def parse_overrides(args, base=None, defaults=None):
         seen[key] = arg
         check_not_quoted(key, text)
         cfg[key] = parse_value(key, text, defaults)
-    return TypedConfig(validate_config(cfg) if defaults is CONFIG else cfg, seen)
+    # a base parse_overrides made keeps its typed keys: base=parse_overrides(["preset=debug", "batch_size=8"])
+    return TypedConfig(validate_config(cfg) if defaults is CONFIG else cfg, {*seen, *getattr(base, "typed", ())})
 
 
 class TypedConfig(dict):
     """A training config parse_overrides made, which remembers the keys typed: train(parse_overrides([...]))
     keeps them over a preset, as the command line does (preset=debug batch_size=8 trained at the preset's 2,
-    8 being CONFIG's value). cfg.copy() and cfg | {...} keep them, the keys merged in typed too (a notebook's
-    sweep); {**cfg} and dict(cfg) are plain dicts: then only values away from CONFIG's count."""
+    8 being CONFIG's value). cfg.copy(), cfg | {...}, cfg[key] = ... and cfg.update(...) keep them, the keys
+    set typed too (a notebook's sweep: q = cfg.copy(); q["batch_size"] = 8 trained at debug's 2); {**cfg}
+    and dict(cfg) are plain dicts: then only values away from CONFIG's count."""
 
     def __init__(self, values, typed):
         super().__init__(values)
@@ -2186,6 +2188,23 @@ class TypedConfig(dict):
     def copy(self):
         return TypedConfig(self, self.typed)
 
+    def __reduce__(self):  # deepcopy and pickle: the same keys typed (item by item, each would be typed)
+        return TypedConfig, (dict(self), self.typed)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.typed = self.typed | {key}
+
+    def update(self, *others, **values):
+        given = dict(*others, **values)
+        super().update(given)
+        self.typed = self.typed | set(given) | getattr(others[0] if others else None, "typed", set())
+
+    def setdefault(self, key, value=None):
+        if key not in self:
+            self[key] = value
+        return self[key]
+
     def __or__(self, other):  # the keys given here are typed too: cfg | {"batch_size": 8} beats a preset's 2
         if not isinstance(other, dict):
             return NotImplemented
@@ -2193,7 +2212,6 @@ class TypedConfig(dict):
 
     def __ior__(self, other):
         self.update(other)
-        self.typed = self.typed | set(other) | getattr(other, "typed", set())
         return self
 
 

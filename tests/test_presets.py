@@ -51,6 +51,29 @@ def test_train_of_parse_overrides_keeps_the_typed_keys_over_a_preset(make_cfg, c
     assert "batch_size" in sweep.typed and train_unet.apply_preset(sweep, sweep.typed)[0]["batch_size"] == 8
 
 
+
+def test_a_typed_configs_keys_set_item_by_item_are_typed_and_copies_keep_its_keys():
+    """q = cfg.copy(); q["batch_size"] = 8 under preset=debug trained at debug's 2 (CONFIG's value, set but not
+    typed), as did q.update(batch_size=8); parse_overrides([...], base=cfg) lost the base's typed keys."""
+    import copy
+    import pickle
+
+    base = parse_overrides(["preset=debug"])
+    for set_it in (lambda q: q.__setitem__("batch_size", 8), lambda q: q.update(batch_size=8),
+                   lambda q: q.update({"batch_size": 8}),
+                   lambda q: q.pop("batch_size") and q.setdefault("batch_size", 8)):
+        q = base.copy()
+        set_it(q)
+        assert "batch_size" in q.typed and train_unet.apply_preset(q, q.typed)[0]["batch_size"] == 8
+        assert "batch_size" not in base.typed  # the copy's, not the original's
+    q = parse_overrides(["batch_size=8"], base=parse_overrides(["preset=debug", "epochs=5"]))
+    assert q.typed == {"preset", "epochs", "batch_size"}
+    resolved = train_unet.apply_preset(q, q.typed)[0]
+    assert resolved["batch_size"] == 8 and resolved["epochs"] == 5
+    for twin in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):  # the same keys typed, not every key
+        assert type(twin) is type(q) and twin == q and twin.typed == q.typed
+
+
 def test_no_preset_changes_nothing():
     for args in ([], ["preset=None"], ["preset="]):
         cfg, line = resolve(args)
