@@ -717,6 +717,34 @@ def test_the_numpy_tool_reads_signed_and_float64_tiffs_as_predict_and_skips_a_de
                                                    "with it): pip install onnxruntime\n"
 
 
+def test_the_numpy_tool_makes_a_colour_tiff_grey_for_a_grey_model_as_predict_does(tmp_path_factory, tmp_path):
+    """A grey model's 3-channel int16 TIFF: OpenCV's own grey of it wrapped around (-29905 to 27464), and a
+    float TIFF's min/max was its grey's, not its colours': masks unlike predict's, unsaid. Now colour TIFFs are
+    made grey as train_unet.py makes them (after scaling), other files as OpenCV makes them, as predict does."""
+    root = tmp_path_factory.mktemp("grey")
+    ckpt, data = train_tiny(root, in_channels=1)
+    sidecar = export(ckpt, root / "export" / "model.onnx")["sidecar"]
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rgb = cv2.imread(str(sorted((data / "images").iterdir())[0]))[..., ::-1]
+    wide = rgb.astype(np.int32) * 256 - 32768  # a colour image over the whole int16 range, dark to bright
+    tifffile.imwrite(folder / "a_int16.tif", wide.astype(np.int16), photometric="rgb")
+    tifffile.imwrite(folder / "b_uint16.tif", (wide + 32768).astype(np.uint16), photometric="rgb")
+    tifffile.imwrite(folder / "c_float32.tif", rgb.astype(np.float32) * np.float32([1, 2, 4]), photometric="rgb")
+    tifffile.imwrite(folder / "d_uint8.tif", rgb, photometric="rgb")
+    tifffile.imwrite(folder / "e_grey16.tif", (wide[..., 1] + 32768).astype(np.uint16), photometric="minisblack")
+    cv2.imwrite(str(folder / "f_colour.png"), rgb[..., ::-1])
+    cv2.imwrite(str(folder / "g_colour16.png"), (wide[..., ::-1] + 32768).astype(np.uint16))
+    train_unet.predict(predict_opts(sidecar.with_suffix(".onnx"), folder, tmp_path / "predict", backend="onnxruntime"))
+    done = run_tool(sidecar, folder, tmp_path / "numpy")
+    assert done.returncode == 0, done.stderr[-2000:]
+    want, got = read_masks(tmp_path / "predict"), read_masks(tmp_path / "numpy")
+    assert sorted(got) == sorted(want) and len(want) == 7
+    assert all(0 < (want[name] > 0).mean() < 1 for name in ("a_int16.png", "c_float32.png"))  # both sides
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+
+
 def test_the_numpy_tool_never_writes_a_mask_beside_predicts_overlay_of_the_image(binary, tmp_path):
     """predict overlay=True, then the tool into the same folder: the masks were replaced, predict's overlays of
     the same images left beside them, a folder holding two runs' results for one image."""

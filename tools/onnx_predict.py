@@ -7,8 +7,9 @@ runtime: every number comes from the sidecar. tests/test_export.py checks that i
 
 Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" says for 8-bit, wider
 integer and float images, as OpenCV reads them (a MinIsWhite TIFF as shown, 0 black, as train_unet.py
-reads it; OpenCV inverts only an 8-bit one): a file it cannot read (a multi-page TIFF stack, a TIFF
-layout it refuses) is skipped and named, the others are predicted, and the exit status is 1. For those
+reads it; OpenCV inverts only an 8-bit one; a colour TIFF for a grey model made grey after scaling, as
+there): a file it cannot read (a multi-page TIFF stack, a TIFF layout it refuses) is skipped and named, the
+others are predicted, and the exit status is 1. For those
 files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 
@@ -54,6 +55,8 @@ def model_input(image, meta):
             if np.issubdtype(image.dtype, np.integer) else (image.min(), image.max())
         image = (image.astype(np.float32) - np.float32(low)) / np.float32(high - low) if high > low else \
             np.zeros(image.shape, np.float32)
+    if image.ndim == 3 and meta["config"]["in_channels"] == 1:  # a wider colour TIFF (read), grey once scaled
+        image = cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
     h, w = image.shape[:2]
     rh, rw = max(1, round(h * size / max(h, w))), max(1, round(w * size / max(h, w)))  # longest side to size
     x = np.zeros((size, size) + image.shape[2:], np.float32)                             # pad bottom/right with 0
@@ -65,11 +68,17 @@ def model_input(image, meta):
 
 
 def read(path, gray):
-    """The image as the model takes it (HxW, or HxWx3 RGB), or a ValueError saying why it cannot be."""
+    """The image as the model takes it (HxW, or HxWx3 RGB), or a ValueError saying why it cannot be. For a grey
+    model, a colour TIFF is made grey as train_unet.py does (it reads TIFFs with tifffile): an 8-bit one here,
+    a wider or float one by model_input, after scaling. OpenCV's own grey of a signed 16-bit RGB TIFF had
+    wrapped around (-29905 to 27464), and a float one's min/max was the grey's, not its colours': 0.56% of a
+    mask unlike predict's, unsaid. Other files (and palette or CMYK TIFFs) OpenCV makes grey, as there."""
     if path.suffix.lower() in (".tif", ".tiff") and cv2.imcount(str(path)) > 1:
         raise ValueError("a multi-page TIFF: OpenCV would read its first page only")
+    colour_tiff = gray and path.suffix.lower() in (".tif", ".tiff") and tiff_short(path, 262) not in (3, 5)
     try:
-        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
+        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_ANYCOLOR if colour_tiff else
+                                                             cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
     except cv2.error as exc:
         raise ValueError(str(exc).strip().splitlines()[-1]) from None
     if image is None:
@@ -79,8 +88,11 @@ def read(path, gray):
         check_depth_kept(path)
     if image.dtype.kind == "u" and image.dtype != np.uint8 and min_is_white(path):
         image = np.iinfo(image.dtype).max - image  # as shown; OpenCV inverts an 8-bit one itself
+    if image.ndim == 2:
+        return image
     # BGR to RGB by reversing the channels: cv2.cvtColor refuses signed 16-bit and float64 images
-    return image if gray else np.ascontiguousarray(image[..., ::-1])
+    image = np.ascontiguousarray(image[..., ::-1])
+    return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if gray and image.dtype == np.uint8 else image
 
 
 def check_depth_kept(path):
