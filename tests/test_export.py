@@ -659,6 +659,21 @@ def test_the_numpy_tool_refuses_a_mismatched_or_cut_pair_and_common_slips_in_one
         "image once, without it (train_unet.py predict backend=onnxruntime tta=flip applies it)" in done.stderr
 
 
+def test_the_numpy_tool_refuses_a_mask_file_name_for_its_output_and_a_folder_without_images(binary, tmp_path):
+    """output=m.png became a folder holding the masks, and a folder without images (only hidden ones, or a
+    folder named like one) made the output folder and said '0 mask(s)', exit status 0; predict refuses both."""
+    empty = tmp_path / "empty"
+    (empty / "x.png").mkdir(parents=True)
+    shutil.copy(sorted((binary["data"] / "images").iterdir())[0], empty / "._a.png")
+    for source, output, said in [(binary["data"] / "images", tmp_path / "m.png", f"error: {tmp_path / 'm.png'} names "
+                                  f"a file, but this tool writes one <stem>.png mask per image into the folder given: "
+                                  f"give a folder, e.g. {tmp_path / 'm'}\n"),
+                                 (empty, tmp_path / "out", f"error: no images (.png, .jpg, .jpeg, .tif, .tiff, .bmp) "
+                                  f"in {empty}: give a folder of images, or one\n")]:
+        done = run_tool(binary["sidecar"], source, output)
+        assert done.returncode == 1 and done.stderr == said and not output.exists()
+
+
 def test_the_numpy_tool_skips_what_it_cannot_read_and_never_overwrites_a_mask(binary, tmp_path):
     """One unreadable file stopped the tool at it, the images after it unpredicted; a multi-page TIFF would
     have given its first page's mask; a.jpg beside a.png wrote one a.png for both. Now unreadable files are

@@ -165,7 +165,11 @@ def main(sidecar, source, output):
     source, output = Path(source), Path(output)
     if not source.exists():
         raise SystemExit(f"error: {source} not found: give an image, or a folder of images")
-    paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS)
+    # as predict lists a folder: hidden files (macOS's ._a.png) and folders (x.png/) are not images
+    paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS
+                                                     and not p.name.startswith(".") and not p.is_dir())
+    if not paths:  # it had made the output folder and said '0 mask(s)', exit status 0
+        raise SystemExit(f"error: no images ({', '.join(IMAGE_EXTS)}) in {source}: give a folder of images, or one")
     earlier = check_output(paths, output)
     output.mkdir(parents=True, exist_ok=True)
     failed, replaced = [], 0
@@ -232,6 +236,9 @@ def check_output(paths, output):
     Returns the earlier masks of these images, which it replaces."""
     if output.exists() and not output.is_dir():
         raise SystemExit(f"error: {output} is a file: give the folder the masks go to")
+    if output.suffix.lower() in IMAGE_EXTS and not output.is_dir():  # masks.png had become a folder of masks
+        raise SystemExit(f"error: {output} names a file, but this tool writes one <stem>.png mask per image into "
+                         f"the folder given: give a folder, e.g. {output.parent / output.stem}")
     if output.resolve() in {q for p in paths for q in (p.resolve().parent, p.absolute().parent.resolve())}:
         raise SystemExit(f"error: {output} holds the input images: choose another output folder")
     stems = {}
