@@ -11138,8 +11138,10 @@ def export_path(output):
     """The .onnx file export's output= names (a folder: <folder>/model.onnx). Refused: a file name that is all
     suffix ('.onnx': predict would not take it as an .onnx), and one whose sidecar would be config.json, the
     record a training run keeps in its folder (a resume there would write over the sidecar), and a folder
-    named like an .onnx file that is not there yet (output=x/model.onnx/ made x/model.onnx/model.onnx)."""
-    path = Path(output) if output.lower().endswith(".onnx") else Path(output) / "model.onnx"
+    named like an .onnx file that is not there yet (output=x/model.onnx/ made x/model.onnx/model.onnx). A folder
+    named so that is there is a folder, slash or not: output=x.onnx had moved it, and what it held, to previous/."""
+    named_file = output.lower().endswith(".onnx") and not Path(output).is_dir()
+    path = Path(output) if named_file else Path(output) / "model.onnx"
     file = output.rstrip("/" + os.sep)
     if file != output and file.lower().endswith(".onnx") and not Path(file).is_dir():
         raise UserError(f"output={output} names a folder {Path(file).name}/, where export would write {path}: give "

@@ -903,6 +903,17 @@ def test_an_onnx_name_with_a_trailing_slash_is_refused_unless_that_folder_is_the
     assert train_unet.export_path(str(tmp_path / "y.onnx")) == tmp_path / "y.onnx"
 
 
+def test_an_existing_folder_named_like_an_onnx_file_is_exported_into_not_moved_aside(binary, tmp_path):
+    """output=x.onnx, x.onnx a folder (no trailing slash): export moved the folder, and the user's file in it,
+    into previous/ as if it were an earlier export, and wrote the file x.onnx in its place."""
+    folder = tmp_path / "x.onnx"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    written = export(binary["ckpt"], folder)
+    assert written["onnx"] == folder / "model.onnx" and (folder / "model.json").is_file()
+    assert (folder / "notes.txt").read_text() == "mine" and not (tmp_path / "previous").exists()
+
+
 def test_an_export_whose_sidecar_name_is_an_earlier_pairs_moves_both_of_that_pair(binary, tmp_path, capsys):
     """m.ONNX beside an earlier m.onnx: both write m.json, and only m.json moved aside, leaving m.onnx without
     its sidecar (user test)."""
