@@ -4269,6 +4269,8 @@ def read_tiff(path, mask=False):
             except Exception as exc:  # noqa: BLE001 - damaged data: zlib.error, imagecodecs' errors, EOFError
                 raise UserError(f"cannot read {'mask' if mask else 'image'} {path} (corrupt TIFF data: "
                                 f"{first_line(exc)}): fix or remove it") from None
+            if image.dtype == bool and not mask:  # bilevel (1-bit): 0 and 255, as OpenCV reads a 1-bit PNG or TIFF
+                image = image.view(np.uint8) * np.uint8(255)
             if series.keyframe.photometric == 0 and not mask:  # MINISWHITE: 0 is white
                 image = as_shown(image)
             return np.moveaxis(image, 0, -1) if planar else image
@@ -4292,10 +4294,8 @@ def check_tiff_complete(path, tif, page, kind):
 def as_shown(image):
     """A MinIsWhite TIFF image as viewers, OpenCV and PIL show it (tifffile returns the stored values, 0 for
     white): a data set mixing such TIFFs with PNGs, or a model trained on PNG exports of them, saw them
-    inverted, silently. Unsigned integers and bilevel images are inverted within their type's range; a float
+    inverted, silently. Unsigned integers and bilevel images (0/255) are inverted within their type's range; a float
     or signed one has no such range and is read as stored."""
-    if image.dtype == bool:
-        return ~image
     return np.iinfo(image.dtype).max - image if np.issubdtype(image.dtype, np.unsignedinteger) else image
 
 

@@ -186,12 +186,36 @@ def test_a_miniswhite_tiff_image_is_read_as_viewers_show_it(tmp_path, dtype):
     shown = ramp > 100 if dtype is bool else (ramp * (1 if dtype is np.uint8 else 257)).astype(dtype)
     stored = ~shown if dtype is bool else np.iinfo(dtype).max - shown
     tifffile.imwrite(tmp_path / "mw.tif", stored, photometric="miniswhite")
-    np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif"), shown)
+    np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif"), shown * np.uint8(255) if dtype is bool
+                                  else shown)
     if dtype is np.uint8:
         np.testing.assert_array_equal(train_unet.read_image(tmp_path / "mw.tif", 1),
                                       cv2.imread(str(tmp_path / "mw.tif"), -1))
         np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "mw.tif")), shown)
     np.testing.assert_array_equal(train_unet.read_tiff(tmp_path / "mw.tif", mask=True), stored)  # masks: as stored
+
+
+
+@pytest.mark.parametrize("photometric", ["minisblack", "miniswhite"])
+def test_a_bilevel_tiff_image_is_read_as_opencv_reads_it_and_trains(tmp_path, make_cfg, data_dir, photometric):
+    """A 1-bit (bilevel) TIFF image, a scan's or a thresholded export's: always refused ('pixels of type bool'),
+    where the README says a bilevel MinIsWhite one is read as shown. Now 0 and 255, as OpenCV reads a 1-bit PNG
+    or TIFF; a 1-bit mask is read as stored (0 and 1)."""
+    shown = np.zeros((48, 64), bool)
+    shown[10:30, 20:50] = True
+    tifffile.imwrite(tmp_path / "bi.tif", shown if photometric == "minisblack" else ~shown, photometric=photometric)
+    want = shown.astype(np.uint8) * 255
+    np.testing.assert_array_equal(cv2.imread(str(tmp_path / "bi.tif"), cv2.IMREAD_GRAYSCALE), want)  # OpenCV's
+    np.testing.assert_array_equal(train_unet.read_image(tmp_path / "bi.tif", 1), want)
+    np.testing.assert_array_equal(train_unet.read_image(tmp_path / "bi.tif", 3), np.dstack([want] * 3))
+    assert train_unet.read_tiff(tmp_path / "bi.tif", mask=True).dtype == bool  # a mask's 0/1, as stored
+    for image in sorted((data_dir / "images").iterdir()):  # a data set of bilevel scans trains
+        grey = cv2.imread(str(image), cv2.IMREAD_GRAYSCALE) > 127
+        tifffile.imwrite(image.with_suffix(".tif"), grey if photometric == "minisblack" else ~grey,
+                         photometric=photometric)
+        image.unlink()
+    result = train_unet.train(make_cfg(epochs=1, max_train_images=4))
+    assert len(result["history"]) == 1
 
 
 def write_stack(path, kind, photometric="minisblack"):
