@@ -9658,7 +9658,7 @@ class InputNotes:
                   f"images are divided by 255 and float images mapped by their own min and max")
         if self.outside is not None:
             (path, share, least, most), (low, high) = self.outside, self.cfg["intensity_range"]
-            raw = [f"{low + v * (high - low):.0f}" for v in (least, most)]
+            raw = [round(low + v * (high - low)) for v in (least, most)]  # integers: '-0' was said for a 0
             whose = "" if self.opts["intensity_range"] is not None else \
                 f" ({self.opts['checkpoint']}'s, learnt from its training images)"
             print(f"note: {self.of_looked('outside')} have over {OUTSIDE_RANGE_SHARE:.0%} of their pixels outside "

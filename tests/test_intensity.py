@@ -233,6 +233,18 @@ def test_images_outside_the_checkpoints_own_range_get_a_note(make_cfg, depths, t
     assert f"{ckpt}'s, learnt from its training images)" in note[0] and "predict with intensity_range=" in note[0]
 
 
+
+def test_predicts_outside_note_names_the_images_stored_values(capsys):
+    """A uint16 image of 0-4999 under intensity_range=123,4095: its values were said to span '-0-4999' (the
+    stored 0 computed back from its float32 scaled value, -1e-6, printed with its sign)."""
+    cfg = {"intensity_range": [123, 4095], "in_channels": 1, "data_mode": "fit", "image_size": 64}
+    notes = train_unet.InputNotes(cfg, {"intensity_range": [123, 4095], "checkpoint": "m.pt"})
+    image = np.tile(np.linspace(0, 4999, 64).astype(np.uint16), (64, 1))
+    notes.look("a.tif", image, train_unet.scale_image(image, "a.tif", [123, 4095]))
+    notes.print()
+    assert "(e.g. 22% of a.tif's, whose values span 0-4999): the model sees them outside" in capsys.readouterr().out
+
+
 def test_resume_keeps_the_runs_range(make_cfg, depths, tmp_path, capsys):
     cfg = make_cfg(data_dir=str(depths[12]))
     train_unet.train(cfg)
