@@ -760,6 +760,31 @@ def test_the_numpy_tool_makes_a_colour_tiff_grey_for_a_grey_model_as_predict_doe
         assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
 
 
+def test_the_numpy_tool_skips_a_tiff_stored_plane_by_plane_that_opencv_misreads(binary, tmp_path):
+    """A 16-bit RGB TIFF stored plane by plane (PlanarConfiguration 2, as some microscopes and GIS tools write):
+    OpenCV read other pixels' values for it, and the tool wrote that mask, unlike predict's, unsaid. 8-bit RGB
+    planes OpenCV reads right: still predicted, equal to predict's."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rgb = cv2.imread(str(sorted((binary["data"] / "images").iterdir())[0]))[..., ::-1]
+    planes = np.moveaxis(rgb, -1, 0)
+    tifffile.imwrite(folder / "a_planes16.tif", planes.astype(np.uint16) * 257, photometric="rgb",
+                     planarconfig="separate")
+    tifffile.imwrite(folder / "b_planes_rgba.tif", np.concatenate([planes, planes[:1] * 0 + 255]), photometric="rgb",
+                     planarconfig="separate", extrasamples=[2])
+    tifffile.imwrite(folder / "c_planes8.tif", planes, photometric="rgb", planarconfig="separate")
+    train_unet.predict(predict_opts(binary["onnx"], folder, tmp_path / "predict", backend="onnxruntime"))
+    done = run_tool(binary["sidecar"], folder, tmp_path / "numpy")
+    assert done.returncode == 1 and "1 mask(s) -> " in done.stdout and "2 image(s) skipped" in done.stdout
+    for name, samples in (("a_planes16.tif", 3), ("b_planes_rgba.tif", 4)):
+        assert f"skipped {folder / name}: OpenCV misreads its {samples} channels stored as separate planes " \
+               f"(PlanarConfiguration 2) but for 8-bit RGB: train_unet.py predict backend=onnxruntime " \
+               f"checkpoint=model.onnx reads it" in done.stderr, done.stderr
+    got, want = read_masks(tmp_path / "numpy"), read_masks(tmp_path / "predict")
+    assert list(got) == ["c_planes8.png"] and np.array_equal(got["c_planes8.png"], want["c_planes8.png"])
+    assert (want["a_planes16.png"] == want["c_planes8.png"]).mean() > 0.98  # predict reads them right (tifffile)
+
+
 def test_the_numpy_tool_never_writes_a_mask_beside_predicts_overlay_of_the_image(binary, tmp_path):
     """predict overlay=True, then the tool into the same folder: the masks were replaced, predict's overlays of
     the same images left beside them, a folder holding two runs' results for one image."""

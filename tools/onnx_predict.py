@@ -8,7 +8,7 @@ runtime: every number comes from the sidecar. tests/test_export.py checks that i
 Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" says for 8-bit, wider
 integer and float images, as OpenCV reads them (a MinIsWhite TIFF as shown, 0 black, as train_unet.py
 reads it; OpenCV inverts only an 8-bit one; a colour TIFF for a grey model made grey after scaling, as
-there): a file it cannot read (a multi-page TIFF stack, a TIFF layout it refuses) is skipped and named, the
+there): a file it cannot read (a multi-page TIFF stack, a TIFF layout it refuses or misreads) is skipped and named, the
 others are predicted, and the exit status is 1. For those
 files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
@@ -75,6 +75,7 @@ def read(path, gray):
     mask unlike predict's, unsaid. Other files (and palette or CMYK TIFFs) OpenCV makes grey, as there."""
     if path.suffix.lower() in (".tif", ".tiff") and cv2.imcount(str(path)) > 1:
         raise ValueError("a multi-page TIFF: OpenCV would read its first page only")
+    check_planes(path)
     colour_tiff = gray and path.suffix.lower() in (".tif", ".tiff") and tiff_short(path, 262) not in (3, 5)
     try:
         image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_ANYCOLOR if colour_tiff else
@@ -93,6 +94,16 @@ def read(path, gray):
     # BGR to RGB by reversing the channels: cv2.cvtColor refuses signed 16-bit and float64 images
     image = np.ascontiguousarray(image[..., ::-1])
     return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if gray and image.dtype == np.uint8 else image
+
+
+def check_planes(path):
+    """A ValueError for a TIFF whose channels are stored plane by plane (PlanarConfiguration 2) that OpenCV
+    misreads: all but 8-bit RGB (a 16-bit RGB one came out as other pixels' values, an RGBA one too; its mask
+    unlike predict's, unsaid). By the file's tags: samples per pixel and bits per sample."""
+    samples = tiff_short(path, 277) or 1
+    if tiff_short(path, 284) == 2 and samples > 1 and (samples, tiff_short(path, 258)) != (3, 8):
+        raise ValueError(f"OpenCV misreads its {samples} channels stored as separate planes (PlanarConfiguration 2) "
+                         f"but for 8-bit RGB: {FULL_READER}")
 
 
 def check_depth_kept(path):
