@@ -785,6 +785,31 @@ def test_the_numpy_tool_skips_a_tiff_stored_plane_by_plane_that_opencv_misreads(
     assert (want["a_planes16.png"] == want["c_planes8.png"]).mean() > 0.98  # predict reads them right (tifffile)
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_the_numpy_tool_reads_a_tiff_as_stored_whatever_its_orientation_tag_as_predict_does(binary, tmp_path,
+                                                                                              dtype):
+    """OpenCV turns a TIFF by its Orientation tag, whatever the flags; train_unet.py reads TIFFs as stored: a
+    mirrored or upside-down one's mask was mirrored, unlike predict's, unsaid. Those turned by 90 degrees
+    OpenCV cannot read: skipped and named (a palette one, which predict too leaves to OpenCV, as OpenCV turns it)."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rgb = cv2.imread(str(sorted((binary["data"] / "images").iterdir())[0]))[..., ::-1]
+    rgb = np.ascontiguousarray(rgb[:, : rgb.shape[1] * 3 // 4]).astype(dtype) * (257 if dtype is np.uint16 else 1)
+    for orientation in range(1, 9):
+        tifffile.imwrite(folder / f"o{orientation}.tif", rgb, photometric="rgb",
+                         extratags=[(274, 3, 1, orientation, True)])
+    train_unet.predict(predict_opts(binary["onnx"], folder, tmp_path / "predict", backend="onnxruntime"))
+    done = run_tool(binary["sidecar"], folder, tmp_path / "numpy")
+    assert done.returncode == 1 and "4 mask(s) -> " in done.stdout and "4 image(s) skipped" in done.stdout
+    assert f"skipped {folder / 'o6.tif'}: OpenCV cannot read a TIFF whose Orientation tag turns it by 90 degrees " \
+           f"(6): train_unet.py predict backend=onnxruntime checkpoint=model.onnx reads it" in done.stderr
+    got, want = read_masks(tmp_path / "numpy"), read_masks(tmp_path / "predict")
+    assert sorted(got) == ["o1.png", "o2.png", "o3.png", "o4.png"] and len(want) == 8
+    assert not np.array_equal(want["o1.png"], want["o1.png"][:, ::-1])  # a mirrored mask would differ
+    for name in got:
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+
+
 def test_the_numpy_tool_never_writes_a_mask_beside_predicts_overlay_of_the_image(binary, tmp_path):
     """predict overlay=True, then the tool into the same folder: the masks were replaced, predict's overlays of
     the same images left beside them, a folder holding two runs' results for one image."""

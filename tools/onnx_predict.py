@@ -76,7 +76,9 @@ def read(path, gray):
     if path.suffix.lower() in (".tif", ".tiff") and cv2.imcount(str(path)) > 1:
         raise ValueError("a multi-page TIFF: OpenCV would read its first page only")
     check_planes(path)
-    colour_tiff = gray and path.suffix.lower() in (".tif", ".tiff") and tiff_short(path, 262) not in (3, 5)
+    as_stored = path.suffix.lower() in (".tif", ".tiff") and tiff_short(path, 262) not in (3, 5)  # as tifffile
+    flip = turn_undone(path) if as_stored else None
+    colour_tiff = gray and as_stored
     try:
         image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_ANYCOLOR if colour_tiff else
                                                              cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
@@ -87,6 +89,8 @@ def read(path, gray):
                          f"refuses, such as a float TIFF of another number of channels): {FULL_READER}")
     if image.dtype == np.uint8:
         check_depth_kept(path)
+    if flip is not None:
+        image = cv2.flip(image, flip)
     if image.dtype.kind == "u" and image.dtype != np.uint8 and min_is_white(path):
         image = np.iinfo(image.dtype).max - image  # as shown; OpenCV inverts an 8-bit one itself
     if image.ndim == 2:
@@ -94,6 +98,17 @@ def read(path, gray):
     # BGR to RGB by reversing the channels: cv2.cvtColor refuses signed 16-bit and float64 images
     image = np.ascontiguousarray(image[..., ::-1])
     return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if gray and image.dtype == np.uint8 else image
+
+
+def turn_undone(path):
+    """The cv2.flip code that undoes the turn OpenCV gives a TIFF by its Orientation tag, whatever the flags
+    (train_unet.py reads TIFFs as stored: a mirrored one's mask was mirrored, unsaid), or None; a ValueError
+    for those turned by 90 degrees, which OpenCV 5.1 cannot read ('Internal imread issue')."""
+    orientation = tiff_short(path, 274)
+    if orientation in (5, 6, 7, 8):
+        raise ValueError(f"OpenCV cannot read a TIFF whose Orientation tag turns it by 90 degrees ({orientation}): "
+                         f"{FULL_READER}")
+    return {2: 1, 3: -1, 4: 0}.get(orientation)  # mirrored left-right, turned 180 degrees, mirrored top-bottom
 
 
 def check_planes(path):
