@@ -8,6 +8,7 @@ equal" is then not the vacuous all-background.
 import errno
 import json
 import re
+import runpy
 import shlex
 import shutil
 import subprocess
@@ -808,6 +809,45 @@ def test_the_numpy_tool_reads_a_tiff_as_stored_whatever_its_orientation_tag_as_p
     assert not np.array_equal(want["o1.png"], want["o1.png"][:, ::-1])  # a mirrored mask would differ
     for name in got:
         assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+
+
+def test_the_numpy_tool_skips_a_damaged_jpeg_and_reads_a_cameras_filler_as_predict_does(binary, tmp_path):
+    """A JPEG cut short (a partial copy) or damaged in its middle: libjpeg decodes it into made-up pixels and
+    prints a line that names no file; the tool wrote its mask. Now skipped and named, as predict refuses it;
+    filler before the end marker (a camera's) and a trailer after it are whole images, predicted as predict's."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    source = cv2.imread(str(sorted((binary["data"] / "images").iterdir())[0]))
+    data = cv2.imencode(".jpg", cv2.resize(source, (64, 48)))[1].tobytes()
+    damaged = bytearray(data)
+    for i in range(len(data) // 3, len(data) // 3 + 100):
+        damaged[i] ^= 0x33
+    for name, content in [("a_cut.jpg", data[:len(data) // 2]), ("b_damaged.jpg", bytes(damaged)),
+                          ("c_filler.jpg", data[:-2] + b"\x00" * 5 + data[-2:]), ("d_whole.jpg", data),
+                          ("e_trailer.jpg", data + b"\x00" * 7 + b"ftypmp42" + bytes(range(256)))]:
+        (folder / name).write_bytes(content)
+    done = run_tool(binary["sidecar"], folder, tmp_path / "numpy")
+    assert done.returncode == 1 and "3 mask(s) -> " in done.stdout and "2 image(s) skipped" in done.stdout
+    assert f"skipped {folder / 'a_cut.jpg'}: a damaged JPEG: libjpeg says 'Premature end of JPEG file' and fills " \
+           f"what it cannot read with made-up pixels: replace it with an intact copy\n" in done.stderr
+    assert f"skipped {folder / 'b_damaged.jpg'}: a damaged JPEG: libjpeg says 'Corrupt JPEG data: " in done.stderr
+    assert len(done.stderr.splitlines()) == 2, done.stderr  # libjpeg's own lines not among them
+    (folder / "a_cut.jpg").unlink()
+    (folder / "b_damaged.jpg").unlink()
+    train_unet.predict(predict_opts(binary["onnx"], folder, tmp_path / "predict", backend="onnxruntime"))
+    got, want = read_masks(tmp_path / "numpy"), read_masks(tmp_path / "predict")
+    assert sorted(got) == sorted(want) == ["c_filler.png", "d_whole.png", "e_trailer.png"]
+    for name in want:
+        assert np.array_equal(got[name], want[name]), f"{name}: {int((got[name] != want[name]).sum())} pixels differ"
+    # filler is told from damage as train_unet.py tells it (this libjpeg may not warn of the filler above)
+    level = cv2.utils.logging.getLogLevel()  # the tool quiets OpenCV's log on import: not for the other tests
+    jpeg_filler = runpy.run_path(str(ROOT / "tools" / "onnx_predict.py"))["jpeg_filler"]
+    cv2.utils.logging.setLogLevel(level)
+    warning = b"Corrupt JPEG data: 5 extraneous bytes before marker 0xd9"
+    for content in (data[:-2] + b"\x00" * 5 + data[-2:], data[:-2] + b"\xff" * 5 + data[-2:],
+                    data[:-2] + b"\x00\x00\x12\x00\x00" + data[-2:], data[:-2] + b"\x00" * 4 + data[-2:], data[:40]):
+        assert jpeg_filler(warning, content) == train_unet.jpeg_padding(warning, content)
+    assert jpeg_filler(warning, data[:-2] + b"\x00" * 5 + data[-2:]) and not jpeg_filler(warning, data[:40])
 
 
 def test_the_numpy_tool_never_writes_a_mask_beside_predicts_overlay_of_the_image(binary, tmp_path):

@@ -8,8 +8,8 @@ runtime: every number comes from the sidecar. tests/test_export.py checks that i
 Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" says for 8-bit, wider
 integer and float images, as OpenCV reads them (a MinIsWhite TIFF as shown, 0 black, as train_unet.py
 reads it; OpenCV inverts only an 8-bit one; a colour TIFF for a grey model made grey after scaling, as
-there): a file it cannot read (a multi-page TIFF stack, a TIFF layout it refuses or misreads) is skipped
-and named, the others are predicted, and the exit status is 1. For those files, and for patch-mode models
+there): a file it cannot read (a multi-page TIFF stack, a TIFF layout it refuses or misreads, a JPEG cut
+short or damaged) is skipped and named, the others are predicted, and the exit status is 1. For those files, and for patch-mode models
 (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 
@@ -24,8 +24,10 @@ before anything is written; a mask that cannot be written is named, as an unread
 import hashlib
 import json
 import os
+import re
 import struct
 import sys
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -80,8 +82,8 @@ def read(path, gray):
     flip = turn_undone(path) if as_stored else None
     colour_tiff = gray and as_stored
     try:
-        image = cv2.imread(str(path), cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_ANYCOLOR if colour_tiff else
-                                                             cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
+        image = imread_watched(path, cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_ANYCOLOR if colour_tiff else
+                                                           cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR))
     except cv2.error as exc:
         raise ValueError(str(exc).strip().splitlines()[-1]) from None
     if image is None:
@@ -98,6 +100,54 @@ def read(path, gray):
     # BGR to RGB by reversing the channels: cv2.cvtColor refuses signed 16-bit and float64 images
     image = np.ascontiguousarray(image[..., ::-1])
     return cv2.cvtColor(image, cv2.COLOR_RGB2GRAY) if gray and image.dtype == np.uint8 else image
+
+
+# What libjpeg prints of damaged data (a file cut short, a flipped bit), which it decodes all the same into
+# made-up pixels; and its warning of filler before the end marker, which some cameras write (the pixels exact)
+JPEG_DAMAGE = re.compile(rb"Corrupt JPEG data: [^\r\n]*|Premature end of JPEG file")
+JPEG_DAMAGE_LINE = re.compile(rb"(?:" + JPEG_DAMAGE.pattern + rb")\r?\n?")
+JPEG_FILLER = re.compile(rb"Corrupt JPEG data: (\d+) extraneous bytes before marker 0xd9")
+
+
+def imread_watched(path, flags):
+    """cv2.imread; for a JPEG, with what libjpeg says caught from fd 2 (this tool reads one file at a time): a
+    ValueError where it found the data damaged. A JPEG cut short (a partial copy) got a mask of made-up pixels
+    and a 'Premature end of JPEG file' line that named no file. Anything else said there is passed on."""
+    with open(path, "rb") as f:
+        if f.read(2) != b"\xff\xd8":
+            return cv2.imread(str(path), flags)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            image = cv2.imread(str(path), flags)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        caught.seek(0)
+        said = caught.read()
+    if JPEG_DAMAGE_LINE.sub(b"", said):
+        os.write(2, JPEG_DAMAGE_LINE.sub(b"", said))
+    damage = [m[0] for m in JPEG_DAMAGE.finditer(said) if not jpeg_filler(m[0], path.read_bytes())]
+    if damage:
+        raise ValueError(f"a damaged JPEG: libjpeg says '{damage[0].decode('latin-1')}' and fills what it cannot "
+                         f"read with made-up pixels: replace it with an intact copy")
+    return image
+
+
+def jpeg_filler(message, data):
+    """Whether libjpeg's warning is of N bytes before the end marker that are all 0x00 or all 0xFF: filler, the
+    image whole. The end marker: the first FF D9 after the first scan begins, the segments before it stepped
+    over by their lengths (an EXIF thumbnail's markers are inside them); as train_unet.py's jpeg_end."""
+    found, i = JPEG_FILLER.fullmatch(message), 2
+    while found and i + 4 <= len(data) and data[i] == 0xFF and data[i + 1] != 0xDA:
+        marker = data[i + 1]
+        i += 1 if marker == 0xFF else 2 if 0xD0 <= marker <= 0xD9 or marker == 0x01 else \
+            2 + int.from_bytes(data[i + 2:i + 4], "big")
+    end = data.find(b"\xff\xd9", i) if found and data[i + 1:i + 2] == b"\xda" else -1
+    filler = data[end - int(found[1]):end] if end > 0 else b""
+    return bool(filler) and len(filler) == int(found[1]) and len(set(filler)) == 1 and filler[:1] in (b"\x00", b"\xff")
 
 
 def turn_undone(path):
