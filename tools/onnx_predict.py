@@ -9,8 +9,8 @@ Covers fit-mode models (data_mode=fit) and what the sidecar's "preprocessing" sa
 integer and float images, as OpenCV reads them (a MinIsWhite TIFF as shown, 0 black, as train_unet.py
 reads it; OpenCV inverts only an 8-bit one; a colour TIFF for a grey model made grey after scaling, as
 there): a file it cannot read (a multi-page TIFF stack, a TIFF layout it refuses or misreads, a JPEG cut
-short or damaged) is skipped and named, the others are predicted, and the exit status is 1. For those files, and for patch-mode models
-(the sliding window), use
+short or damaged) is skipped and named, the others are predicted, and the exit status is 1. For those
+files, and for patch-mode models (the sliding window), use
 `python train_unet.py predict backend=onnxruntime checkpoint=model.onnx`.
 
 The .onnx must be the one export wrote beside the sidecar (its SHA-256): another export's, or one cut short
