@@ -811,8 +811,12 @@ def resume_state(cfg, ckpt_dir, typed=()):
 def kept_patience(state, cfg, typed):
     """early_stopping_patience not given on resume: the run's. CONFIG's 5 had stopped a run trained with None
     three epochs into its resume, unsaid (the uninterrupted run trained all 14), and refused one stopped by
-    Ctrl-C with 'stopped early'; the stop's own 'resume=True continues' left it out."""
-    if "early_stopping_patience" in typed or "early_stopping_patience" not in state["config"]:
+    Ctrl-C with 'stopped early'; the stop's own 'resume=True continues' left it out. Given: typed, or set by a
+    preset other than the run's (preset=debug's None had been said in the banner and the run's 5 kept, unsaid);
+    the run's own preset, given again as its stop line says, keeps the run's."""
+    preset, was = cfg.get("preset"), state["config"].get("preset")
+    by_preset = preset and preset != was and "early_stopping_patience" in PRESETS[preset]
+    if "early_stopping_patience" in typed or by_preset or "early_stopping_patience" not in state["config"]:
         return cfg
     return {**cfg, "early_stopping_patience": state["config"]["early_stopping_patience"]}
 

@@ -761,6 +761,34 @@ def test_a_resume_keeps_the_runs_early_stopping_patience_unless_given(make_cfg, 
         f"resume=True preset=debug epochs={train_unet.CONFIG['epochs']}"
 
 
+
+def test_a_preset_given_on_resume_sets_the_patience_it_says(make_cfg, monkeypatch, capsys):
+    """resume=True preset=debug on a run of patience 5: the banner said debug's early_stopping_patience=None, the
+    run kept its 5, unsaid, and stopped early (an early-stopped one was refused: 'set it to None'). The run's own
+    preset given again, as its stop line says, keeps the patience the run trained with (user test)."""
+    rows = iter([0.5, 0.4, 0.3, 0.2, 0.1, 0.09])
+    real = train_unet.finish_epoch
+    monkeypatch.setattr(train_unet, "finish_epoch",
+                        lambda run, row, cfg: real(run, {**row, "val_iou": next(rows)}, cfg))
+    keep = {key: value for key, value in train_unet.PRESETS["debug"].items()
+            if key not in ("early_stopping_patience", "epochs")}  # the first run: debug's settings but these
+    result = train(make_cfg(epochs=6, early_stopping_patience=1, **keep))
+    assert len(result["history"]) == 2  # stopped early
+    capsys.readouterr()
+    resumed = make_cfg(epochs=4, resume=True, preset="debug", **keep)
+    result = train(resumed, explicit={"epochs", *keep})
+    assert [row["epoch"] for row in result["history"]] == [1, 2, 3, 4]  # every epoch: debug's None
+    assert "early_stopping_patience changed from 1 to None" in capsys.readouterr().out
+    saved = json.loads((Path(resumed["checkpoint_dir"]) / "config.json").read_text())["config"]
+    assert saved["early_stopping_patience"] is None
+    # a run trained with preset=debug and patience 1 typed over it: resumed with preset=debug, it keeps 1
+    train(make_cfg(checkpoint_dir=resumed["checkpoint_dir"] + "2", epochs=6, preset="debug",
+                   early_stopping_patience=1), explicit={"epochs", "early_stopping_patience"})
+    with pytest.raises(UserError, match=r"stopped early after epoch 2: .* early_stopping_patience=1: raise it"):
+        train(make_cfg(checkpoint_dir=resumed["checkpoint_dir"] + "2", epochs=6, preset="debug", resume=True),
+              explicit={"epochs"})
+
+
 def stopped_then_started_again(cfg, epoch, interrupt_at, monkeypatch, capsys):
     """A run stopped by Ctrl-C in `epoch`, then started again in its folder without resume: that run's output."""
     real = interrupt_at(epoch)
