@@ -153,11 +153,15 @@ def jpeg_filler(message, data):
 def turn_undone(path):
     """The cv2.flip code that undoes the turn OpenCV gives a TIFF by its Orientation tag, whatever the flags
     (train_unet.py reads TIFFs as stored: a mirrored one's mask was mirrored, unsaid), or None; a ValueError
-    for those turned by 90 degrees, which OpenCV 5.1 cannot read ('Internal imread issue')."""
+    for those turned by 90 degrees (OpenCV 5.1 cannot read them, 4.8 reads them turned) and for a tiled one
+    turned at all (OpenCV 5.1 mirrors an 8-bit one's tiles one by one: no flip of the whole undoes it)."""
     orientation = tiff_short(path, 274)
     if orientation in (5, 6, 7, 8):
-        raise ValueError(f"OpenCV cannot read a TIFF whose Orientation tag turns it by 90 degrees ({orientation}): "
-                         f"{FULL_READER}")
+        raise ValueError(f"OpenCV reads a TIFF whose Orientation tag turns it by 90 degrees ({orientation}) turned, "
+                         f"or not at all: {FULL_READER}")
+    if orientation in (2, 3, 4) and tiff_short(path, 322) is not None:  # TileWidth: a tiled TIFF
+        raise ValueError(f"OpenCV reads a tiled TIFF whose Orientation tag ({orientation}) mirrors or turns it tile "
+                         f"by tile: {FULL_READER}")
     return {2: 1, 3: -1, 4: 0}.get(orientation)  # mirrored left-right, turned 180 degrees, mirrored top-bottom
 
 
@@ -191,8 +195,8 @@ def min_is_white(path):
 
 
 def tiff_short(path, tag):
-    """The first value of a SHORT tag in a TIFF's first directory (TIFF or BigTIFF), or None: read here with
-    struct, no TIFF library needed."""
+    """The first value of a SHORT tag in a TIFF's first directory (TIFF or BigTIFF), or None (no such tag, or a
+    file cut short: OpenCV then says it cannot read it): read here with struct, no TIFF library needed."""
     if path.suffix.lower() not in (".tif", ".tiff"):
         return None
     with open(path, "rb") as f:
@@ -203,8 +207,10 @@ def tiff_short(path, tag):
         big = struct.unpack(order + "H", head[2:4])[0] == 43  # BigTIFF: 8-byte offsets and counts
         count_fmt, entry_size, offset = ("Q", 20, head[8:16]) if big else ("H", 12, head[4:8])
         f.seek(struct.unpack(order + ("Q" if big else "I"), offset)[0])
-        count = struct.unpack(order + count_fmt, f.read(struct.calcsize(count_fmt)))[0]
-        for _ in range(min(count, 4096)):
+        counted = f.read(struct.calcsize(count_fmt))
+        if len(counted) < struct.calcsize(count_fmt):  # a file cut short before its directory (a partial copy)
+            return None
+        for _ in range(min(struct.unpack(order + count_fmt, counted)[0], 4096)):
             entry = f.read(entry_size)
             if len(entry) < entry_size:
                 return None
