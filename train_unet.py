@@ -2182,8 +2182,9 @@ class TypedConfig(dict):
     """A training config parse_overrides made, which remembers the keys typed: train(parse_overrides([...]))
     keeps them over a preset, as the command line does (preset=debug batch_size=8 trained at the preset's 2,
     8 being CONFIG's value). cfg.copy(), cfg | {...}, cfg[key] = ... and cfg.update(...) keep them, the keys
-    set typed too (a notebook's sweep: q = cfg.copy(); q["batch_size"] = 8 trained at debug's 2); {**cfg}
-    and dict(cfg) are plain dicts: then only values away from CONFIG's count."""
+    set typed too (a notebook's sweep: q = cfg.copy(); q["batch_size"] = 8 trained at debug's 2), of another
+    TypedConfig merged in only its typed keys, with their values (all of its keys had switched the preset off);
+    a key removed is no longer typed. {**cfg} and dict(cfg) are plain dicts: then only values away from CONFIG's count."""
 
     def __init__(self, values, typed):
         super().__init__(values)
@@ -2195,24 +2196,48 @@ class TypedConfig(dict):
     def __reduce__(self):  # deepcopy and pickle: the same keys typed (item by item, each would be typed)
         return TypedConfig, (dict(self), self.typed)
 
+    @staticmethod
+    def given(other):
+        """What a merge of `other` sets, and types: of another TypedConfig its typed keys (the rest are CONFIG's
+        values: parse_overrides(["epochs=5"])'s preset=None had wiped out a preset=debug), else all it holds."""
+        return {k: other[k] for k in other.typed} if isinstance(other, TypedConfig) else dict(other)
+
     def __setitem__(self, key, value):
         super().__setitem__(key, value)
         self.typed = self.typed | {key}
 
     def update(self, *others, **values):
-        given = dict(*others, **values)
+        given = {**(self.given(others[0]) if others else {}), **values}
         super().update(given)
-        self.typed = self.typed | set(given) | getattr(others[0] if others else None, "typed", set())
+        self.typed = self.typed | set(given)
 
     def setdefault(self, key, value=None):
         if key not in self:
             self[key] = value
         return self[key]
 
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self.typed = self.typed - {key}
+
+    def pop(self, key, *default):
+        self.typed = self.typed - {key}
+        return super().pop(key, *default)
+
+    def popitem(self):
+        key, value = super().popitem()
+        self.typed = self.typed - {key}
+        return key, value
+
+    def clear(self):
+        super().clear()
+        self.typed = frozenset()
+
     def __or__(self, other):  # the keys given here are typed too: cfg | {"batch_size": 8} beats a preset's 2
         if not isinstance(other, dict):
             return NotImplemented
-        return TypedConfig({**self, **other}, self.typed | set(other) | getattr(other, "typed", set()))
+        given = self.given(other)
+        return TypedConfig({**self, **given}, self.typed | set(given))
 
     def __ior__(self, other):
         self.update(other)

@@ -72,6 +72,16 @@ def test_a_typed_configs_keys_set_item_by_item_are_typed_and_copies_keep_its_key
     assert resolved["batch_size"] == 8 and resolved["epochs"] == 5
     for twin in (copy.deepcopy(q), pickle.loads(pickle.dumps(q))):  # the same keys typed, not every key
         assert type(twin) is type(q) and twin == q and twin.typed == q.typed
+    # another TypedConfig merged in types its typed keys, not all it holds (the preset had been switched off)
+    updated = parse_overrides(["preset=debug"])
+    updated.update(parse_overrides(["epochs=5"]))
+    for merged in (parse_overrides(["preset=debug"]) | parse_overrides(["epochs=5"]), updated):
+        resolved = train_unet.apply_preset(merged, merged.typed)[0]
+        assert merged.typed == {"preset", "epochs"} and resolved["batch_size"] == 2 and resolved["epochs"] == 5
+    q = parse_overrides(["preset=debug", "epochs=5", "seed=3"])  # a key removed is typed no more
+    del q["epochs"]
+    q.pop("seed")
+    assert q.typed == {"preset"} and train_unet.apply_preset({**train_unet.CONFIG, **q}, q.typed)[0]["epochs"] == 2
 
 
 def test_no_preset_changes_nothing():
