@@ -77,9 +77,11 @@ def read(path, gray):
     mask unlike predict's, unsaid. Other files (and palette or CMYK TIFFs) OpenCV makes grey, as there."""
     if path.suffix.lower() in (".tif", ".tiff") and cv2.imcount(str(path)) > 1:
         raise ValueError("a multi-page TIFF: OpenCV would read its first page only")
-    check_planes(path)
-    as_stored = path.suffix.lower() in (".tif", ".tiff") and tiff_short(path, 262) not in (3, 5)  # as tifffile
-    flip = turn_undone(path) if as_stored else None
+    tiff = path.suffix.lower() in (".tif", ".tiff")
+    tags = tiff_tags(path) if tiff else {}  # the first directory's, read once
+    check_planes(tags)
+    as_stored = tiff and tags.get(262) not in (3, 5)  # as tifffile reads it (palette and CMYK: OpenCV's colours)
+    flip = turn_undone(tags) if as_stored else None
     colour_tiff = gray and as_stored
     try:
         image = imread_watched(path, cv2.IMREAD_ANYDEPTH | (cv2.IMREAD_ANYCOLOR if colour_tiff else
@@ -90,10 +92,10 @@ def read(path, gray):
         raise ValueError(f"OpenCV cannot read it as a {'grey' if gray else 'colour'} image (damaged, or a layout it "
                          f"refuses, such as a float TIFF of another number of channels): {FULL_READER}")
     if image.dtype == np.uint8:
-        check_depth_kept(path)
+        check_depth_kept(tags)
     if flip is not None:
         image = cv2.flip(image, flip)
-    if image.dtype.kind == "u" and image.dtype != np.uint8 and min_is_white(path):
+    if image.dtype.kind == "u" and image.dtype != np.uint8 and tags.get(262) == 0:  # MinIsWhite
         image = np.iinfo(image.dtype).max - image  # as shown; OpenCV inverts an 8-bit one itself
     if image.ndim == 2:
         return image
@@ -127,9 +129,12 @@ def imread_watched(path, flags):
             os.close(saved)
         caught.seek(0)
         said = caught.read()
-    if JPEG_DAMAGE_LINE.sub(b"", said):
-        os.write(2, JPEG_DAMAGE_LINE.sub(b"", said))
-    damage = [m[0] for m in JPEG_DAMAGE.finditer(said) if not jpeg_filler(m[0], path.read_bytes())]
+    rest = JPEG_DAMAGE_LINE.sub(b"", said)
+    if rest:
+        os.write(2, rest)
+    warnings = [m[0] for m in JPEG_DAMAGE.finditer(said)]
+    data = path.read_bytes() if warnings else b""  # the filler check's bytes, read once
+    damage = [warning for warning in warnings if not jpeg_filler(warning, data)]
     if damage:
         raise ValueError(f"a damaged JPEG: libjpeg says '{damage[0].decode('latin-1')}' and fills what it cannot "
                          f"read with made-up pixels: replace it with an intact copy")
@@ -150,36 +155,36 @@ def jpeg_filler(message, data):
     return bool(filler) and len(filler) == int(found[1]) and len(set(filler)) == 1 and filler[:1] in (b"\x00", b"\xff")
 
 
-def turn_undone(path):
+def turn_undone(tags):
     """The cv2.flip code that undoes the turn OpenCV gives a TIFF by its Orientation tag, whatever the flags
     (train_unet.py reads TIFFs as stored: a mirrored one's mask was mirrored, unsaid), or None; a ValueError
     for those turned by 90 degrees (OpenCV 5.1 cannot read them, 4.8 reads them turned) and for a tiled one
     turned at all (OpenCV 5.1 mirrors an 8-bit one's tiles one by one: no flip of the whole undoes it)."""
-    orientation = tiff_short(path, 274)
+    orientation = tags.get(274)
     if orientation in (5, 6, 7, 8):
         raise ValueError(f"OpenCV reads a TIFF whose Orientation tag turns it by 90 degrees ({orientation}) turned, "
                          f"or not at all: {FULL_READER}")
-    if orientation in (2, 3, 4) and tiff_short(path, 322) is not None:  # TileWidth: a tiled TIFF
+    if orientation in (2, 3, 4) and 322 in tags:  # TileWidth: a tiled TIFF
         raise ValueError(f"OpenCV reads a tiled TIFF whose Orientation tag ({orientation}) mirrors or turns it tile "
                          f"by tile: {FULL_READER}")
     return {2: 1, 3: -1, 4: 0}.get(orientation)  # mirrored left-right, turned 180 degrees, mirrored top-bottom
 
 
-def check_planes(path):
+def check_planes(tags):
     """A ValueError for a TIFF whose channels are stored plane by plane (PlanarConfiguration 2) that OpenCV
     misreads: all but 8-bit RGB (a 16-bit RGB one came out as other pixels' values, an RGBA one too; its mask
     unlike predict's, unsaid). By the file's tags: samples per pixel and bits per sample."""
-    samples = tiff_short(path, 277) or 1
-    if tiff_short(path, 284) == 2 and samples > 1 and (samples, tiff_short(path, 258)) != (3, 8):
+    samples = tags.get(277) or 1
+    if tags.get(284) == 2 and samples > 1 and (samples, tags.get(258)) != (3, 8):
         raise ValueError(f"OpenCV misreads its {samples} channels stored as separate planes (PlanarConfiguration 2) "
                          f"but for 8-bit RGB: {FULL_READER}")
 
 
-def check_depth_kept(path):
+def check_depth_kept(tags):
     """A ValueError for a TIFF whose wider samples OpenCV cut to 8 bits as it read it (a 16-bit grey-and-alpha
     TIFF, even read unchanged): scaled by the 8-bit rule, not the sidecar's range, its mask differed from
     predict's in 13% of pixels, unsaid. By the file's BitsPerSample, for TIFFs read as 8-bit only."""
-    bits = tiff_short(path, 258)
+    bits = tags.get(258)
     if bits is not None and bits > 8:
         raise ValueError(f"OpenCV cuts its {bits}-bit samples to 8 bits as it reads them (a TIFF of grey and alpha?): "
                          f"{FULL_READER}")
@@ -188,40 +193,42 @@ def check_depth_kept(path):
 FULL_READER = "train_unet.py predict backend=onnxruntime checkpoint=model.onnx reads it"
 
 
-def min_is_white(path):
-    """Whether a TIFF's first image is stored MinIsWhite (PhotometricInterpretation 0, 0 for white): OpenCV
-    returns a 16-bit one's stored values, where viewers, and train_unet.py, show it inverted."""
-    return tiff_short(path, 262) == 0
+# The tags read of a TIFF's first directory: BitsPerSample, PhotometricInterpretation (0 MinIsWhite: OpenCV
+# returns a 16-bit one's stored values, where viewers and train_unet.py show it inverted), Orientation,
+# SamplesPerPixel, PlanarConfiguration, TileWidth
+TIFF_TAGS = (258, 262, 274, 277, 284, 322)
 
 
-def tiff_short(path, tag):
-    """The first value of a SHORT tag in a TIFF's first directory (TIFF or BigTIFF), or None (no such tag, or a
-    file cut short: OpenCV then says it cannot read it): read here with struct, no TIFF library needed."""
-    if path.suffix.lower() not in (".tif", ".tiff"):
-        return None
+def tiff_tags(path):
+    """{tag: its first value, read as a SHORT} of TIFF_TAGS in a TIFF's first directory (TIFF or BigTIFF); those
+    before the end of a file cut short (OpenCV then says it cannot read it), none of a file that is not a TIFF.
+    Read here with struct, no TIFF library needed."""
+    tags = {}
     with open(path, "rb") as f:
         head = f.read(16)
         order = {b"II": "<", b"MM": ">"}.get(head[:2])
         if order is None or len(head) < 16:
-            return None
+            return tags
         big = struct.unpack(order + "H", head[2:4])[0] == 43  # BigTIFF: 8-byte offsets and counts
         count_fmt, entry_size, offset = ("Q", 20, head[8:16]) if big else ("H", 12, head[4:8])
         f.seek(struct.unpack(order + ("Q" if big else "I"), offset)[0])
         counted = f.read(struct.calcsize(count_fmt))
         if len(counted) < struct.calcsize(count_fmt):  # a file cut short before its directory (a partial copy)
-            return None
-        for _ in range(min(struct.unpack(order + count_fmt, counted)[0], 4096)):
-            entry = f.read(entry_size)
-            if len(entry) < entry_size:
-                return None
-            if struct.unpack(order + "H", entry[:2])[0] == tag:
-                values = struct.unpack(order + ("Q" if big else "I"), entry[4:12 if big else 8])[0]
-                field = entry[12 if big else 8:]
-                if values * 2 > len(field):  # the values are elsewhere: the field holds their offset
-                    f.seek(struct.unpack(order + ("Q" if big else "I"), field)[0])
-                    field = f.read(2)
-                return struct.unpack(order + "H", field[:2])[0] if len(field) >= 2 else None
-    return None
+            return tags
+        entries = f.read(min(struct.unpack(order + count_fmt, counted)[0], 4096) * entry_size)
+        for at in range(0, len(entries) - entry_size + 1, entry_size):
+            entry = entries[at:at + entry_size]
+            tag = struct.unpack(order + "H", entry[:2])[0]
+            if tag not in TIFF_TAGS or tag in tags:  # a tag given twice: its first, as before
+                continue
+            values = struct.unpack(order + ("Q" if big else "I"), entry[4:12 if big else 8])[0]
+            field = entry[12 if big else 8:]
+            if values * 2 > len(field):  # the values are elsewhere: the field holds their offset
+                f.seek(struct.unpack(order + ("Q" if big else "I"), field)[0])
+                field = f.read(2)
+            if len(field) >= 2:
+                tags[tag] = struct.unpack(order + "H", field[:2])[0]
+    return tags
 
 
 def predict(session, meta, path):
