@@ -2184,7 +2184,8 @@ class TypedConfig(dict):
     8 being CONFIG's value). cfg.copy(), cfg | {...}, cfg[key] = ... and cfg.update(...) keep them, the keys
     set typed too (a notebook's sweep: q = cfg.copy(); q["batch_size"] = 8 trained at debug's 2), of another
     TypedConfig merged in only its typed keys, with their values (all of its keys had switched the preset off);
-    a key removed is no longer typed. {**cfg} and dict(cfg) are plain dicts: then only values away from CONFIG's count."""
+    a key removed is no longer typed. {**cfg} and dict(cfg) are plain dicts: then only values away from
+    CONFIG's count."""
 
     def __init__(self, values, typed):
         super().__init__(values)
@@ -2207,9 +2208,9 @@ class TypedConfig(dict):
         self.typed = self.typed | {key}
 
     def update(self, *others, **values):
-        given = {**(self.given(others[0]) if others else {}), **values}
-        super().update(given)
-        self.typed = self.typed | set(given)
+        merged = {**(self.given(others[0]) if others else {}), **values}
+        super().update(merged)
+        self.typed = self.typed | set(merged)
 
     def setdefault(self, key, value=None):
         if key not in self:
@@ -2236,8 +2237,8 @@ class TypedConfig(dict):
     def __or__(self, other):  # the keys given here are typed too: cfg | {"batch_size": 8} beats a preset's 2
         if not isinstance(other, dict):
             return NotImplemented
-        given = self.given(other)
-        return TypedConfig({**self, **given}, self.typed | set(given))
+        merged = self.given(other)
+        return TypedConfig({**self, **merged}, self.typed | set(merged))
 
     def __ior__(self, other):
         self.update(other)
