@@ -4765,7 +4765,17 @@ def not_class_indices(values):
 
 
 def format_values(values, limit=8):
-    return f"[{first_few([f'{v:g}' for v in values[:limit + 1]], limit)}]"  # one past the limit: ', ...' or not
+    return f"[{first_few([value_text(v) for v in values[:limit + 1]], limit)}]"  # one past the limit: ', ...' or not
+
+
+def value_text(v):
+    """A mask value as short as it reads back: 6 digits where they do (0.5, 255), more where they would show
+    a value that is not whole as whole (a float32 0.9999999 is not class 1) or cut a large integer."""
+    for digits in range(6, 18):
+        text = f"{v:.{digits}g}"
+        if v in (float(text), float(np.float32(text))):  # float32 masks: the float32's own shortest digits
+            return text
+    return f"{v:g}"  # nan, inf
 
 
 def first_few(items, limit=3):

@@ -261,6 +261,8 @@ def test_channels_stored_as_pages_are_named_so_with_the_fix(tmp_path, writer):
 @pytest.mark.parametrize("values, dtype, words", [
     ([0, 0.5, 1, 2], np.float32, "0.5"),
     ([0, -1, 1, 2], np.int16, "-1"),
+    ([0, np.float32(0.9999999), 1, 2], np.float32, "0.9999999"),  # once shown as [1]: class 1 "not a class"
+    ([0, 1, 2, np.float32(254.99998)], np.float32, "254.99998"),  # once shown as [255]: void "not a class"
 ])
 def test_multi_class_masks_of_other_values_than_class_indices_are_refused(tmp_path, make_cfg, data_dir,
                                                                           values, dtype, words):
@@ -275,6 +277,12 @@ def test_multi_class_masks_of_other_values_than_class_indices_are_refused(tmp_pa
     target.unlink()
     tifffile.imwrite(target.with_suffix(".tif"), mask)
     one_line_error(prepare_data, make_cfg(num_classes=3), match=f"{target.stem}.tif .* not class indices")
+
+
+def test_mask_values_in_messages_read_back_as_they_are():
+    """A message's values are the mask's: not rounded to a whole number, not cut to 6 digits."""
+    values = [0.5, 255, float(np.float32(0.9999999)), 1234567, 1.0000000000000002, float("nan")]
+    assert train_unet.format_values(values) == "[0.5, 255, 0.9999999, 1234567, 1.0000000000000002, nan]"
 
 
 @pytest.mark.parametrize("classes, fill", [(1, "0 \\(background\\) or 1 \\(foreground\\)"),
