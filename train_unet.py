@@ -7895,8 +7895,10 @@ def keep_chosen_precision(prec, cfg, state, hw, explicit=()):
     if not (auto and chosen and native):
         return prec, cfg
     cfg = {**cfg, "use_amp": was.get("use_amp", True), "amp_dtype": was.get("amp_dtype", "auto")}
-    if saved == prec.name:
+    if saved == prec.name == "fp32":  # auto's own choice: no half precision is native here
         return prec, cfg
+    # a bf16 set is kept, and said so, even where auto's flag rule picks bf16 too: its "auto: native bf16" claimed
+    # a choice auto had not made (the CPU probe can choose fp32; an auto run resumed keeps the probe's choice)
     setting = "use_amp=False" if not was.get("use_amp", True) else f"amp_dtype={was['amp_dtype']}"
     preset = f", from preset={was['preset']}" if was.get("preset") else ""
     # use_amp=True typed decides again as auto (float16 named alone misled: a CPU then trains in bf16); in a dict,
