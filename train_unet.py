@@ -53,6 +53,7 @@ import datetime
 import difflib
 import errno
 import functools
+import gc
 import glob
 import hashlib
 import itertools
@@ -73,6 +74,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import types
 import unicodedata
 import warnings
@@ -567,31 +569,52 @@ def train(cfg, explicit=()):
         with process_state_kept():
             return train_checked(cfg, explicit)
     except KeyboardInterrupt as exc:  # a notebook's interrupt says what the command line's says
+        let_the_run_go(exc)
         if exc.args:
             raise
         raise KeyboardInterrupt(interrupted_run_words(cfg, started, explicit)) from None
+    except UserError as exc:
+        let_the_run_go(exc)
+        raise
+
+
+def let_the_run_go(exc):
+    """Free what a stopped run held: its loader workers (hundreds of MB each), decoded-image folders and
+    the rest live in the locals of the frames `exc` passed through, and a notebook keeps its last
+    exception (sys.last_value), so they outlived the run, until another error took its place. A
+    command-line run frees them by ending; an internal bug keeps its frames, for a post-mortem."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()  # the loaders and caches sit in reference cycles: their workers and folders go now
 
 
 def train_checked(cfg, explicit):
     """train, its config a dict of known keys: the run set up in its folder, held, then the epoch loop."""
+    reset_peak_memory()  # CUDA's peak is reset each epoch (run_epoch)
     with run_folders_held():  # no other run writes into this run's checkpoint folder meanwhile
         try:
             cfg, hw, run, (train_loader, val_loader) = set_up_training(cfg, explicit)
         finally:  # a start-up stopped by an error leaves no facts a later call could take (start_up_facts)
             CHECKED_HERE.clear()
-        epoch = run.epoch + 1
-        while epoch <= cfg["epochs"]:
-            snapshot = rollback_point(run, cfg)  # the last known-good state, on the host (nan_guard)
-            try:
-                row = run_epoch(run, epoch, train_loader, val_loader, hw, cfg)
-            except NonFiniteStreak as bad:
-                fall_back(run, bad, snapshot, hw, cfg, epoch)
-                continue  # the same epoch again, same data order, safer precision
-            finish_epoch(run, row, cfg)
-            if stop_early(run, epoch, cfg):
-                break
-            epoch += 1
-        return finish_run(run, hw, cfg)
+        with run.logger.closed_if_stopped():
+            return epoch_loop(run, train_loader, val_loader, hw, cfg)
+
+
+def epoch_loop(run, train_loader, val_loader, hw, cfg):
+    """The epochs from the one after run's last, each validated and checkpointed; a non-finite streak rolls
+    back and runs the epoch again in a safer precision (fall_back); early stopping ends it."""
+    epoch = run.epoch + 1
+    while epoch <= cfg["epochs"]:
+        snapshot = rollback_point(run, cfg)  # the last known-good state, on the host (nan_guard)
+        try:
+            row = run_epoch(run, epoch, train_loader, val_loader, hw, cfg)
+        except NonFiniteStreak as bad:
+            fall_back(run, bad, snapshot, hw, cfg, epoch)
+            continue  # the same epoch again, same data order, safer precision
+        finish_epoch(run, row, cfg)
+        if stop_early(run, epoch, cfg):
+            break
+        epoch += 1
+    return finish_run(run, hw, cfg)
 
 
 def set_up_training(cfg, explicit):
@@ -8450,9 +8473,18 @@ class Progress:
         self.bar.close()
 
 
+def reset_peak_memory():
+    """The process's peak resident memory (VmHWM) set back to what it holds now (Linux: clear_refs 5), so
+    that a run's peak is its own: a notebook's kernel kept the peak of all it had done before (a 2 GB
+    array freed before a 1.4 GB run made it 3.3 GB). Elsewhere the peak stays the process's."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+
+
 def peak_memory_mb(hw):
-    """CUDA: peak allocated by tensors this run. CPU: peak resident memory of this process: on Linux its
-    VmHWM, not getrusage's ru_maxrss, which also holds the resident memory of the process that started
+    """CUDA: peak allocated by tensors this epoch. CPU: peak resident memory of this process since the run
+    began (reset_peak_memory): on Linux its VmHWM, not getrusage's ru_maxrss, which also holds the resident memory of the process that started
     it (a benchmark row's process counted the benchmark's 830 MB as its own: Linux keeps the old memory's
     peak across fork and exec)."""
     if hw.kind == "cuda":
@@ -8596,6 +8628,17 @@ class RunLogger:
             self.flush_steps()
             self.writer.close()
             self.writer = None
+
+    @contextlib.contextmanager
+    def closed_if_stopped(self):
+        """The writer closed (its thread ended) where the run stops on an error or an interrupt, without the
+        steps of the epoch no checkpoint holds: a resume trains them again, and logs them then."""
+        try:
+            yield
+        except BaseException:
+            self.steps = []
+            self.close()
+            raise
 
 
 def epoch_ranges(epochs):

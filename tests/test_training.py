@@ -840,6 +840,46 @@ def test_a_library_train_interrupted_says_what_the_command_line_says(make_cfg, i
         train({**cfg, "checkpoint_dir": cfg["checkpoint_dir"] + "2"})
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, UserError])
+def test_a_stopped_library_train_lets_its_workers_caches_and_writer_go(make_cfg, monkeypatch, stop):
+    """A notebook keeps the last exception (sys.last_value; here pytest's, held below): the frames it
+    passed through held the stopped run's loader workers (hundreds of MB each), its decoded-image folders
+    and its TensorBoard writer's thread, alive until another error took its place."""
+    import multiprocessing
+    import tempfile
+    import threading
+    cfg = make_cfg(epochs=2, num_workers=1, image_size=32, logger="tensorboard")
+    real, before = train_unet.run_epoch, set(threading.enumerate())
+
+    def stopped(run, epoch, *args):
+        if epoch == 2:  # the workers (persistent) and the caches are the first epoch's
+            raise stop("stopped") if stop is UserError else stop
+        return real(run, epoch, *args)
+    monkeypatch.setattr(train_unet, "run_epoch", stopped)
+    with pytest.raises(stop) as held:
+        train(cfg)
+    assert held.value is not None  # still held, as Jupyter holds it
+    assert multiprocessing.active_children() == []
+    mine = f"{train_unet.CACHE_PREFIX}{os.getpid()}-"
+    assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith(mine)]
+    assert [t.name for t in set(threading.enumerate()) - before
+            if not t.name.startswith(("unet-amp-masks", "tqdm"))] == []  # pools kept across runs
+    assert (Path(cfg["checkpoint_dir"]) / "last.pt").is_file()  # nothing written is lost
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's clear_refs resets the peak")
+def test_a_runs_peak_memory_is_its_own_not_the_processes_before_it(make_cfg):
+    """In a notebook's kernel the CPU peak (VmHWM) was the kernel's: a 2 GiB array freed before a run
+    made every later run's peak_mem_mb read 2 GiB more than the same run from the command line."""
+    import numpy as np
+    big = np.ones(2**28)  # 2 GiB, every page touched
+    del big
+    with open("/proc/self/status") as status:
+        before = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 2**10
+    row = train(make_cfg(image_size=32))["history"][-1]
+    assert row["peak_mem_kind"] == "process_peak_rss" and 0 < row["peak_mem_mb"] < before - 1024
+
+
 def test_fresh_run_archives_the_previous_one(make_cfg, tmp_path, capsys):
     cfg = make_cfg(image_size=32, batch_size=4)
     ckpt = Path(cfg["checkpoint_dir"])
