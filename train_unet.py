@@ -2054,6 +2054,9 @@ def check_choice(key, value):
         raise UserError(f"amp_dtype={value!r} is not allowed: fp32 is no mixed precision: set use_amp=False "
                         f"(amp_dtype chooses the mixed one: {', '.join(allowed)})")
     words = [str(a) for a in allowed if a not in (None, "")]  # "" is preset's None, not a choice to list
+    if None in allowed and isinstance(value, str) and value.lower() in ("none", "null"):  # the command line's words
+        raise UserError(f"{key}={value!r} is not allowed: in Python, write None (not the string), or use one of "
+                        f"{', '.join(words)}")
     close = difflib.get_close_matches(str(value).lower(), words, n=1)
     raise UserError(f"{key}={value!r} is not allowed: use one of " + ", ".join(["None"] * (None in allowed) + words)
                     + (f" (did you mean {close[0]}?)" if close else ""))

@@ -122,6 +122,14 @@ def test_unknown_preset_lists_the_choices():
         parse_overrides(["preset=turbo"])
 
 
+def test_the_string_none_in_a_dict_is_refused_naming_pythons_none():
+    """preset="none" in a dict was refused with 'use one of None, fast, ...': seemingly the value given."""
+    with pytest.raises(UserError, match="^preset='none' is not allowed: in Python, write None \\(not the string\\), "
+                                        "or use one of fast, stable, low_memory, debug$"):
+        train_unet.validate_config(dict(CONFIG, preset="none"))
+    assert parse_overrides(["preset=none"])["preset"] is None  # the command line's none is None
+
+
 def test_low_memory_keeps_the_default_effective_batch():
     values = PRESETS["low_memory"]
     assert values["batch_size"] * values["accumulation_steps"] == CONFIG["batch_size"] * CONFIG["accumulation_steps"]
