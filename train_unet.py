@@ -8734,8 +8734,13 @@ def predict(opts):
     folder is locked while it writes (archive_earlier_predictions): a second predict into it is refused.
     Two at once had each moved the other's masks aside and written over them, silently: 25 of 80 masks
     were one model's, the rest the other's."""
-    with run_folders_held(), process_state_kept():
-        return predict_into_output(opts)
+    try:
+        with run_folders_held(), process_state_kept():
+            return predict_into_output(opts)
+    except KeyboardInterrupt as exc:  # a notebook's interrupt before a mask was written was a bare KeyboardInterrupt()
+        if exc.args:
+            raise
+        raise KeyboardInterrupt(INTERRUPTED["predict"]) from None
 
 
 def predict_into_output(opts):

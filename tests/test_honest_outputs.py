@@ -538,6 +538,19 @@ def test_a_predict_stopped_partway_says_how_many_it_wrote_and_where_the_others_a
     assert len(list(out.glob("*.png"))) == 2
 
 
+def test_a_library_predict_stopped_before_any_mask_says_what_the_command_line_says(checkpoint, data_dir, tmp_path,
+                                                                                    monkeypatch):
+    """A notebook's interrupt of predict() while it loaded or probed was a bare KeyboardInterrupt(): the command
+    line said 'the masks written so far are complete; no partial file is left'."""
+    def stopped(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(train_unet, "predict_modes", stopped)
+    with pytest.raises(KeyboardInterrupt) as stop:
+        run_predict(checkpoint, data_dir, tmp_path / "pred")
+    assert str(stop.value) == train_unet.INTERRUPTED["predict"] == ("the masks written so far are complete; no "
+                                                                    "partial file is left")
+
+
 def failing_mask_writes(monkeypatch):
     """A full disk for predict's new files (write_png's temporary file renamed into place); moves of whole
     files, which need no room, still work."""
