@@ -254,7 +254,7 @@ def main(argv=None):
             stop_with_benchmark()
             return run_command(command, args)
     except UserError as exc:
-        if not same_error_on_every_rank(exc):
+        if not (same_error_on_every_rank(exc) or getattr(exc, "silent", False)):
             print(f"error: {user_message(exc)}", file=sys.stderr)
         return 2
     except OSError as exc:  # a full disk under any write that has no message of its own (history, logs)
@@ -306,10 +306,16 @@ def said_once_if_alike(exc):
     """Raises a start-up error (or returns where this process met none). Under torchrun every process
     tells the others its error first: where all met the same one (a config key, a resume refusal), it is
     marked alike and rank 0 alone says it, untagged (same_error_on_every_rank); it was printed once per
-    process. An error not every process met (CPU binding, a node's own disk) keeps its [rank N]."""
+    process. An error not every process met (CPU binding, a node's own disk) keeps its [rank N], and the
+    processes that met none stop here, unsaid: at the next collective each had said 'another process ended;
+    last.pt is intact: resume=True continues', a resume that meets the same error (an unwritable folder)."""
     seen = gather_setup(None if exc is None else user_message(exc))
     if exc is None:
-        return  # a process that failed stops this one at the next collective ("another process ... ended")
+        if any(message is not None for message in seen):
+            stop = UserError("stopped: another process could not start (it says why)")
+            stop.silent = True  # main prints nothing for it (the failed process's line is the one to read)
+            raise stop
+        return
     exc.alike = all(message == seen[0] for message in seen)
     raise exc
 
@@ -371,7 +377,7 @@ def train_main(cfg, explicit=()):
                 return train({**cfg, "progress": False}, set(explicit) | {"progress"})
         return train(cfg, explicit)
     except UserError as exc:
-        if DIST.enabled and not getattr(exc, "alike", False):  # say which process failed; torchrun then stops
+        if DIST.enabled and not (getattr(exc, "alike", False) or getattr(exc, "silent", False)):  # the one that failed
             raise UserError(f"[rank {DIST.rank}] {user_message(exc)}") from None  # the others
         raise
     except (KeyboardInterrupt, RuntimeError, MemoryError) as exc:  # resume=True continues from last.pt

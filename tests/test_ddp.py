@@ -118,6 +118,10 @@ def test_an_error_only_rank_0_checks_leaves_no_traceback_on_the_others(tmp_path)
     assert out.returncode != 0
     assert re.search(r"^error: \[rank 0\] checkpoint_dir .* is not writable", out.stderr, re.M), out.stderr
     assert "Connection closed by peer" not in out.stderr and "[rank1]: Traceback" not in out.stderr, out.stderr
+    # rank 1 stops unsaid: it had said 'another process ... ended; last.pt is intact: resume=True continues', a
+    # resume into the same folder that fails alike
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "resume=True" not in out.stderr, out.stderr
 
 
 def test_a_resume_refusal_every_process_meets_is_printed_once(tmp_path):
