@@ -1083,6 +1083,8 @@ def run_intensity_range(cfg, state, train_pairs, val_pairs=(), notes=None, recor
         found = cfg["intensity_range"] or learnt_intensity_range(train_pairs, cfg)
         if found is None:
             wide_integers_unmapped([*train_pairs, *val_pairs], cfg)
+            if notes is not None:
+                notes.append(val_wider_than_training(val_pairs, cfg))
         elif notes is not None and cfg["intensity_range"]:
             notes.append(range_unused(train_pairs, val_pairs, cfg) or range_leaves_out(train_pairs, val_pairs, cfg,
                                                                                      found))
@@ -5379,6 +5381,25 @@ def val_outside_learnt(val_pairs, cfg, found):
     said = outside_range_words(val_pairs, cfg, found, "validation image(s)", "learnt from the training images")
     return said and (f"{said}, and the val IoU that picks best.pt scores them so; if their bit depth or instrument "
                      f"differs, put such images in training too, or give intensity_range= a range that holds both")
+
+
+def val_wider_than_training(val_pairs, cfg):
+    """A note where validation images are 16-bit and no training image is wider than 8 bits: with no range
+    learnt they are scaled from their type's range (12-bit data: 16 times too dark), and the val IoU that picks
+    best.pt scores them so, unsaid, while predict's note named such images. Else None."""
+    facts = start_up_facts(val_pairs, cfg)
+    wide = [(Path(image).name, facts[os.path.abspath(image)]) for image, _ in val_pairs
+            if facts[os.path.abspath(image)].get("range") is not None]
+    if not wide:
+        return None
+    name, entry = wide[0]
+    (least, most), (low, high) = entry["range"], dtype_range(np.dtype(entry["dtype"]))
+    bits = narrow_bits(max(f["range"][1] for _, f in wide)) if low == 0 else None
+    guess = (f" (if they hold {bits}-bit data, {2 ** (16 - bits)} times too dark)" if bits else "")
+    return (f"{len(wide)} of {len(val_pairs)} validation image(s) are {np.dtype(entry['dtype'])} (e.g. {name}, values "
+            f"{least}-{most}) but no training image is wider than 8 bits, so no intensity_range was learnt: they are "
+            f"scaled from {low}-{high}{guess}, and the val IoU that picks best.pt scores them so; put such images in "
+            f"training too, or give intensity_range=" + (f"0,{2 ** bits - 1}" if bits else "low,high, their range"))
 
 
 def resumed_range_note(train_pairs, val_pairs, cfg, state, record=None):
@@ -9775,10 +9796,10 @@ class InputNotes:
             print(f"note: {Path(signed[0]).name} has signed 16-bit pixels and {checkpoint} has no intensity_range: "
                   f"they were scaled from -32768-32767, so 0 is mid-grey and the data's own span is a sliver of it: "
                   f"predict again with intensity_range=low,high, that span (CT in Hounsfield units: e.g. -1000,1000)")
-        narrow = [(p, top) for p, top in unsigned if 0 < top < 2 ** max(NARROW_DEPTHS)]
+        narrow = [(p, top) for p, top in unsigned if narrow_bits(top)]
         if narrow:
             (path, top), n = narrow[0], len(unsigned)
-            bits = next(b for b in NARROW_DEPTHS if top < 2 ** b)
+            bits = narrow_bits(top)
             print(f"note: {Path(path).name} has 16-bit pixels and {checkpoint} has no intensity_range: they were "
                   f"scaled from 0-65535, but its values reach only {top}: if it holds {bits}-bit data, the model saw "
                   f"it {2 ** (16 - bits)} times too dark: predict again with intensity_range=0,{2 ** bits - 1}"
@@ -9823,6 +9844,12 @@ OUTSIDE_RANGE_SHARE = 0.01
 # The bit depths cameras and scanners store in 16-bit files: a 16-bit image whose values stay below 2**14
 # gets the narrowest of these that holds them as its likely depth (InputNotes.print_sixteen_bit).
 NARROW_DEPTHS = (8, 10, 12, 14)
+
+
+def narrow_bits(top):
+    """The bit depth a 16-bit image's top value suggests it holds (12 for 3152), or None where it reaches past
+    14 bits (or is 0): training's note and predict's guess alike."""
+    return next((bits for bits in NARROW_DEPTHS if 0 < top < 2 ** bits), None)
 
 # predict looks for colour that in_channels=1 drops in this many images (InputNotes.look): beyond, a file
 # whose header does not say grey would be decoded twice, and one such image in a folder is enough to say it.

@@ -5,6 +5,7 @@ The guarantee: 12-bit and 16-bit copies of a data set give the network its 8-bit
 """
 import json
 import os
+import re
 import shutil
 import sys
 import tracemalloc
@@ -451,6 +452,32 @@ def test_validation_images_outside_the_learnt_range_get_a_note_in_training(make_
     assert "outside intensity_range" not in capsys.readouterr().out
 
 
+
+
+def test_16_bit_validation_images_beside_8_bit_training_ones_get_a_note_in_training(make_cfg, depths, tmp_path,
+                                                                                   capsys):
+    """8-bit training images, 12-bit data in 16-bit validation files: no range was learnt, the validation images
+    were scaled from 0-65535 (16 times too dark) and scored the val IoU that picks best.pt, with no word;
+    predict's note named the same images."""
+    data = tmp_path / "mixed"
+    for part, depth in (("train", 8), ("val", 12)):
+        shutil.copytree(depths[depth], data / part)
+    cfg = make_cfg(data_dir=str(data))
+    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    notes = []
+    assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) is None
+    n = len(val_pairs)
+    assert re.fullmatch(
+        f"{n} of {n} validation image\\(s\\) are uint16 \\(e.g. [^,]+, values \\d+-\\d+\\) but no training image is "
+        f"wider than 8 bits, so no intensity_range was learnt: they are scaled from 0-65535 \\(if they hold 12-bit "
+        f"data, 16 times too dark\\), and the val IoU that picks best.pt scores them so; put such images in training "
+        f"too, or give intensity_range=0,4095", notes[0]), notes
+    train_unet.train({**cfg, "epochs": 1})
+    assert "no intensity_range was learnt" in capsys.readouterr().out  # in the banner's notes
+    notes = []
+    train_unet.run_intensity_range(make_cfg(data_dir=str(depths[8])), None, *train_unet.prepare_data(
+        make_cfg(data_dir=str(depths[8]))), notes=notes)
+    assert notes == [None]  # all 8-bit: nothing to say
 
 
 def test_only_an_extreme_standing_apart_is_named_and_the_suggested_range_holds_the_rest(monkeypatch):
