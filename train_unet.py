@@ -5397,7 +5397,7 @@ def val_wider_than_training(val_pairs, cfg):
     bits = narrow_bits(max(f["range"][1] for _, f in wide)) if low == 0 else None
     guess = (f" (if they hold {bits}-bit data, {2 ** (16 - bits)} times too dark)" if bits else "")
     return (f"{len(wide)} of {len(val_pairs)} validation image(s) are {np.dtype(entry['dtype'])} (e.g. {name}, values "
-            f"{least}-{most}) but no training image is wider than 8 bits, so no intensity_range was learnt: they are "
+            f"{least}-{most}) but the training images are 8-bit or float, so no intensity_range was learnt: they are "
             f"scaled from {low}-{high}{guess}, and the val IoU that picks best.pt scores them so; put such images in "
             f"training too, or give intensity_range=" + (f"0,{2 ** bits - 1}" if bits else "low,high, their range"))
 

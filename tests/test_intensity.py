@@ -468,8 +468,8 @@ def test_16_bit_validation_images_beside_8_bit_training_ones_get_a_note_in_train
     assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) is None
     n = len(val_pairs)
     assert re.fullmatch(
-        f"{n} of {n} validation image\\(s\\) are uint16 \\(e.g. [^,]+, values \\d+-\\d+\\) but no training image is "
-        f"wider than 8 bits, so no intensity_range was learnt: they are scaled from 0-65535 \\(if they hold 12-bit "
+        f"{n} of {n} validation image\\(s\\) are uint16 \\(e.g. [^,]+, values \\d+-\\d+\\) but the training images "
+        f"are 8-bit or float, so no intensity_range was learnt: they are scaled from 0-65535 \\(if they hold 12-bit "
         f"data, 16 times too dark\\), and the val IoU that picks best.pt scores them so; put such images in training "
         f"too, or give intensity_range=0,4095", notes[0]), notes
     train_unet.train({**cfg, "epochs": 1})
