@@ -297,6 +297,8 @@ INTERRUPTED = {"train": "checkpoints written so far are intact; resume=True cont
                "train, at start": "stopped while the config was checked: nothing was written",
                "train, in set-up": "stopped before training began: nothing of this run was written, and the run "
                                    "already in {folder} is untouched",
+               "train, a benchmark row": "the benchmark stopped this row: run the benchmark again (each row trains "
+                                         "afresh; resume=True is not for it)",
                "predict": "the masks written so far are complete; no partial file is left",
                "benchmark": "the benchmark did not finish (its benchmark.json, where written, says \"complete\": "
                             "false); the runs and files written so far are intact: run it again for the whole table"}
@@ -407,6 +409,8 @@ def interrupted_run_words(cfg, started, explicit=()):
     previous/ (set-up stopped first), which resume=True with this run's settings would refuse."""
     folder = Path(cfg["checkpoint_dir"])
     last = folder / "last.pt"
+    if STARTED_BY_BENCHMARK:  # a benchmark's row (run_child): its log had said resume=True, which it refuses
+        return INTERRUPTED["train, a benchmark row"]
     if last.is_file() and (cfg["resume"] or last.stat().st_mtime >= started - 1):
         return INTERRUPTED["train"].replace("resume=True", resume_words(cfg, explicit))
     if last.is_file():
@@ -10708,6 +10712,7 @@ def stop_child(proc):
 
 
 BENCHMARK_PARENT_ENV = "UNET_BENCHMARK_PARENT"  # the pid of the benchmark that started this process (run_child)
+STARTED_BY_BENCHMARK = False  # this process is a benchmark's child (stop_with_benchmark)
 PR_SET_PDEATHSIG = 1  # Linux's prctl option: a signal for this process when the thread that started it ends
 
 
@@ -10716,7 +10721,9 @@ def stop_with_benchmark():
     from it, and nothing tells it when the benchmark is killed (the out-of-memory killer): it trained on,
     untold, through its remaining epochs, holding the GPU. On Linux the kernel now sends it SIGTERM when
     the benchmark ends, which stops it as a SIGTERM does (sigterm_as_exit); elsewhere nothing changes."""
+    global STARTED_BY_BENCHMARK
     parent = os.environ.pop(BENCHMARK_PARENT_ENV, None)
+    STARTED_BY_BENCHMARK = parent is not None
     if parent is not None and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         # started by a benchmark that was started in the background (`... benchmark &` in a script): SIGINT
         # ignored is inherited, and the row trained on through the benchmark's Ctrl-C (stop_child)
