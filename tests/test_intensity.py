@@ -433,11 +433,7 @@ def test_validation_images_outside_the_learnt_range_get_a_note_in_training(make_
     """12-bit training images, full-range 16-bit validation images: the range learnt was 0-4095, the validation
     images reached the model at up to 16 (val loss 22 against a train loss of 1.7) and scored the val IoU that
     picks best.pt, unsaid; predict's note named the same images."""
-    data = tmp_path / "mixed"
-    for part, depth in (("train", 12), ("val", 16)):
-        shutil.copytree(depths[depth], data / part)
-    cfg = make_cfg(data_dir=str(data))
-    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    cfg, train_pairs, val_pairs = train_and_val_of_depths(make_cfg, depths, tmp_path, 12, 16)
     notes = []
     assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) == [0, 4095]
     n = len(val_pairs)
@@ -452,6 +448,13 @@ def test_validation_images_outside_the_learnt_range_get_a_note_in_training(make_
     assert "outside intensity_range" not in capsys.readouterr().out
 
 
+def train_and_val_of_depths(make_cfg, depths, tmp_path, train, val):
+    """(config, train pairs, val pairs) of a data set whose train/ and val/ are copies of `depths` at two depths."""
+    data = tmp_path / "mixed"
+    for part, depth in (("train", train), ("val", val)):
+        shutil.copytree(depths[depth], data / part)
+    cfg = make_cfg(data_dir=str(data))
+    return (cfg, *train_unet.prepare_data(cfg))
 
 
 def test_16_bit_validation_images_beside_8_bit_training_ones_get_a_note_in_training(make_cfg, depths, tmp_path,
@@ -459,11 +462,7 @@ def test_16_bit_validation_images_beside_8_bit_training_ones_get_a_note_in_train
     """8-bit training images, 12-bit data in 16-bit validation files: no range was learnt, the validation images
     were scaled from 0-65535 (16 times too dark) and scored the val IoU that picks best.pt, with no word;
     predict's note named the same images."""
-    data = tmp_path / "mixed"
-    for part, depth in (("train", 8), ("val", 12)):
-        shutil.copytree(depths[depth], data / part)
-    cfg = make_cfg(data_dir=str(data))
-    train_pairs, val_pairs = train_unet.prepare_data(cfg)
+    cfg, train_pairs, val_pairs = train_and_val_of_depths(make_cfg, depths, tmp_path, 8, 12)
     notes = []
     assert train_unet.run_intensity_range(cfg, None, train_pairs, val_pairs, notes) is None
     n = len(val_pairs)
