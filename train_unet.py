@@ -8518,9 +8518,9 @@ def reset_peak_memory():
 
 def peak_memory_mb(hw):
     """CUDA: peak allocated by tensors this epoch. CPU: peak resident memory of this process since the run
-    began (reset_peak_memory): on Linux its VmHWM, not getrusage's ru_maxrss, which also holds the resident memory of the process that started
-    it (a benchmark row's process counted the benchmark's 830 MB as its own: Linux keeps the old memory's
-    peak across fork and exec)."""
+    began (reset_peak_memory): on Linux its VmHWM, not getrusage's ru_maxrss, which also holds the resident
+    memory of the process that started it (a benchmark row's process counted the benchmark's 830 MB as its
+    own: Linux keeps the old memory's peak across fork and exec)."""
     if hw.kind == "cuda":
         return torch.cuda.max_memory_allocated(hw.device) / 2**20, "cuda_max_allocated"
     try:
