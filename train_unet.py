@@ -593,7 +593,11 @@ def let_the_run_go(exc):
     the rest live in the locals of the frames `exc` passed through, and a notebook keeps its last
     exception (sys.last_value), so they outlived the run, until another error took its place. A
     command-line run frees them by ending; an internal bug keeps its frames, for a post-mortem."""
-    traceback.clear_frames(exc.__traceback__)
+    stop = isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
+    if stop and hasattr(signal, "SIGCHLD"):  # as train_main does: workers a SIGTERM to the whole process group
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopped too were reported as the loaders shut them down,
+        # in a traceback ('Exception ignored'); torch's loaders still find a dead worker by polling its liveness
+    traceback.clear_frames(exc.__traceback__)  # a loader no cycle holds shuts its workers down here
     gc.collect()  # the loaders and caches sit in reference cycles: their workers and folders go now
 
 
