@@ -394,10 +394,7 @@ def train_main(cfg, explicit=()):
             if died:
                 raise (UserError(f"[rank {DIST.rank}] {died}") if DIST.enabled else died) from None
             raise
-        if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
-            # the run is over: torch's handler would report the other loader's stopped workers as they are
-            # shut down at exit ("Exception ignored in ... RuntimeError: DataLoader worker ... Terminated")
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        stopped_workers_unreported()  # the run is over: its other loader's workers are shut down at exit
         raise KeyboardInterrupt(interrupted_run_words(cfg, started, explicit)) from None
     finally:
         cleanup_distributed()
@@ -593,12 +590,19 @@ def let_the_run_go(exc):
     the rest live in the locals of the frames `exc` passed through, and a notebook keeps its last
     exception (sys.last_value), so they outlived the run, until another error took its place. A
     command-line run frees them by ending; an internal bug keeps its frames, for a post-mortem."""
-    stop = isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread()
-    if stop and hasattr(signal, "SIGCHLD"):  # as train_main does: workers a SIGTERM to the whole process group
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # stopped too were reported as the loaders shut them down,
-        # in a traceback ('Exception ignored'); torch's loaders still find a dead worker by polling its liveness
+    if isinstance(exc, KeyboardInterrupt):
+        stopped_workers_unreported()
     traceback.clear_frames(exc.__traceback__)  # a loader no cycle holds shuts its workers down here
     gc.collect()  # the loaders and caches sit in reference cycles: their workers and folders go now
+
+
+def stopped_workers_unreported():
+    """torch's SIGCHLD handler set back to the default, on the main thread, once a run has stopped: loader
+    workers a SIGTERM to the whole process group stopped too were reported as the loaders shut them down, in a
+    traceback ("Exception ignored in ... RuntimeError: DataLoader worker ... Terminated"). A later run's
+    loaders still find a dead worker by polling its liveness."""
+    if hasattr(signal, "SIGCHLD") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
 
 
 def train_checked(cfg, explicit):
