@@ -1535,8 +1535,8 @@ def finish_run(run, hw, cfg):
 
 
 def end_of_run_table(run):
-    """Multi-class runs: IoU/Dice per class at the best epoch (mIoU, the headline, is its mean)."""
-    best = max(run.history, key=lambda r: r["val_iou"], default=None)
+    """Multi-class runs: IoU/Dice per class at the best epoch, best.pt's (mIoU, the headline, is its mean)."""
+    best = best_epoch_row(run.history)
     absent = {i for i, row in enumerate(run.confusion or ()) if not sum(row)}  # true classes: every epoch's
     table = best and per_class_table(best, run.class_names or [], absent)
     return f"val per class at the best epoch ({best['epoch']}):\n{table}" if table else ""
@@ -1568,7 +1568,7 @@ def finish_epoch(run, row, cfg):
     refuse_nonfinite_validation(run, row, cfg)
     run.history.append(row)
     run.epoch = row["epoch"]
-    improved = math.isfinite(row["val_loss"]) and row["val_iou"] > run.best_iou  # nan_guard=False: kept, never best
+    improved = may_be_best(row) and row["val_iou"] > run.best_iou  # best_epoch_row finds it again in the history
     run.best_iou, run.since_best = (row["val_iou"], 0) if improved else (run.best_iou, run.since_best + 1)
     with interrupts_held():  # the epoch's files all or none: last.pt alone would lose a best.pt for good
         if DIST.is_main:  # one writer; the other ranks hold the same weights
@@ -8352,6 +8352,17 @@ HISTORY_FIELDS = ("epoch", "train_loss", "val_loss", "train_iou", "train_dice", 
                   "epoch_time_s", "val_time_s", "images_per_s", "peak_mem_mb", "peak_mem_kind", "precision",
                   "grad_norm", "grad_norm_max", "zero_grad_pct", "scaler_scale", "optimizer_steps",
                   "skipped_steps", "fallback")
+
+
+def may_be_best(row):
+    """An epoch that can become best.pt: its val loss is finite (nan_guard=False keeps the others, never as best)."""
+    return math.isfinite(float(row["val_loss"]))
+
+
+def best_epoch_row(history):
+    """The row of the epoch best.pt holds, as finish_epoch chose it: the first of the highest val IoU among the
+    epochs may_be_best takes; None where none is. Rows as the run keeps them or as history.csv reads them."""
+    return max(filter(may_be_best, history), key=lambda row: float(row["val_iou"]), default=None)
 
 
 def write_history(path, history):

@@ -1,5 +1,6 @@
 """Per-class IoU/Dice: history columns that follow num_classes, class_names.txt, the end-of-run table."""
 import csv
+import io
 import math
 from pathlib import Path
 
@@ -161,14 +162,31 @@ def test_the_table_says_when_a_class_absent_from_the_val_set_was_predicted():
     """A class in no validation mask but predicted has IoU 0 and counts in the mean: the table printed a bare
     0.0000 for it, while one neither held nor predicted read 'absent from the val set'."""
     names = ["bg", "cell", "debris", "dust"]
-    row = {"epoch": 2, "val_iou": 0.4, "val_dice": 0.5, **{f"val_iou_{n}": v for n, v in
-           zip(names, (0.9, 0.0, 0.0, math.nan))}, **{f"val_dice_{n}": v for n, v in zip(names, (0.95, 0, 0, math.nan))}}
+    row = {"epoch": 2, "val_loss": 0.7, "val_iou": 0.4, "val_dice": 0.5,
+           **{f"val_iou_{n}": v for n, v in zip(names, (0.9, 0.0, 0.0, math.nan))},
+           **{f"val_dice_{n}": v for n, v in zip(names, (0.95, 0, 0, math.nan))}}
     confusion = [[90, 5, 5, 0], [10, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]  # rows: true class; debris, dust in none
     run = type("Run", (), {"history": [row], "class_names": names, "confusion": confusion})
     lines = dict(line.split(None, 1) for line in train_unet.end_of_run_table(run).splitlines()[2:])
     assert lines["cell"] == "0.0000  0.0000"  # in the masks, never found: a plain 0
     assert lines["debris"] == "0.0000  0.0000  absent from the val set but predicted: 0 in the mean"
     assert lines["dust"] == "absent from the val set"
+
+
+def test_the_table_and_the_notebook_name_the_epoch_best_pt_holds_not_a_non_finite_one():
+    """nan_guard=False keeps an epoch whose val loss is NaN, never as best.pt; the end-of-run table ("at the best
+    epoch") and my_run.ipynb's "best val IoU ... at epoch" picked it all the same where its IoU was the highest."""
+    names = ["bg", "cell"]
+
+    def row(epoch, loss, iou):
+        return {"epoch": epoch, "val_loss": loss, "val_iou": iou, "val_dice": iou,
+                **{f"val_{m}_{n}": iou for m in ("iou", "dice") for n in names}}
+    history = [row(1, 0.9, 0.5), row(2, 0.8, 0.6), row(3, math.nan, 0.7), row(4, 0.7, 0.6)]
+    run = type("Run", (), {"history": history, "class_names": names, "confusion": [[5, 1], [1, 5]]})
+    assert "at the best epoch (2)" in train_unet.end_of_run_table(run)  # the first of the highest finite: 2, not 4
+    read_back = list(csv.DictReader(io.StringIO(train_unet.history_text(history))))  # the notebook's rows: strings
+    assert train_unet.best_epoch_row(read_back)["epoch"] == "2"
+    assert train_unet.best_epoch_row([row(1, math.inf, 0.4), row(2, math.nan, 0.5)]) is None
 
 
 def test_the_num_classes_hint_counts_class_names_as_they_are_read(tmp_path):
