@@ -694,7 +694,9 @@ def checked_config_and_resume_state(cfg, explicit):
             check_writable(Path(cfg["checkpoint_dir"]), "checkpoint_dir")
             hold_checkpoint_dir(Path(cfg["checkpoint_dir"]))
             remove_stale_temps(Path(cfg["checkpoint_dir"]))
-        state, cfg = resume_state(cfg, Path(cfg["checkpoint_dir"]), typed) if cfg["resume"] else (None, cfg)
+        state, resumed = resume_state(cfg, Path(cfg["checkpoint_dir"]), typed) if cfg["resume"] else (None, cfg)
+        kept = [k for k in PRESETS.get(cfg["preset"]) or () if resumed[k] != cfg[k]]
+        cfg, preset_line = resumed, describe_preset(resumed, typed, kept) if kept else preset_line
     except UserError as exc:
         said_once_if_alike(exc)
     said_once_if_alike(None)  # every process joins the exchange, errors or not
@@ -2635,14 +2637,23 @@ def apply_preset(cfg, explicit=()):
     if not name:
         return cfg, None
     explicit = given_keys(cfg, explicit)
-    values = PRESETS[name]
-    applied = {k: v for k, v in values.items() if k not in explicit}
+    out = validate_config({**cfg, **{k: v for k, v in PRESETS[name].items() if k not in explicit}})
+    return out, describe_preset(out, explicit)
+
+
+def describe_preset(cfg, explicit, resumed=()):
+    """The banner's line for cfg's preset: the values it set, the user's it kept (`explicit`) and, on resume,
+    the resumed run's it kept (`resumed`: early_stopping_patience, kept_patience)."""
+    name, values = cfg["preset"], PRESETS[cfg["preset"]]
+    line = f"{name}: " + (", ".join(f"{k}={v}" for k, v in values.items() if k not in {*explicit, *resumed})
+                          or "nothing")
     kept = [k for k in values if k in explicit]
-    out = validate_config({**cfg, **applied})
-    line = f"{name}: " + (", ".join(f"{k}={v}" for k, v in applied.items()) or "nothing")
     if kept:
-        line += "; kept yours: " + ", ".join(f"{k}={out[k]}" for k in kept)
-    return out, line
+        line += "; kept yours: " + ", ".join(f"{k}={cfg[k]}" for k in kept)
+    back = [k for k in values if k in resumed and k not in explicit]
+    if back:
+        line += "; kept the resumed run's: " + ", ".join(f"{k}={cfg[k]}" for k in back)
+    return line
 
 
 def given_keys(cfg, explicit=()):

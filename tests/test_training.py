@@ -789,6 +789,20 @@ def test_a_preset_given_on_resume_sets_the_patience_it_says(make_cfg, monkeypatc
               explicit={"epochs"})
 
 
+def test_the_preset_line_of_a_resume_names_the_patience_kept_from_the_run(make_cfg, capsys):
+    """preset=debug early_stopping_patience=5, resumed with preset=debug as its stop line says: the run kept its 5,
+    but the banner's preset line (and config.json's) still listed debug's early_stopping_patience=None."""
+    cfg = make_cfg(epochs=1, preset="debug", early_stopping_patience=5, image_size=32)
+    train(cfg, explicit={"epochs", "early_stopping_patience", "image_size"})
+    capsys.readouterr()
+    train({**cfg, "epochs": 2, "resume": True}, explicit={"epochs", "image_size"})
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("preset "))
+    assert "early_stopping_patience=None" not in line
+    assert line.endswith("kept the resumed run's: early_stopping_patience=5")
+    info = json.loads((Path(cfg["checkpoint_dir"]) / "config.json").read_text())
+    assert info["config"]["early_stopping_patience"] == 5 and info["preset"] == line.split(None, 1)[1]
+
+
 def stopped_then_started_again(cfg, epoch, interrupt_at, monkeypatch, capsys):
     """A run stopped by Ctrl-C in `epoch`, then started again in its folder without resume: that run's output."""
     real = interrupt_at(epoch)
