@@ -3543,7 +3543,7 @@ def listed_pairs(cfg):
 def checked_pairs(train, val, cfg):
     """The data check of data_pairs (check_pairs), its notes on what the masks hold, the samples counted."""
     check_pairs(train + val, cfg)
-    for note in (nothing_to_score(val, cfg), classes_only_in_val(train, val, cfg), patches_of_padding(train, cfg)):
+    for note in (nothing_to_score(val, cfg), classes_only_in_val(train, val, cfg), patches_of_padding(train, val, cfg)):
         if note and DIST.is_main:
             print(note)
     said_once_where_alike(check_enough_samples, train, cfg)
@@ -6342,16 +6342,17 @@ def image_sizes(pairs, cfg):
 MIN_SCALED_SIDE = 8  # px: an image patch_scale shrinks below this on a side has no shape left to segment
 
 
-def patches_of_padding(train, cfg):
+def patches_of_padding(train, val, cfg):
     """Patch mode, from the data check's sizes, as a run begins (a resume keeps both keys): a UserError where
-    patch_scale shrinks an image below MIN_SCALED_SIDE on a side (check_scaled_sides); a note where every
+    patch_scale shrinks an image, training or validation, below MIN_SCALED_SIDE on a side (check_scaled_sides;
+    a validation image so shrunk had been scored, unsaid, in the val IoU that picks best.pt); a note where every
     training image covers less than half a patch, so patches are mostly padding (left out of the loss),
     naming the largest image_size at which one covers half, if any."""
     if cfg["data_mode"] != "patch" or not train or cfg["resume"]:
         return None
-    scale, size, sizes = cfg["patch_scale"], cfg["image_size"], image_sizes(train, cfg)
-    check_scaled_sides(train, sizes, scale)
-    scaled = [scaled_size(hw, scale) for hw in sizes]
+    scale, size, sizes = cfg["patch_scale"], cfg["image_size"], image_sizes(train + val, cfg)
+    check_scaled_sides(train + val, sizes, scale)
+    scaled = [scaled_size(hw, scale) for hw in sizes[:len(train)]]
     cover = [min(h, size) * min(w, size) / size ** 2 for h, w in scaled]
     if max(cover) >= 0.5:
         return None
@@ -6371,14 +6372,14 @@ def scaled_thin(hw, scale):
     return scaled if min(hw) >= MIN_SCALED_SIDE > min(scaled) else None
 
 
-def check_scaled_sides(train, sizes, scale):
+def check_scaled_sides(pairs, sizes, scale):
     """No image patch_scale shrinks below MIN_SCALED_SIDE on a side (0.01 made 64 px images 1 px, unsaid);
     an image already that small as stored is the user's data, and does not hide a larger one shrunk."""
     shrunk = [i for i, hw in enumerate(sizes) if min(hw) >= MIN_SCALED_SIDE > min(scaled_size(hw, scale))]
     if shrunk:
         i = min(shrunk, key=lambda i: min(sizes[i]))
         (h, w), least = scaled_size(sizes[i], scale), math.ceil(100 * MIN_SCALED_SIDE / min(sizes[i])) / 100
-        raise UserError(f"patch_scale={scale:g} shrinks {train[i][0]} ({sizes[i][1]}x{sizes[i][0]}) to {w}x{h} px, "
+        raise UserError(f"patch_scale={scale:g} shrinks {pairs[i][0]} ({sizes[i][1]}x{sizes[i][0]}) to {w}x{h} px, "
                         f"too small to hold a shape: use patch_scale={least:g} or more ({MIN_SCALED_SIDE} px on its "
                         f"shorter side)")
 

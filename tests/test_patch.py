@@ -343,7 +343,7 @@ def test_the_padding_note_never_advises_a_larger_image_size_and_an_image_small_a
     covers less; a 4x4 image, small as stored, hid a 100x100 one that patch_scale=0.05 shrank to 5x5."""
     cfg = {"data_mode": "patch", "resume": False, "patch_scale": 1.0, "image_size": 256}
     note = lambda sizes, **kw: train_unet.patches_of_padding([(f"{i}.png", "m.png") for i in range(len(sizes))],  # noqa: E731
-                                                             {**cfg, **kw})
+                                                             [], {**cfg, **kw})
     monkeypatch.setattr(train_unet, "image_sizes", lambda pairs, cfg: sizes)
     sizes = [(100, 1000)]
     assert note(sizes).endswith("(the largest: 1000x100 px), so most of each patch is padding, computed and left out "
@@ -353,6 +353,21 @@ def test_the_padding_note_never_advises_a_larger_image_size_and_an_image_small_a
     sizes = [(4, 4), (100, 100)]
     with pytest.raises(UserError, match=r"^patch_scale=0.05 shrinks 1.png \(100x100\) to 5x5 px"):
         note(sizes, patch_scale=0.05)
+
+
+def test_a_patch_scale_that_shrinks_a_val_image_to_a_few_pixels_stops_the_run_too(make_cfg, tmp_path):
+    """A 300x10 image in val/ at patch_scale=0.5 went to the model as 150x5 and was scored, unsaid, in the val IoU
+    that picks best.pt; in train/ the same image stopped the run, as the README says of any image (user test)."""
+    root = tmp_path / "split"
+    write_scenes(root / "train", count=4)
+    write_scenes(root / "val", count=1, seed=1)
+    cv2.imwrite(str(root / "val" / "images" / "strip.png"), np.full((10, 300, 3), 200, np.uint8))
+    cv2.imwrite(str(root / "val" / "masks" / "strip.png"), np.zeros((10, 300), np.uint8))
+    cfg = patch_config(make_cfg, root, batch_size=2)
+    with pytest.raises(UserError, match=r"^patch_scale=0.5 shrinks \S+val/images/strip.png \(300x10\) to 150x5 "
+                                        r"px, too small to hold a shape: use patch_scale=0.8 or more"):
+        train_unet.prepare_data({**cfg, "patch_scale": 0.5})
+    train_unet.prepare_data({**cfg, "patch_scale": 0.8})  # 240x8: the rule's least
 
 
 def test_a_patch_scale_that_shrinks_images_to_a_few_pixels_is_a_one_line_error(make_cfg, scenes):
