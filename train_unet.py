@@ -8834,6 +8834,7 @@ def predict_into_output(opts):
         print(f"note: {threads}")
     if moved:
         print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
+    normalizer(cfg)  # built (albumentations imported, 1.3 s) before the clock: it was counted as reading an image
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
     per_batch = 1 if cfg["data_mode"] == "patch" else opts["batch_size"]  # large images: one in memory at a time
@@ -8887,7 +8888,7 @@ PREDICT_WAIT_SHARE = 0.1
 def print_predict_summary(done, seconds, waits, failed, out_dir, threads=True):
     """predict's last line (images, time, rate, folder; the waits where they count) and its failures. Without
     threads (predict_host_threads) the waits are the reading and writing, done between the forwards."""
-    waited = sum(waits.values()) >= PREDICT_WAIT_SHARE * seconds
+    waited = done and sum(waits.values()) >= PREDICT_WAIT_SHARE * seconds  # none predicted: no model to wait
     words = (f"the model waited {waits['reading']:.2f}s for images to be read, {waits['writing']:.2f}s for masks to "
              f"be written" if threads else f"reading took {waits['reading']:.2f}s, writing {waits['writing']:.2f}s, "
              f"between the forwards: the model's threads use every core")
