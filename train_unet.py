@@ -8823,17 +8823,7 @@ def predict_into_output(opts):
     model, cfg = predict_layout(model, cfg, opts, hw, prec, layout)
     outputs = dict(zip(paths, output_paths(paths, out_dir, opts["overlay"])))
     moved = archive_earlier_predictions(paths, out_dir, opts["overlay"])
-    tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
-             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tile(s) per forward" if cfg["data_mode"] == "patch" else "")
-    print(f"predict: {len(paths)} image(s) with {opts['checkpoint']}{ema_words(cfg)} on {describe(hw)} in {prec.name}"
-          + (f" ({prec.warning})" if prec.warning else "") + tiled + tta_summary(cfg["tta"]))
-    for _, note in notes:  # the probe's measurement
-        print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
-              f"probe {note}")
-    if threads:
-        print(f"note: {threads}")
-    if moved:
-        print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
+    print_predict_plan(len(paths), opts, cfg, (hw, prec), notes, (threads, moved))
     normalizer(cfg)  # built (albumentations imported, 1.3 s) before the clock: it was counted as reading an image
     failed, seen, start, waits = [], InputNotes(cfg, opts), time.perf_counter(), {"reading": 0.0, "writing": 0.0}
     bar = tqdm(total=len(paths), desc="predict", disable=not opts["progress"], dynamic_ncols=True)
@@ -8856,6 +8846,22 @@ def predict_into_output(opts):
     print_predict_summary(done, seconds, waits, failed, out_dir, writer.threads)
     return {"predicted": done, "failed": failed, "seconds": seconds, "precision": prec.name,
             "output": str(out_dir), "waited_s": waits}
+
+
+def print_predict_plan(n_images, opts, cfg, hw_prec, notes, host):
+    """predict's opening lines: what it reads, with which model, where, in what precision and layout."""
+    (hw, prec), (threads, moved) = hw_prec, host
+    tiled = (f"; sliding window of {cfg['image_size']} px at scale {cfg['patch_scale']:g}, overlap "
+             f"{cfg['tile_overlap']:g}, {cfg['tile_batch_size']} tile(s) per forward" if cfg["data_mode"] == "patch" else "")
+    print(f"predict: {n_images} image(s) with {opts['checkpoint']}{ema_words(cfg)} on {describe(hw)} in {prec.name}"
+          + (f" ({prec.warning})" if prec.warning else "") + tiled + tta_summary(cfg["tta"]))
+    for _, note in notes:  # the probe's measurement
+        print(f"{'channels_last' if cfg['channels_last'] else 'contiguous'} layout, {prec.name} ({prec.reason}); "
+              f"probe {note}")
+    if threads:
+        print(f"note: {threads}")
+    if moved:
+        print(f"an earlier predict's masks and overlays of these images moved to {moved}/")
 
 
 def waiting_for_reads(batches, writer, waits):
