@@ -238,12 +238,12 @@ def main(argv=None):
             and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0's help alone (each printed it)
         return 0
     if command in help_words or (command == "train" and set(args) & help_words):
-        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG)
+        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG, key_comments(CONFIG))
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
     if set(args) & help_words and command in COMMAND_KEYS:  # predict --help, ...
         print(f"python train_unet.py {command} key=value ...\n\nkeys and defaults:\n"
-              + format_config(COMMAND_KEYS[command]()))
+              + format_config(COMMAND_KEYS[command](), key_comments(COMMAND_KEYS[command]())))
         return 0
     keep_freed_memory()
     printable_file_names()
@@ -2182,7 +2182,8 @@ def parse_value(key, text, defaults):
             return [float(v) for v in text.strip().strip("[]()").split(",")]
         return text
     except ValueError:
-        raise UserError(f"{key}={text!r} is not {TYPE_WORDS.get(kind, kind.__name__)} (default {default!r})"
+        raise UserError(f"{key}={text!r} is not {TYPE_WORDS.get(kind, kind.__name__)} (default {default!r}"
+                        + (none_means(key, defaults) if default is None else "") + ")"
                         + resume_file_hint(key, text)) from None
 
 
@@ -2672,9 +2673,54 @@ def preset_table():
     return "\n".join(rows)
 
 
-def format_config(cfg):
+def format_config(cfg, comments=None):
+    """key = value lines; with comments (key_comments: --help), each key's comment from the source beside it."""
     width = max(map(len, cfg))
-    return "\n".join(f"  {k:<{width}} = {v!r}" for k, v in cfg.items())
+    lines = [f"  {k:<{width}} = {v!r}" for k, v in cfg.items()]
+    if not comments:
+        return "\n".join(lines)
+    column = min(max(map(len, lines)), width + 22) + 2  # a long value pushes its own comment, not all of them
+    return "\n".join(f"{line:<{column - 2}}  # " + f"\n{'':<{column}}  ".join(comments[k]) if comments.get(k) else line
+                     for line, k in zip(lines, cfg))
+
+
+@functools.lru_cache(maxsize=None)
+def source_comments(name):
+    """{key: [comment lines]} of the dict literal NAME (CONFIG, PREDICT_CONFIG, ...) in this file's source: a
+    key's comment on its line and the comment-only lines under it, indented past the key (a section's
+    heading comment is at the key's indent and is not one). {} where the source can't be read."""
+    import ast
+    import tokenize
+    try:
+        source = Path(__file__).read_text(encoding="utf-8")
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+        node = next(n.value for n in ast.parse(source).body if isinstance(n, ast.Assign)
+                    and [getattr(t, "id", None) for t in n.targets] == [name] and isinstance(n.value, ast.Dict))
+    except (OSError, NameError, UnicodeDecodeError, SyntaxError, tokenize.TokenError, StopIteration):
+        return {}  # a copy run from a notebook cell or a zip: --help and the errors without the comments
+    said = {t.start[0]: (t.start[1], t.string.lstrip("#").strip()) for t in tokens if t.type == tokenize.COMMENT}
+    keys = [k for k in node.keys if isinstance(k, ast.Constant)]
+    comments = {}
+    for key, end in zip(keys, [k.lineno for k in keys[1:]] + [node.end_lineno]):
+        lines = [said[key.lineno][1]] if key.lineno in said and said[key.lineno][0] > key.col_offset else []
+        for line in range(key.end_lineno + 1, end):
+            if line not in said or said[line][0] <= key.col_offset or not lines:
+                break
+            lines.append(said[line][1])
+        comments[key.value] = lines
+    return comments
+
+
+def key_comments(defaults):
+    """source_comments of the defaults dict these are (CONFIG, PREDICT_CONFIG, EXPORT_CONFIG, ...)."""
+    name = next((n for n, v in globals().items() if v is defaults and n.isupper()), None)
+    return source_comments(name) if name else {}
+
+
+def none_means(key, defaults):
+    """What None means for this key, in its comment's words ("None = all; ..." -> " = all"), or ""."""
+    said = re.search(r"None = (.+?)(;|$)", " ".join(key_comments(defaults).get(key, ())))
+    return f" = {said.group(1).rstrip('.,')}" if said else ""
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -10269,7 +10315,7 @@ def search_batch_size(fits, start=2, cap=AUTO_BATCH_CAP):
 # IV.3 Benchmark: the same data, seed and model under several precision settings, one process each.
 # ----------------------------------------------------------------------------------------------------
 BENCHMARK_CONFIG = {
-    "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS
+    "configs": "default,fp32,tf32,fp32_cl,bf16,bf16_cl,bf16_compile,bf16_2x,fp16",  # BENCHMARK_SETTINGS names
     "output": "checkpoints/benchmark",
     "bare_steps": 6,        # timed steps of the bare reference loops (0 = skip them)
     "probe_steps": 2,       # timed steps of the short probe for bf16 where it is not native (emulated)

@@ -2335,3 +2335,45 @@ def test_a_ctrl_c_after_the_command_returned_keeps_its_exit_code(code):
     done = subprocess.run([sys.executable, "-c", script, str(Path(train_unet.__file__).parent)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == code and done.stdout == "done\n"  # printed, not lost to os._exit
+
+
+def test_help_gives_each_key_the_comment_it_has_in_the_source(capsys):
+    """--help listed bare defaults: `tile_overlap = None` without the word that None means the checkpoint's."""
+    assert train_unet.main(["predict", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n  tile_overlap +  = None +  # patch-mode checkpoints: None = the checkpoint's", out), out
+    assert train_unet.main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    source = Path(train_unet.__file__).read_text().split("\nCONFIG = {\n", 1)[1].split("\n}\n", 1)[0]
+    commented = re.findall(r'^    "(\w+)": .*?  # (.+)$', source, flags=re.M)
+    assert len(commented) > 30
+    for key, comment in commented:  # read here by a regex, there by tokenize: the same words
+        assert any(line.startswith(f"  {key} ") and line.endswith(f"# {comment}") for line in lines), key
+    cache = lines.index(next(line for line in lines if line.startswith("  cache_images ")))
+    assert lines[cache + 1].strip().startswith("files: image_size^2")  # a comment's second line, under it
+    preset = next(line for line in lines if line.startswith("  preset "))
+    assert preset.endswith('# None | "fast" | "stable" | "low_memory" | "debug"')  # not the heading comment above
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["predict", "tile_overlap=abc"], "tile_overlap='abc' is not a number (default None = the checkpoint's "
+                                      "(sliding window))"),
+    (["max_train_images=x"], "max_train_images='x' is not a whole number (default None = all)"),
+    (["early_stopping_patience=x"], "early_stopping_patience='x' is not a whole number (default 5)"),
+])
+def test_a_type_error_says_what_the_default_none_means(argv, words, capsys):
+    assert train_unet.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {words}\n"
+
+
+def test_help_and_errors_without_a_readable_source(monkeypatch, capsys):
+    """A copy run from a notebook cell has no file to read the comments from: the bare listing, no traceback."""
+    train_unet.source_comments.cache_clear()
+    monkeypatch.setattr(train_unet, "__file__", "/nonexistent/train_unet.py")
+    try:
+        assert train_unet.main(["predict", "--help"]) == 0
+        assert "\n  tile_overlap    = None\n" in capsys.readouterr().out
+        assert train_unet.main(["predict", "tile_overlap=abc"]) == 2
+        assert capsys.readouterr().err == "error: tile_overlap='abc' is not a number (default None)\n"
+    finally:
+        train_unet.source_comments.cache_clear()
