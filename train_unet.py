@@ -238,12 +238,12 @@ def main(argv=None):
             and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: rank 0's help alone (each printed it)
         return 0
     if command in help_words or (command == "train" and set(args) & help_words):
-        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG, key_comments(CONFIG))
+        print(__doc__.strip() + "\n\nkeys and defaults (CONFIG):\n" + format_config(CONFIG, commented=True)
               + "\n\npresets (preset=NAME; key=value on the command line wins):\n" + preset_table())
         return 0
     if set(args) & help_words and command in COMMAND_KEYS:  # predict --help, ...
         print(f"python train_unet.py {command} key=value ...\n\nkeys and defaults:\n"
-              + format_config(COMMAND_KEYS[command](), key_comments(COMMAND_KEYS[command]())))
+              + format_config(COMMAND_KEYS[command](), commented=True))
         return 0
     keep_freed_memory()
     printable_file_names()
@@ -2434,11 +2434,17 @@ def shipped_keys(defaults):
     return TRAINING_KEYS if defaults is CONFIG else PREDICT_KEYS if defaults is PREDICT_CONFIG else tuple(defaults)
 
 
+def defaults_name(defaults):
+    """The name in this file of a command's defaults (CONFIG, PREDICT_CONFIG, ...); None for any other dict."""
+    return next((name for name in ("CONFIG", "PREDICT_CONFIG", "EXPORT_CONFIG", "BENCHMARK_CONFIG")
+                 if globals()[name] is defaults), None)
+
+
 def check_edited_keys(defaults):
     """CONFIG or PREDICT_CONFIG as edited at the top of the file has the keys it shipped with: a key added
     there (a typo: "encoder" for "encoder_name", "batchsize") would be ignored, or read as a word, and a key
     deleted would stop the run with a KeyError deep inside it."""
-    name, known = "CONFIG" if defaults is CONFIG else "PREDICT_CONFIG", shipped_keys(defaults)
+    name, known = defaults_name(defaults), shipped_keys(defaults)
     where = f"{name} at the top of {Path(__file__).name}"
     for key in defaults:
         if key not in known:
@@ -2486,9 +2492,9 @@ def edited_value_hint(key, value, kind, defaults):
     ("use_amp='False' must be true or false": the user had written False, in quotes, up there)."""
     if key not in defaults or value != defaults[key] or type(value) is not type(defaults[key]):
         return ""
-    name = "CONFIG" if defaults is CONFIG else "PREDICT_CONFIG" if defaults is PREDICT_CONFIG else None
-    if name is None:
+    if not edited_at_top(defaults):
         return ""
+    name = defaults_name(defaults)
     unquoted = f": write {value.strip()} there, without quotes" if isinstance(value, str) and kind is not str else ""
     return f" (as {name} at the top of {Path(__file__).name} has it{unquoted})"
 
@@ -2673,15 +2679,14 @@ def preset_table():
     return "\n".join(rows)
 
 
-def format_config(cfg, comments=None):
-    """key = value lines; with comments (key_comments: --help), each key's comment from the source beside it."""
+def format_config(cfg, commented=False):
+    """key = value lines; commented (--help): each key's comment in the source (key_comments) beside it."""
     width = max(map(len, cfg))
     lines = [f"  {k:<{width}} = {v!r}" for k, v in cfg.items()]
-    if not comments:
-        return "\n".join(lines)
-    column = min(max(map(len, lines)), width + 22) + 2  # a long value pushes its own comment, not all of them
-    return "\n".join(f"{line:<{column - 2}}  # " + f"\n{'':<{column}}  ".join(comments[k]) if comments.get(k) else line
-                     for line, k in zip(lines, cfg))
+    comments = key_comments(cfg) if commented else {}
+    column = min(max(map(len, lines)), width + 22)  # a long value pushes its own comment, not all of them
+    return "\n".join(f"{line:<{column}}  # " + f"\n{'':<{column + 4}}".join(comments[k]) if comments.get(k) else line
+                      for line, k in zip(lines, cfg))
 
 
 @functools.lru_cache(maxsize=None)
@@ -2713,7 +2718,7 @@ def source_comments(name):
 
 def key_comments(defaults):
     """source_comments of the defaults dict these are (CONFIG, PREDICT_CONFIG, EXPORT_CONFIG, ...)."""
-    name = next((n for n, v in globals().items() if v is defaults and n.isupper()), None)
+    name = defaults_name(defaults)
     return source_comments(name) if name else {}
 
 
