@@ -418,13 +418,17 @@ def interrupted_run_words(cfg, started, explicit=()):
 
 
 def resume_words(cfg, explicit=()):
-    """What continues a stopped run: resume=True, with its preset (a resume without it was refused: the
-    preset's keys differ) and its epochs where they are not CONFIG's (left out on resume, epochs is CONFIG's,
-    which would extend or shorten the run: a note, easily missed), or were typed over the preset's
-    (preset=debug epochs=10: 'resume=True preset=debug' would end the run at debug's 2). `cfg`: as given."""
-    typed = cfg.get("preset") and "epochs" in explicit
-    return ("resume=True" + (f" preset={cfg['preset']}" if cfg.get("preset") else "")
-            + (f" epochs={cfg['epochs']}" if cfg["epochs"] != CONFIG["epochs"] or typed else ""))
+    """What continues a stopped run: resume=True with its preset and every key it was given, as a resume must
+    repeat them: checkpoint_dir finds its last.pt (left out, 'resume=True preset=debug epochs=4' resumed the run
+    in checkpoints/, another one), data_dir and the data and optimisation keys are refused where they differ,
+    epochs left out is CONFIG's (which would extend or shorten the run: a note, easily missed), and the other
+    settings keep the run as it was. Given: away from CONFIG, or typed over the preset's (preset=debug epochs=10:
+    'resume=True preset=debug' would end the run at debug's 2). `cfg`: as given, before the preset."""
+    preset = cfg.get("preset")
+    typed = set(explicit) & set(PRESETS[preset]) if preset else set()
+    given = [k for k in CONFIG if k not in ("resume", "preset") and (cfg[k] != CONFIG[k] or k in typed)]
+    return " ".join(["resume=True", *([f"preset={preset}"] if preset else []),
+                     *(f"{k}={cli_value(cfg[k])}" for k in given)])
 
 
 @contextlib.contextmanager

@@ -846,8 +846,8 @@ def test_a_library_train_interrupted_says_what_the_command_line_says(make_cfg, i
     written so far are intact; resume=True continues' was never said."""
     cfg = make_cfg(epochs=2)
     interrupt_at(2)
-    with pytest.raises(KeyboardInterrupt, match="^checkpoints written so far are intact; resume=True epochs=2 "
-                                                "continues$"):
+    with pytest.raises(KeyboardInterrupt, match="^checkpoints written so far are intact; resume=True .*epochs=2 "
+                                                ".*continues$"):
         train(cfg)
     interrupt_at(1)
     with pytest.raises(KeyboardInterrupt, match="^no epoch had finished, so there is no checkpoint to resume"):

@@ -5,6 +5,7 @@ import io
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import shutil
@@ -594,7 +595,7 @@ def test_an_interrupted_training_says_whether_resume_can_continue(epochs_done, m
     monkeypatch.setattr(train_unet, "train", interrupted)
     assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
     assert capsys.readouterr().err.strip() == "interrupted: " + (
-        "checkpoints written so far are intact; resume=True continues" if epochs_done else
+        f"checkpoints written so far are intact; resume=True checkpoint_dir={tmp_path} continues" if epochs_done else
         "no epoch had finished, so there is no checkpoint to resume: train again")
 
 
@@ -608,7 +609,28 @@ def test_an_interrupted_run_with_its_own_epochs_names_them_for_the_resume(monkey
     assert train_unet.CONFIG["epochs"] != 4
     assert train_unet.main([f"checkpoint_dir={tmp_path}", "epochs=4"]) == 130
     assert capsys.readouterr().err.strip() == ("interrupted: checkpoints written so far are intact; resume=True "
-                                               "epochs=4 continues")
+                                               f"epochs=4 checkpoint_dir={tmp_path} continues")
+
+
+def test_the_line_a_stopped_run_ends_with_resumes_that_run(data_dir, tmp_path, monkeypatch, capsys, interrupt_at):
+    """'resume=True preset=debug epochs=4 continues' left out the run's checkpoint_dir and data_dir: run as
+    printed, it opened checkpoints/last.pt, another run's (refused there for its batch size; one trained with
+    the same keys would have been resumed, unsaid). The line, as printed, resumes this run (user test)."""
+    monkeypatch.chdir(tmp_path)  # where a plain resume=True would look: checkpoints/, not this run's folder
+    mine = tmp_path / "my run"  # a name the shell splits: quoted in the line
+    args = [f"data_dir={data_dir}", f"checkpoint_dir={mine}", "preset=debug", "epochs=3", "image_size=32",
+            "encoder_name=resnet18", "progress=False", "cpu_probe=False", "detect_anomaly=False"]
+    real = interrupt_at(2)
+    assert train_unet.main(args) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    words = re.fullmatch(r"interrupted: checkpoints written so far are intact; (.*) continues", said).group(1)
+    assert shlex.split(words) == ["resume=True", "preset=debug", f"data_dir={data_dir}", "image_size=32", "epochs=3",
+                                  "cpu_probe=False", "detect_anomaly=False", f"checkpoint_dir={mine}", "progress=False"]
+    monkeypatch.setattr(train_unet, "run_epoch", real)
+    assert train_unet.main(shlex.split(words)) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert [row["epoch"] for row in train_unet.load_checkpoint(mine / "last.pt")["history"]] == [1, 2, 3]
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
@@ -678,10 +700,11 @@ def test_a_fresh_run_stopped_in_set_up_does_not_offer_to_resume_the_earlier_run(
                                                f"written, and the run already in {tmp_path} is untouched")
     assert (tmp_path / "last.pt").read_bytes() == b"earlier"
     assert train_unet.main([f"checkpoint_dir={tmp_path}", "resume=True", "epochs=12"]) == 130
-    assert capsys.readouterr().err.strip().endswith("intact; resume=True epochs=12 continues")
+    assert capsys.readouterr().err.strip().endswith(f"intact; resume=True epochs=12 checkpoint_dir={tmp_path} "
+                                                    f"continues")
     train_unet.os.utime(tmp_path / "last.pt")  # written by this fresh run's first epoch
     assert train_unet.main([f"checkpoint_dir={tmp_path}"]) == 130
-    assert capsys.readouterr().err.strip().endswith("intact; resume=True continues")
+    assert capsys.readouterr().err.strip().endswith(f"intact; resume=True checkpoint_dir={tmp_path} continues")
 
 
 def test_an_interrupted_predict_says_what_it_leaves(monkeypatch, capsys):
@@ -1373,7 +1396,8 @@ def test_a_killed_loader_worker_is_one_line_with_what_to_do(make_cfg, monkeypatc
     monkeypatch.setattr(train_unet, "run_epoch", die)
     with pytest.raises(UserError) as err:
         train_unet.train_main(make_cfg(epochs=2))
-    assert said in str(err.value) and "resume=True epochs=2 continues from it" in str(err.value)
+    assert said in str(err.value) and re.search(r"last.pt is intact: resume=True .*epochs=2 .*continues from it",
+                                                str(err.value))
     assert "use fewer num_workers" in str(err.value) and "\n" not in str(err.value)
     monkeypatch.setattr(train_unet, "run_epoch", lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: x")))
     with pytest.raises(RuntimeError, match="CUDA error"):  # any other RuntimeError is a bug: raised as it is
@@ -1497,7 +1521,7 @@ def test_a_stop_sent_to_the_whole_process_group_exits_130_without_a_traceback(ma
     # "stopped by SIGTERM" once the main process's handler has run; where the workers' end was reported
     # first (stopped_with_its_workers), the stop is named as an interruption
     assert re.search(r"(interrupted|stopped by SIGTERM): checkpoints written so far are intact; resume=True "
-                     r"epochs=500 continues$", err.strip()), err[-2000:]
+                     r"data_dir=.* epochs=500 .*checkpoint_dir=.* continues$", err.strip()), err[-2000:]
 
 
 @pytest.mark.parametrize("both", [False, True], ids=["stdout", "2>&1"])
