@@ -960,13 +960,14 @@ def refuse_early_stopped(state, cfg, path):
 def changed_resume_keys(state, cfg):
     """The RESUME_KEYS whose value differs from the checkpoint's config (all of them, so one
     refusal names every one). A key newer than the checkpoint counts at its default; "auto" (batch size,
-    class weights) takes the checkpoint's; data_dir is judged by its files (same_split_as_resumed) where
-    the checkpoint recorded them, not by how the folder is written or where it moved, unless it holds no
-    data (no_data_elsewhere)."""
+    class weights) takes the checkpoint's, but class weights typed as a list: auto would weigh the masks
+    anew (the banner had called a hand-typed [1, 5] 'of the training masks as the run began'); data_dir is
+    judged by its files (same_split_as_resumed) where the checkpoint recorded them, not by how the folder is
+    written or where it moved, unless it holds no data (no_data_elsewhere)."""
     changed, saved = [], state["config"]
     for key in RESUME_KEYS:
-        if (key in AUTO_KEYS and cfg[key] == "auto") or (key == "data_dir" and state.get("data_split")
-                                                          and not no_data_elsewhere(saved.get(key), cfg[key])):
+        if (key in AUTO_KEYS and cfg[key] == "auto" and resumed_as_auto(state, key)) or (
+                key == "data_dir" and state.get("data_split") and not no_data_elsewhere(saved.get(key), cfg[key])):
             continue
         if key in PATCH_ONLY_KEYS and cfg["data_mode"] == saved.get("data_mode", "fit") == "fit":  # none read
             continue
@@ -975,6 +976,14 @@ def changed_resume_keys(state, cfg):
         if saved.get(key, CONFIG[key]) != cfg[key]:
             changed.append(key)
     return changed
+
+
+def resumed_as_auto(state, key):
+    """Whether a resume given key="auto" takes the run's value: its batch size always (a resume keeps the
+    batch); its class weights where the run was given auto too, or its last.pt predates the record of that
+    (a run with none: run_class_weights says so)."""
+    auto = state.get("auto_keys", AUTO_KEYS)
+    return key == "batch_size" or key in auto or state["config"].get(key) is None
 
 
 def split_record(train_pairs, val_pairs, data_dir):

@@ -406,6 +406,17 @@ def test_a_resumed_auto_weights_run_names_its_weights_in_the_banner(make_cfg, tm
     assert f"class_weights=auto -> {weights} (last.pt's" in capsys.readouterr().out
 
 
+def test_a_run_with_typed_weights_resumed_with_auto_is_refused(make_cfg, tmp_path, capsys):
+    """class_weights=1,5 resumed with class_weights=auto trained on with [1, 5] while the banner called them
+    'of the training masks as the run began' (auto weighs these masks otherwise): refused, with the list to give."""
+    cfg = make_cfg(class_weights=[1.0, 5.0], epochs=1, checkpoint_dir=str(tmp_path / "run"))
+    train_unet.train(cfg)
+    message = one_line_error(train_unet.train, {**cfg, "resume": True, "epochs": 2, "class_weights": "auto"},
+                             match="^cannot resume exactly: ")
+    assert "class_weights=[1.0, 5.0]" in message and "(class_weights=1.0,5.0)" in message
+    assert len(train_unet.train({**cfg, "resume": True, "epochs": 2})["history"]) == 2  # the list given again
+
+
 def test_a_checkpoint_from_before_class_weights_resumes(make_cfg, tmp_path):
     cfg = make_cfg(epochs=1)
     train_unet.train(cfg)
