@@ -1314,8 +1314,8 @@ def patience_words(state, cfg):
 
 
 def other_modes(state, cfg, prec):
-    """What the resume note adds where the precision, layout or preset is not last.pt's: allowed (a run may
-    move to a faster or a safer mode), but the steps from here differ from the run's."""
+    """What the resume note adds where the precision, layout, torch.compile or preset is not last.pt's:
+    allowed (a run may move to a faster or a safer mode), but the steps from here differ from the run's."""
     was, said = state["config"], []
     if state["precision"] != prec.name:
         said.append(f"it trained in {state['precision']}, this run in {prec.name}")
@@ -1323,6 +1323,10 @@ def other_modes(state, cfg, prec):
         said.append(f"it trained {'NHWC' if was['channels_last'] else 'NCHW'}, this run "
                     f"{'NHWC' if cfg['channels_last'] else 'NCHW'} (channels_last={cfg['channels_last']})")
     differ = [f"{k}={cfg[k]}" for k, v in PRESETS.get(was.get("preset"), {}).items() if cfg.get(k) != v]
+    if isinstance(was.get("compile_model"), bool) and was["compile_model"] != cfg["compile_model"] and \
+            f"compile_model={cfg['compile_model']}" not in differ:  # said with the preset's keys below
+        said.append(f"it trained {'' if was['compile_model'] else 'un'}compiled, this run "
+                    f"{'' if cfg['compile_model'] else 'un'}compiled (compile_model={cfg['compile_model']})")
     if was.get("preset") and was["preset"] != cfg.get("preset") and differ:  # none: every setting kept, unsaid
         said.append(f"it ran with preset={was['preset']}, this run with {cfg.get('preset') or 'none'} ("
                     f"{', '.join(differ)}): give preset={was['preset']} to keep that preset's settings")

@@ -371,6 +371,23 @@ def test_the_resume_note_says_what_mode_changed():
                                   {"channels_last": False, "preset": None}, prec) == ""
 
 
+def test_the_resume_note_says_where_torch_compile_changed():
+    """The README says compile_model is decided anew with a note where it differs from last.pt's; a run
+    trained with compile_model=True resumed without it had no word (its kernels, and its steps, differ)."""
+    prec = train_unet.Precision.of(torch.bfloat16, "bfloat16 as requested")
+    state = {"precision": "bf16", "config": {"channels_last": False, "preset": None, "compile_model": True}}
+    now = {"channels_last": False, "preset": None, "compile_model": False}
+    assert train_unet.other_modes(state, now, prec) == \
+        "; it trained compiled, this run uncompiled (compile_model=False)"
+    state["config"]["compile_model"] = False
+    assert train_unet.other_modes(state, {**now, "compile_model": True}, prec) == \
+        "; it trained uncompiled, this run compiled (compile_model=True)"
+    assert train_unet.other_modes(state, now, prec) == ""
+    fast = {"precision": "bf16", "config": {**train_unet.PRESETS["fast"], "preset": "fast"}}
+    said = train_unet.other_modes(fast, {**now, "channels_last": True, "use_amp": True, "amp_dtype": "auto"}, prec)
+    assert "compiled" not in said and "(compile_model=False): give preset=fast" in said  # said once, with the preset
+
+
 def test_a_stable_run_resumed_without_its_preset_goes_on_in_fp32(make_cfg, capsys):
     """End to end, on whatever this CPU is: every epoch in fp32, config.json saying use_amp=False."""
     cfg = make_cfg(epochs=1, preset="stable")
