@@ -11707,9 +11707,11 @@ def check_sidecar_matches(session, cfg, onnx_path):
 
 
 def read_sidecar(path):
-    """(the .onnx file, its sidecar) from either path, or from export's folder (its model.onnx); refuses a
+    """(the .onnx file, its sidecar) from either path, or from export's folder (its model.json, which names
+    the .onnx: output=folder/model.ONNX was looked for as model.onnx; else its model.onnx); refuses a
     sidecar of another model."""
-    path = path / "model.onnx" if path.is_dir() else path  # export output=folder/ writes folder/model.onnx
+    if path.is_dir():  # export output=folder/ writes folder/model.onnx and folder/model.json
+        path = path / "model.json" if (path / "model.json").is_file() else path / "model.onnx"
     if path.suffix.lower() not in (".onnx", ".json"):
         if not path.exists():  # the export's advice would name a file that is not there
             raise UserError(f"checkpoint={path} not found: give the .onnx file (or the folder) export wrote")

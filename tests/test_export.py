@@ -1043,6 +1043,20 @@ def test_an_export_whose_sidecar_name_is_an_earlier_pairs_moves_both_of_that_pai
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == ["m.ONNX", "m.json"]
 
 
+def test_an_export_folder_is_read_by_the_name_its_sidecar_gives(binary, tmp_path):
+    """export output=folder/model.ONNX, then predict checkpoint=folder: 'exported model folder/model.onnx not
+    found (its name in model.json)', while model.json names model.ONNX (user test)."""
+    out = tmp_path / "up"
+    export(binary["ckpt"], out / "model.ONNX")
+    onnx_path, meta = train_unet.read_sidecar(out)
+    assert onnx_path == out / "model.ONNX" and meta["onnx"] == "model.ONNX"
+    (out / "model.json").unlink()  # the folder's model.onnx without its sidecar: that is what is missing
+    (out / "model.ONNX").rename(out / "model.onnx")
+    missing = re.escape(str(out / "model.json"))
+    with pytest.raises(train_unet.UserError, match=rf"^{missing} not found: export writes it beside model.onnx"):
+        train_unet.read_sidecar(out)
+
+
 def test_predict_says_when_the_exported_checkpoint_has_changed_since(binary, tmp_path, capsys):
     """An export kept in a run's folder named that folder's best.pt as its source after a new run had replaced it
     (the masks differ): the sidecar keeps the file's identity and predict says it has changed."""
