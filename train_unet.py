@@ -44,6 +44,7 @@ The script imports cleanly as a module; tests, tools and the notebooks use its f
 """
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import copy
@@ -1939,13 +1940,28 @@ MALLOC_TUNING_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 def printable_file_names():
     """Let the commands' messages print any file name: one whose bytes are not UTF-8 (Python keeps them as
     surrogates) stopped print with UnicodeEncodeError where stdout's encoding is strict (a UTF-8 locale
-    such as en_US.UTF-8); such characters are now printed as escapes, on both streams: in the C locale
+    such as en_US.UTF-8); such characters are now printed as escapes of the name's own bytes (caf\\xe9.png,
+    as ls -b shows it; backslashreplace had written Python's caf\\udce9.png), on both streams: in the C locale
     stdout wrote the raw bytes (surrogateescape) where stderr, the errors' stream, wrote escapes."""
     # The trade-off: escapes are one way to read on every terminal and log, but a script piping the output
     # no longer gets the name's bytes (os.listdir does).
+    codecs.register_error(BYTE_ESCAPES, escaped_bytes)
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure") and stream.errors in ("strict", "surrogateescape"):
-            stream.reconfigure(errors="backslashreplace")
+            stream.reconfigure(errors=BYTE_ESCAPES)
+
+
+BYTE_ESCAPES = "unet-amp-byte-escapes"  # printable_file_names' error handler, by its registered name
+
+
+def escaped_bytes(exc):
+    """An encoding error handler: a surrogate that stands for a byte no encoding decoded (U+DC80-U+DCFF, from
+    surrogateescape) as that byte's \\xNN; any other character the stream cannot encode as backslashreplace does."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    text = exc.object[exc.start:exc.end]
+    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else
+                   c.encode("ascii", "backslashreplace").decode("ascii") for c in text), exc.end
 
 
 def system_limit_message(exc):

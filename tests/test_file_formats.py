@@ -920,8 +920,9 @@ def fresh_checkpoint(tmp_path):
 def test_an_image_whose_name_is_not_utf8_is_read_predicted_and_named(fresh_checkpoint, tmp_path, errors):
     """A name of Latin-1 bytes (an old archive's): cv2.imread crashed the whole process on it (a segfault,
     no mask written); predict reads it, writes its mask, and names another such file that is damaged,
-    also where stdout's encoding is strict, and as an escape on stdout as on stderr (in the C locale
-    stdout wrote the raw byte). Run in a child process, where a crash cannot take pytest."""
+    also where stdout's encoding is strict, and as an escape of its byte (\\xe9, not Python's \\udce9) on
+    stdout as on stderr (in the C locale stdout wrote the raw byte). Run in a child process, where a crash
+    cannot take pytest."""
     import subprocess
     import sys
 
@@ -936,7 +937,7 @@ def test_an_image_whose_name_is_not_utf8_is_read_predicted_and_named(fresh_check
                           capture_output=True, env={**os.environ, "PYTHONIOENCODING": f"utf-8:{errors}"})
     assert proc.returncode == 1, proc.stderr[-2000:]  # one image failed: its name printed, no traceback
     assert sorted(os.listdir(bytes(out))) == [b"caf\xe9.png"]
-    assert b"failed: cannot read image " in proc.stdout and b"cut\\udce9.jpg (a truncated JPEG" in proc.stdout
+    assert b"failed: cannot read image " in proc.stdout and b"cut\\xe9.jpg (a truncated JPEG" in proc.stdout
     assert b"Traceback" not in proc.stderr
 
 
