@@ -3917,7 +3917,9 @@ def find_pairs(folder):
         subs = [p.name + "/" for p in sorted((folder / "images").iterdir())
                 if p.is_dir() and not p.name.startswith(".")]
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
-            f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else ""))
+            f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else
+            f": put the images there, each with its mask of the same file name in {folder / 'masks'}, or give "
+            f"data_dir= the folder that holds images/ and masks/"))
     renamed = renamed_partners(images, masks, folder) or partners_in_other_case(images, masks, folder)
     if renamed:
         raise UserError(renamed)
@@ -9520,7 +9522,10 @@ def list_images(path):
         data_set = "images/" in folders  # a data set's folder: its images are one level down
         raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}"
                         + (f" ({'; '.join(inside)})" if inside else "")
-                        + (f": give input={cli_value(path / 'images')}" if data_set else ""))
+                        + (f": give input={cli_value(path / 'images')}" if data_set else
+                           f": give a subfolder as input= (input={cli_value(path / folders[0][:-1])})" if folders else
+                           ": rename them without the leading '.' to predict them" if hidden else
+                           ": give input= a folder of images, or one image file"))
     if hidden:
         print(f"note: {skipped}")
     if others:

@@ -1271,7 +1271,8 @@ def test_hidden_images_are_said_to_be_skipped(tmp_path, capsys):
     (tmp_path / ".g.png").write_bytes(b"")
     (tmp_path / "._x.png").write_bytes(b"")
     with pytest.raises(train_unet.UserError, match=r"no images .* \(1 hidden file\(s\) skipped \(e.g. .g.png\): "
-                                                   r"names starting with '.' are not read\)$"):
+                                                   r"names starting with '.' are not read\): rename them without the "
+                                                   r"leading '.' to predict them$"):
         train_unet.list_images(tmp_path)
     (tmp_path / "a.png").write_bytes(b"")
     assert train_unet.list_images(tmp_path) == [tmp_path / "a.png"]
@@ -1292,7 +1293,8 @@ def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path,
     assert train_unet.list_images(tmp_path) == [tmp_path / "a.png", tmp_path / "b.png"]
     (tmp_path / "a.png").unlink()
     (tmp_path / "b.png").unlink()
-    with pytest.raises(train_unet.UserError, match=r"no images .* \(its subfolders are not read: more/, x.png/\)$"):
+    with pytest.raises(train_unet.UserError, match=r"no images .* \(its subfolders are not read: more/, x.png/\): "
+                                                   r"give a subfolder as input= \(input=.*/more\)$"):
         train_unet.list_images(tmp_path)
     (tmp_path / "images").mkdir()  # a data set's folder given: its images are one level down
     with pytest.raises(train_unet.UserError, match=r"not read: images/, more/, x.png/\): give input=.*/images$"):
@@ -2186,6 +2188,18 @@ def test_a_run_refused_at_start_up_leaves_no_empty_checkpoint_folder(make_cfg, t
     (tmp_path / "mine").mkdir()
     one_line_error(train_unet.train, {**cfg, "checkpoint_dir": str(tmp_path / "mine")}, match="no images")
     assert (tmp_path / "mine").is_dir()
+
+
+def test_no_images_names_the_fix(tmp_path):
+    """An empty images/ folder (train) or input folder (predict) was named with no fix, unlike every other error."""
+    data = tmp_path / "data"
+    for sub in ("images", "masks"):
+        (data / sub).mkdir(parents=True)
+    one_line_error(train_unet.find_pairs, data, match=rf"^no images .* in {re.escape(str(data / 'images'))}: put the "
+                   rf"images there, each with its mask of the same file name in {re.escape(str(data / 'masks'))}, or "
+                   rf"give data_dir= the folder that holds images/ and masks/$")
+    one_line_error(train_unet.list_images, data / "masks", match=r"^no images .*: give input= a folder of images, or "
+                                                                  r"one image file$")
 
 
 def test_a_run_stopped_at_start_up_leaves_no_empty_folder_and_says_nothing_was_written(make_cfg, tmp_path,
