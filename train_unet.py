@@ -1859,6 +1859,11 @@ IGNORE_INDEX = 255
 MODEL_STRIDE = 32  # the U-Net halves the image 5 times: sides must be multiples of this
 
 
+def one_value_per_channel(batch_size, image_size):
+    """Whether a batch leaves BatchNorm one value per channel at the U-Net's bottleneck (training raises)."""
+    return batch_size * (image_size // MODEL_STRIDE) ** 2 <= 1
+
+
 class UserError(Exception):
     """A problem the user can fix (bad config, bad data). Printed as one line, no traceback."""
 
@@ -2608,7 +2613,7 @@ def value_rules(cfg):
          f"{' [background, foreground]' if cfg['num_classes'] == 1 else ''}, not all 0, e.g. "
          f"class_weights={','.join(['1'] + ['5'] * max(1, cfg['num_classes'] - 1))}"),
         *((key, cfg[key] is not None and ok(cfg[key]), rule) for key, (ok, rule) in TILE_RULES.items()),
-        ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] * (cfg["image_size"] // MODEL_STRIDE) ** 2 > 1,
+        ("batch_size", cfg["batch_size"] == "auto" or not one_value_per_channel(cfg["batch_size"], cfg["image_size"]),
          f"with image_size={cfg['image_size']} leaves BatchNorm one value per channel at the U-Net's "
          f"bottleneck: use batch_size >= 2 or image_size >= 64"),
     ]

@@ -87,6 +87,20 @@ def test_auto_on_cpu_uses_the_default_and_says_why(make_cfg, capsys):
     assert len(result["history"]) == 2
 
 
+def test_auto_capped_at_one_training_image_says_auto_chose_it():
+    """One training image at image_size=32: 'batch_size=1 ... use batch_size >= 2', a batch size the user never
+    typed (auto, capped at the training set) and one the single image cannot fill (user test)."""
+    cfg = train_unet.validate_config({**train_unet.CONFIG, "batch_size": "auto", "image_size": 32})
+    hw = train_unet.detect_hardware("cpu")
+    with pytest.raises(UserError, match=r"^batch_size=auto -> 1 \(needs a CUDA GPU .*using batch_size=1 \(the 1 "
+                                        r"training images there are\)\): at image_size=32 a batch of 1 leaves "
+                                        r"BatchNorm one value per channel .*: add training images, or use image_size "
+                                        r">= 64$"):
+        train_unet.resolve_batch_size(cfg, hw, train_unet.decide_precision(hw, use_amp=False), None, 1, [])
+    out, _ = train_unet.resolve_batch_size({**cfg, "image_size": 64}, hw, None, None, 1, [])
+    assert out["batch_size"] == 1  # 2x2 values per channel at the bottleneck: trains
+
+
 def test_auto_is_parsed_and_validated():
     assert parse_overrides(["batch_size=auto"])["batch_size"] == "auto"
     assert parse_overrides(["batch_size=AUTO"])["batch_size"] == "auto"
