@@ -2220,7 +2220,10 @@ def parse_value(key, text, defaults):
             return [float(v) for v in text.strip().strip("[]()").split(",")]
         return text
     except ValueError:
-        raise UserError(f"{key}={text!r} is not {TYPE_WORDS.get(kind, kind.__name__)} (default {default!r}"
+        words = [TYPE_WORDS.get(kind, kind.__name__), *["auto"] * (key in AUTO_KEYS),
+                 *["None"] * takes_none(key, defaults)]  # what the key takes: "a whole number or auto"
+        words = f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else words[0]
+        raise UserError(f"{key}={text!r} is not {words} (default {default!r}"
                         + (none_means(key, defaults) if default is None else "") + ")"
                         + resume_file_hint(key, text)) from None
 
@@ -10300,6 +10303,10 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
                 f"{', channels_last' if trial['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
         seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
+    if one_value_per_channel(use, cfg["image_size"]):  # validate_config's refusal named a batch_size not typed
+        raise UserError(f"batch_size=auto -> {use} ({info}): at image_size={cfg['image_size']} a batch of {use} leaves "
+                        f"BatchNorm one value per channel at the U-Net's bottleneck: add training images, or use "
+                        f"image_size >= 64")
     notes.append(("batch", f"auto -> {use}: {info}"))
     return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
 

@@ -2394,12 +2394,16 @@ def test_help_gives_each_key_the_comment_it_has_in_the_source(capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["predict", "tile_overlap=abc"], "tile_overlap='abc' is not a number (default None = the checkpoint's "
+    (["predict", "tile_overlap=abc"], "tile_overlap='abc' is not a number or None (default None = the checkpoint's "
                                       "(sliding window))"),
-    (["max_train_images=x"], "max_train_images='x' is not a whole number (default None = all)"),
-    (["early_stopping_patience=x"], "early_stopping_patience='x' is not a whole number (default 5)"),
+    (["max_train_images=x"], "max_train_images='x' is not a whole number or None (default None = all)"),
+    (["early_stopping_patience=x"], "early_stopping_patience='x' is not a whole number or None (default 5)"),
+    # the words a key takes besides its type: 'is not a whole number (default 8)' left auto out (user test)
+    (["batch_size=8.0"], "batch_size='8.0' is not a whole number or auto (default 8)"),
+    (["class_weights=a,b"], "class_weights='a,b' is not a list of numbers, auto or None (default None)"),
+    (["learning_rate=x"], "learning_rate='x' is not a number (default 0.002)"),
 ])
-def test_a_type_error_says_what_the_default_none_means(argv, words, capsys):
+def test_a_type_error_says_what_the_key_takes_and_what_the_default_none_means(argv, words, capsys):
     assert train_unet.main(argv) == 2
     assert capsys.readouterr().err == f"error: {words}\n"
 
@@ -2412,6 +2416,6 @@ def test_help_and_errors_without_a_readable_source(monkeypatch, capsys):
         assert train_unet.main(["predict", "--help"]) == 0
         assert "\n  tile_overlap    = None\n" in capsys.readouterr().out
         assert train_unet.main(["predict", "tile_overlap=abc"]) == 2
-        assert capsys.readouterr().err == "error: tile_overlap='abc' is not a number (default None)\n"
+        assert capsys.readouterr().err == "error: tile_overlap='abc' is not a number or None (default None)\n"
     finally:
         train_unet.source_comments.cache_clear()
