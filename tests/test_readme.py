@@ -90,3 +90,11 @@ def test_the_library_functions_the_readme_names_take_the_arguments_it_shows():
 def test_the_readme_gives_the_archive_size_the_banner_notes_past():
     text = " ".join(README.split())
     assert f"past {train_unet.ARCHIVE_NOTE_BYTES // 2**30} GB there the banner says how much it holds" in text
+
+
+def test_the_readme_gives_the_inference_notes_thresholds():
+    """The README said a row is noted where 'predict timed faster than its forwards alone'; a 0.976x row had no
+    such note (the limit is 1/1.03): the README gives the script's limits (user test)."""
+    text = " ".join(README.split())
+    assert (f"rounds more than {train_unet.NOISY_SPREAD:g}× apart, predict timed under "
+            f"1/{train_unet.INFERENCE_FASTER_LIMIT:g} of its forwards alone") in text
