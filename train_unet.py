@@ -423,11 +423,11 @@ def resume_words(cfg, explicit=()):
     repeat them: checkpoint_dir finds its last.pt (left out, 'resume=True preset=debug epochs=4' resumed the run
     in checkpoints/, another one), data_dir and the data and optimisation keys are refused where they differ,
     epochs left out is CONFIG's (which would extend or shorten the run: a note, easily missed), and the other
-    settings keep the run as it was. Given: away from CONFIG, or typed over the preset's (preset=debug epochs=10:
-    'resume=True preset=debug' would end the run at debug's 2). `cfg`: as given, before the preset."""
-    preset = cfg.get("preset")
-    typed = set(explicit) & set(PRESETS[preset]) if preset else set()
-    given = [k for k in CONFIG if k not in ("resume", "preset") and (cfg[k] != CONFIG[k] or k in typed)]
+    settings keep the run as it was. Given (given_keys): typed, or away from CONFIG (preset=debug epochs=10:
+    'resume=True preset=debug' would end the run at debug's 2). `cfg`: as given, before the preset; its typed
+    keys (parse_overrides') count where `explicit` is not passed (the out-of-memory and worker-death lines)."""
+    preset, typed = cfg.get("preset"), given_keys(cfg, {*explicit, *getattr(cfg, "typed", ())})
+    given = [k for k in CONFIG if k in typed and k not in ("resume", "preset")]
     return " ".join(["resume=True", *([f"preset={preset}"] if preset else []),
                      *(f"{k}={cli_value(cfg[k])}" for k in given)])
 

@@ -612,6 +612,17 @@ def test_an_interrupted_run_with_its_own_epochs_names_them_for_the_resume(monkey
                                                f"epochs=4 checkpoint_dir={tmp_path} continues")
 
 
+def test_the_out_of_memory_and_worker_lines_name_the_keys_typed_over_the_preset(tmp_path):
+    """The line of a run stopped by a dead loader worker (or out of memory, or a peer) left out what was typed
+    at CONFIG's value over the preset's: 'resume=True preset=debug checkpoint_dir=...' ran 2 epochs, not 10 (review)."""
+    (tmp_path / "last.pt").write_bytes(b"")
+    cfg = train_unet.parse_overrides(["preset=debug", f"epochs={train_unet.CONFIG['epochs']}", "batch_size=8",
+                                      f"checkpoint_dir={tmp_path}"])
+    assert train_unet.checkpoint_kept_words(cfg) == (f"last.pt is intact: resume=True preset=debug epochs="
+                                                     f"{train_unet.CONFIG['epochs']} batch_size=8 checkpoint_dir="
+                                                     f"{tmp_path} continues from it")
+
+
 def test_the_line_a_stopped_run_ends_with_resumes_that_run(data_dir, tmp_path, monkeypatch, capsys, interrupt_at):
     """'resume=True preset=debug epochs=4 continues' left out the run's checkpoint_dir and data_dir: run as
     printed, it opened checkpoints/last.pt, another run's (refused there for its batch size; one trained with
@@ -624,8 +635,9 @@ def test_the_line_a_stopped_run_ends_with_resumes_that_run(data_dir, tmp_path, m
     assert train_unet.main(args) == 130
     said = capsys.readouterr().err.strip().splitlines()[-1]
     words = re.fullmatch(r"interrupted: checkpoints written so far are intact; (.*) continues", said).group(1)
-    assert shlex.split(words) == ["resume=True", "preset=debug", f"data_dir={data_dir}", "image_size=32", "epochs=3",
-                                  "cpu_probe=False", "detect_anomaly=False", f"checkpoint_dir={mine}", "progress=False"]
+    assert shlex.split(words) == ["resume=True", "preset=debug", f"data_dir={data_dir}", "image_size=32",
+                                  "encoder_name=resnet18", "epochs=3", "cpu_probe=False", "detect_anomaly=False",
+                                  f"checkpoint_dir={mine}", "progress=False"]  # as typed, in CONFIG's order
     monkeypatch.setattr(train_unet, "run_epoch", real)
     assert train_unet.main(shlex.split(words)) == 0
     assert "resumed from" in capsys.readouterr().out
