@@ -1324,11 +1324,12 @@ def other_modes(state, cfg, prec):
         said.append(f"it trained {'NHWC' if was['channels_last'] else 'NCHW'}, this run "
                     f"{'NHWC' if cfg['channels_last'] else 'NCHW'} (channels_last={cfg['channels_last']})")
     differ = [f"{k}={cfg[k]}" for k, v in PRESETS.get(was.get("preset"), {}).items() if cfg.get(k) != v]
-    if isinstance(was.get("compile_model"), bool) and was["compile_model"] != cfg["compile_model"] and \
-            f"compile_model={cfg['compile_model']}" not in differ:  # said with the preset's keys below
+    preset_said = was.get("preset") and was["preset"] != cfg.get("preset") and differ  # none: all kept, unsaid
+    if isinstance(was.get("compile_model"), bool) and was["compile_model"] != cfg["compile_model"] and not (
+            preset_said and f"compile_model={cfg['compile_model']}" in differ):  # said with the preset's keys
         said.append(f"it trained {'' if was['compile_model'] else 'un'}compiled, this run "
                     f"{'' if cfg['compile_model'] else 'un'}compiled (compile_model={cfg['compile_model']})")
-    if was.get("preset") and was["preset"] != cfg.get("preset") and differ:  # none: every setting kept, unsaid
+    if preset_said:
         said.append(f"it ran with preset={was['preset']}, this run with {cfg.get('preset') or 'none'} ("
                     f"{', '.join(differ)}): give preset={was['preset']} to keep that preset's settings")
     return "".join(f"; {text}" for text in said)

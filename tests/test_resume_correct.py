@@ -386,6 +386,9 @@ def test_the_resume_note_says_where_torch_compile_changed():
     fast = {"precision": "bf16", "config": {**train_unet.PRESETS["fast"], "preset": "fast"}}
     said = train_unet.other_modes(fast, {**now, "channels_last": True, "use_amp": True, "amp_dtype": "auto"}, prec)
     assert "compiled" not in said and "(compile_model=False): give preset=fast" in said  # said once, with the preset
+    same = {**train_unet.PRESETS["fast"], "preset": "fast"}  # the run's own preset, compile turned off: said (review)
+    assert train_unet.other_modes({"precision": "bf16", "config": same}, {**same, "compile_model": False}, prec) == \
+        "; it trained compiled, this run uncompiled (compile_model=False)"
 
 
 def test_a_stable_run_resumed_without_its_preset_goes_on_in_fp32(make_cfg, capsys):
