@@ -1946,8 +1946,8 @@ MALLOC_TUNING_ENV = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC
 def printable_file_names():
     """Let the commands' messages print any file name: one whose bytes are not UTF-8 (Python keeps them as
     surrogates) stopped print with UnicodeEncodeError where stdout's encoding is strict (a UTF-8 locale
-    such as en_US.UTF-8); such characters are now printed as escapes of the name's own bytes (caf\\xe9.png,
-    as ls -b shows it; backslashreplace had written Python's caf\\udce9.png), on both streams: in the C locale
+    such as en_US.UTF-8); such characters are now printed as escapes of the name's own bytes (caf\\xe9.png;
+    backslashreplace had written Python's caf\\udce9.png, which names no byte), on both streams: in the C locale
     stdout wrote the raw bytes (surrogateescape) where stderr, the errors' stream, wrote escapes."""
     # The trade-off: escapes are one way to read on every terminal and log, but a script piping the output
     # no longer gets the name's bytes (os.listdir does).
@@ -1962,12 +1962,14 @@ BYTE_ESCAPES = "unet-amp-byte-escapes"  # printable_file_names' error handler, b
 
 def escaped_bytes(exc):
     """An encoding error handler: a surrogate that stands for a byte no encoding decoded (U+DC80-U+DCFF, from
-    surrogateescape) as that byte's \\xNN; any other character the stream cannot encode as backslashreplace does."""
+    surrogateescape) as that byte's \\xNN; any other character the stream cannot encode as its UTF-8 bytes, each
+    \\xNN (a name's bytes on a UTF-8 file system: café.png on an ASCII stream is caf\\xc3\\xa9.png, not the
+    caf\\xe9.png of a Latin-1 name)."""
     if not isinstance(exc, UnicodeEncodeError):
         raise exc
-    text = exc.object[exc.start:exc.end]
-    return "".join(f"\\x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else
-                   c.encode("ascii", "backslashreplace").decode("ascii") for c in text), exc.end
+    data = b"".join(bytes([ord(c) - 0xDC00]) if 0xDC80 <= ord(c) <= 0xDCFF else c.encode("utf-8", "surrogatepass")
+                    for c in exc.object[exc.start:exc.end])  # any other lone surrogate: its UTF-8 form
+    return "".join(f"\\x{byte:02x}" for byte in data), exc.end
 
 
 def system_limit_message(exc):

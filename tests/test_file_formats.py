@@ -921,8 +921,8 @@ def test_an_image_whose_name_is_not_utf8_is_read_predicted_and_named(fresh_check
     """A name of Latin-1 bytes (an old archive's): cv2.imread crashed the whole process on it (a segfault,
     no mask written); predict reads it, writes its mask, and names another such file that is damaged,
     also where stdout's encoding is strict, and as an escape of its byte (\\xe9, not Python's \\udce9) on
-    stdout as on stderr (in the C locale stdout wrote the raw byte). Run in a child process, where a crash
-    cannot take pytest."""
+    stdout (in the C locale stdout wrote the raw byte; stderr had escapes). Run in a child process, where a
+    crash cannot take pytest."""
     import subprocess
     import sys
 
@@ -939,6 +939,19 @@ def test_an_image_whose_name_is_not_utf8_is_read_predicted_and_named(fresh_check
     assert sorted(os.listdir(bytes(out))) == [b"caf\xe9.png"]
     assert b"failed: cannot read image " in proc.stdout and b"cut\\xe9.jpg (a truncated JPEG" in proc.stdout
     assert b"Traceback" not in proc.stderr
+
+
+def test_what_a_stream_cannot_encode_is_printed_as_its_bytes():
+    """printable_file_names' handler: a byte no encoding decoded (Python's surrogate for it) as that byte, any
+    other character as its UTF-8 bytes, so that a Latin-1 name and a UTF-8 one print apart; a lone surrogate of
+    another kind does not stop the print."""
+    train_unet.printable_file_names()
+    latin1, utf8 = os.fsdecode(b"caf\xe9.png"), "café.png"
+    assert latin1.encode("utf-8", train_unet.BYTE_ESCAPES) == b"caf\\xe9.png"
+    assert latin1.encode("ascii", train_unet.BYTE_ESCAPES) == b"caf\\xe9.png"
+    assert utf8.encode("ascii", train_unet.BYTE_ESCAPES) == b"caf\\xc3\\xa9.png"
+    assert utf8.encode("utf-8", train_unet.BYTE_ESCAPES) == utf8.encode("utf-8")  # encodable: as it is
+    assert "\ud800.png".encode("utf-8", train_unet.BYTE_ESCAPES) == b"\\xed\\xa0\\x80.png"
 
 
 def test_damaged_files_get_predicts_line_alone(fresh_checkpoint, tmp_path, capfd):
