@@ -2223,8 +2223,9 @@ def parse_value(key, text, defaults):
             return [float(v) for v in text.strip().strip("[]()").split(",")]
         return text
     except ValueError:
-        words = [TYPE_WORDS.get(kind, kind.__name__), *["auto"] * (key in AUTO_KEYS),
-                 *["None"] * takes_none(key, defaults)]  # what the key takes: "a whole number or auto"
+        predict = defaults is PREDICT_CONFIG  # its batch_size takes no auto; training's tiling keys no None
+        words = [TYPE_WORDS.get(kind, kind.__name__), *["auto"] * (key in AUTO_KEYS and not predict),
+                 *["None"] * (takes_none(key, defaults) and (predict or key not in TILE_RULES))]  # "a number or None"
         words = f"{', '.join(words[:-1])} or {words[-1]}" if len(words) > 1 else words[0]
         raise UserError(f"{key}={text!r} is not {words} (default {default!r}"
                         + (none_means(key, defaults) if default is None else "") + ")"

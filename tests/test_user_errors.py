@@ -2414,6 +2414,9 @@ def test_help_gives_each_key_the_comment_it_has_in_the_source(capsys):
     (["batch_size=8.0"], "batch_size='8.0' is not a whole number or auto (default 8)"),
     (["class_weights=a,b"], "class_weights='a,b' is not a list of numbers, auto or None (default None)"),
     (["learning_rate=x"], "learning_rate='x' is not a number (default 0.002)"),
+    # only what the command takes: predict's batch_size no auto, training's tiling keys no None (review)
+    (["predict", "batch_size=8.0"], "batch_size='8.0' is not a whole number (default 8)"),
+    (["tile_batch_size=x"], "tile_batch_size='x' is not a whole number (default 8)"),
 ])
 def test_a_type_error_says_what_the_key_takes_and_what_the_default_none_means(argv, words, capsys):
     assert train_unet.main(argv) == 2
