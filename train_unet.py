@@ -3926,12 +3926,7 @@ def find_pairs(folder):
                         f"of their own")
     images, masks = (index_by_stem(folder / sub) for sub in ("images", "masks"))
     if not images:
-        subs = [p.name + "/" for p in sorted((folder / "images").iterdir())
-                if p.is_dir() and not p.name.startswith(".")]
-        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
-            f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else
-            f": put the images there, each with its mask of the same file name in {folder / 'masks'}, or give "
-            f"data_dir= the folder that holds images/ and masks/"))
+        raise no_images_in(folder)
     renamed = renamed_partners(images, masks, folder) or partners_in_other_case(images, masks, folder)
     if renamed:
         raise UserError(renamed)
@@ -3955,6 +3950,21 @@ def find_pairs(folder):
     # in the order of the images' own stems, as before they were keyed composed (index_by_stem): the seeded split
     # of a set named in NFD (copied from macOS) stays the one its runs began on
     return [(images[s], masks[s]) for s in sorted(images, key=lambda s: images[s].stem)]
+
+
+def no_images_in(folder):
+    """The UserError for a data set's images/ with no image in it, with what to do: its subfolders' files moved
+    up, its files of other types converted, or images put there (a train/ or val/ of the split is named as
+    the folder to fill: data_dir is the folder above it)."""
+    entries = [p for p in sorted((folder / "images").iterdir()) if not p.name.startswith(".")]
+    subs, others = [p.name + "/" for p in entries if p.is_dir()], [p.name for p in entries if p.is_file()]
+    other_part = folder.parent / ("val" if folder.name == "train" else "train")
+    split = folder.name in ("train", "val") and other_part.is_dir()
+    return UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {folder / 'images'}" + (
+        f" (its subfolders {', '.join(subs[:3])} are not searched: move their files up)" if subs else
+        f" ({len(others)} file(s) of other types, e.g. {others[0]}): convert them to one of these types" if others
+        else f": put the images there, each with its mask of the same file name in {folder / 'masks'}" + (
+            "" if split else ", or give data_dir= the folder that holds images/ and masks/")))
 
 
 def renamed_partners(images, masks, folder):
@@ -9530,14 +9540,7 @@ def list_images(path):
     skipped = f"{len(hidden)} hidden file(s) skipped (e.g. {hidden[0]}): names starting with '.' are not read" \
         if hidden else ""
     if not images:
-        inside = [f"its subfolders are not read: {', '.join(folders[:3])}"] * bool(folders) + [skipped] * bool(hidden)
-        data_set = "images/" in folders  # a data set's folder: its images are one level down
-        raise UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}"
-                        + (f" ({'; '.join(inside)})" if inside else "")
-                        + (f": give input={cli_value(path / 'images')}" if data_set else
-                           f": give a subfolder as input= (input={cli_value(path / folders[0][:-1])})" if folders else
-                           ": rename them without the leading '.' to predict them" if hidden else
-                           ": give input= a folder of images, or one image file"))
+        raise nothing_to_predict(path, folders, skipped, others)
     if hidden:
         print(f"note: {skipped}")
     if others:
@@ -9547,6 +9550,20 @@ def list_images(path):
         print(f"note: {len(folders)} folder(s) in {path} skipped (e.g. {folders[0]}): predict reads the images "
               f"directly in it; give each folder as its own input=")
     return images
+
+
+def nothing_to_predict(path, folders, skipped, others):
+    """list_images' UserError for a folder with no image to predict, with what to do: a data set's images/
+    given, a subfolder that holds images given, files of other types converted, hidden ones renamed."""
+    inside = [f"its subfolders are not read: {', '.join(folders[:3])}"] * bool(folders) + [skipped] * bool(skipped)
+    inside += [f"{len(others)} file(s) of other types, e.g. {others[0]}"] if others else []
+    with_images = [path / f[:-1] for f in folders if holds_images(path / f[:-1])]
+    fix = (f"give input={cli_value(path / 'images')}" if "images/" in folders else  # a data set: one level down
+           f"give a subfolder as input= (input={cli_value(with_images[0])})" if with_images else
+           "rename them without the leading '.' to predict them" if skipped else
+           "convert them to one of these types" if others else "give input= a folder of images, or one image file")
+    return UserError(f"no images ({', '.join(IMAGE_EXTS)}) in {path}" + (f" ({'; '.join(inside)})" if inside else "")
+                     + f": {fix}")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -66,3 +66,10 @@ def test_no_function_is_longer_than_50_lines():
             if length > 50:
                 long.append((node.name, length))
     assert not long
+
+
+def test_no_function_or_class_is_defined_twice():
+    """A second def of a name replaces the first without a word: a new holds_images (an unlistable folder holds
+    none) had silently changed the one check_not_in_a_data_set relies on (one that cannot be listed is taken to)."""
+    names = [node.name for node in TREE.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert sorted({name for name in names if names.count(name) > 1}) == []

@@ -1306,8 +1306,13 @@ def test_a_folder_named_like_an_image_is_skipped_with_subfolders_named(tmp_path,
     (tmp_path / "a.png").unlink()
     (tmp_path / "b.png").unlink()
     with pytest.raises(train_unet.UserError, match=r"no images .* \(its subfolders are not read: more/, x.png/\): "
-                                                   r"give a subfolder as input= \(input=.*/more\)$"):
+                                                   r"give input= a folder of images, or one image file$"):
         train_unet.list_images(tmp_path)
+    (tmp_path / "more" / "b.png").write_bytes(b"")  # a subfolder that holds images: named as the input to give
+    with pytest.raises(train_unet.UserError, match=rf"not read: more/, x.png/\): give a subfolder as input= "
+                                                   rf"\(input={re.escape(str(tmp_path / 'more'))}\)$"):
+        train_unet.list_images(tmp_path)
+    (tmp_path / "more" / "b.png").unlink()
     (tmp_path / "images").mkdir()  # a data set's folder given: its images are one level down
     with pytest.raises(train_unet.UserError, match=r"not read: images/, more/, x.png/\): give input=.*/images$"):
         train_unet.list_images(tmp_path)
@@ -2212,6 +2217,16 @@ def test_no_images_names_the_fix(tmp_path):
                    rf"give data_dir= the folder that holds images/ and masks/$")
     one_line_error(train_unet.list_images, data / "masks", match=r"^no images .*: give input= a folder of images, or "
                                                                   r"one image file$")
+    (data / "images" / "a.gif").write_bytes(b"GIF89a")  # files there, of another type: converted, not 'put there'
+    one_line_error(train_unet.find_pairs, data, match=r"\(1 file\(s\) of other types, e.g. a.gif\): convert them to "
+                                                      r"one of these types$")
+    one_line_error(train_unet.list_images, data / "images", match=r"\(1 file\(s\) of other types, e.g. a.gif\): "
+                                                                   r"convert them to one of these types$")
+    split = tmp_path / "split"  # train/ and val/: the part to fill is named, and no data_dir= that would circle back
+    for part in ("train", "val"):
+        for sub in ("images", "masks"):
+            (split / part / sub).mkdir(parents=True)
+    one_line_error(train_unet.find_pairs, split / "train", match=rf"in {re.escape(str(split / 'train' / 'masks'))}$")
 
 
 def test_a_run_stopped_at_start_up_leaves_no_empty_folder_and_says_nothing_was_written(make_cfg, tmp_path,
