@@ -10302,11 +10302,16 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
     if cfg["batch_size"] != "auto":
         return cfg, None
     cap = max(1, min(AUTO_BATCH_CAP, n_train // DIST.world))
+    unit = "patches" if cfg["data_mode"] == "patch" else "images"
+    if state is None and one_value_per_channel(cap, cfg["image_size"]):  # a search's batch of 1 raised in BatchNorm
+        ranks = f" over {DIST.world} processes" if DIST.enabled else ""
+        raise UserError(f"batch_size=auto: a batch of at most {cap} (training {unit}: {n_train}{ranks}), and at "
+                        f"image_size={cfg['image_size']} a batch of {cap} leaves BatchNorm one value per channel at "
+                        f"the U-Net's bottleneck: add training images, or use image_size >= 64")
     if state is not None:
         use, info = state["config"]["batch_size"], "kept the resumed run's batch size"
     elif hw.kind != "cuda":
         use = min(AUTO_BATCH_FALLBACK, cap)
-        unit = "patches" if cfg["data_mode"] == "patch" else "images"
         capped = f" (the {cap} training {unit} {'per process' if DIST.enabled else 'there are'})" if use < \
             AUTO_BATCH_FALLBACK else ""
         info = f"needs a CUDA GPU (this run is on {hw.kind}): using batch_size={use}{capped}"
@@ -10324,10 +10329,6 @@ def resolve_batch_size(cfg, hw, prec, state, n_train, notes):
         info = (f"largest that fit {largest}, using {use} ({limit}; {prec.name}"
                 f"{', channels_last' if trial['channels_last'] else ''}; {time.perf_counter() - start:.1f}s)")
         seed_everything(cfg["seed"])  # the trials used the RNG: the run starts as with a fixed batch
-    if one_value_per_channel(use, cfg["image_size"]):  # validate_config's refusal named a batch_size not typed
-        raise UserError(f"batch_size=auto -> {use} ({info}): at image_size={cfg['image_size']} a batch of {use} leaves "
-                        f"BatchNorm one value per channel at the U-Net's bottleneck: add training images, or use "
-                        f"image_size >= 64")
     notes.append(("batch", f"auto -> {use}: {info}"))
     return validate_config({**cfg, "batch_size": use}), {"requested": "auto", "batch_size": use, "how": info}
 

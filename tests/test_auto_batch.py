@@ -87,16 +87,17 @@ def test_auto_on_cpu_uses_the_default_and_says_why(make_cfg, capsys):
     assert len(result["history"]) == 2
 
 
-def test_auto_capped_at_one_training_image_says_auto_chose_it():
+def test_auto_capped_at_one_training_image_says_auto_chose_it(fake_cuda):
     """One training image at image_size=32: 'batch_size=1 ... use batch_size >= 2', a batch size the user never
-    typed (auto, capped at the training set) and one the single image cannot fill (user test)."""
+    typed (auto, capped at the training set) and one the single image cannot fill (user test); on CUDA the
+    search's trial of one image raised BatchNorm's ValueError, a traceback (review)."""
     cfg = train_unet.validate_config({**train_unet.CONFIG, "batch_size": "auto", "image_size": 32})
+    for hw in (train_unet.detect_hardware("cpu"), fake_cuda):
+        with pytest.raises(UserError, match=r"^batch_size=auto: a batch of at most 1 \(training images: 1\), and at "
+                                            r"image_size=32 a batch of 1 leaves BatchNorm one value per channel .*: "
+                                            r"add training images, or use image_size >= 64$"):
+            train_unet.resolve_batch_size(cfg, hw, train_unet.decide_precision(hw, use_amp=False), None, 1, [])
     hw = train_unet.detect_hardware("cpu")
-    with pytest.raises(UserError, match=r"^batch_size=auto -> 1 \(needs a CUDA GPU .*using batch_size=1 \(the 1 "
-                                        r"training images there are\)\): at image_size=32 a batch of 1 leaves "
-                                        r"BatchNorm one value per channel .*: add training images, or use image_size "
-                                        r">= 64$"):
-        train_unet.resolve_batch_size(cfg, hw, train_unet.decide_precision(hw, use_amp=False), None, 1, [])
     out, _ = train_unet.resolve_batch_size({**cfg, "image_size": 64}, hw, None, None, 1, [])
     assert out["batch_size"] == 1  # 2x2 values per channel at the bottleneck: trains
 
