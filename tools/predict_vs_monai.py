@@ -1,129 +1,87 @@
-"""Sliding-window predict against MONAI's sliding_window_inference, side by side in one process.
+"""The sliding window (patch mode's predict) against MONAI's sliding_window_inference on one synthetic image:
+the same model, window, overlap and Gaussian blend (sigma = window / 8); max logit difference and time.
 
-    python tools/predict_vs_monai.py                         # a 2048x2048 scene, resnet18, 128 px tiles
-    python tools/predict_vs_monai.py size=4000 trivial=True  # the host work alone (a 1x1 conv as the model)
-    python tools/predict_vs_monai.py checkpoint=checkpoints/best.pt size=4000 rounds=5
+    python tools/predict_vs_monai.py                          # a 1024x1024 image, a random resnet18 U-Net
+    python tools/predict_vs_monai.py size=2048 rounds=5 checkpoint=checkpoints/best.pt
 
-Same model, window (image_size), overlap (tile_overlap), Gaussian blending (sigma = window / 8), tiles per
-forward (tile_batch_size), precision and layout, output on the CPU. Timed in alternating rounds (the order
-flipping each round, after an untimed round), medians:
-- forward only: the model over the same tile batches, cut and normalised beforehand (model_inputs): the floor;
-- unet-amp: predict_logits on the image as read (scaling, normalisation, tiling, blending included);
-- monai: sliding_window_inference on the image normalised beforehand (not timed);
-- monai + normalise: the same with the normalisation of the whole image timed too.
-trivial=True puts a 1x1 convolution in the model's place, so what is left is the host work.
-reference=path/to/an/older/train_unet.py adds its predict_logits as a row: a change measured side by side.
-MONAI is a dependency of this tool only (pip install monai), not of the trainer. Any other key=value
-is a training config key (data_mode=patch is set here), as for train_unet.py.
+MONAI is this tool's own dependency (pip install monai), not the trainer's. Nothing is downloaded.
 """
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_unet as T  # noqa: E402
-from make_scenes import draw_scene  # noqa: E402
+from unet_amp import config  # noqa: E402
+from unet_amp.checkpoint import load_checkpoint, model_from_checkpoint  # noqa: E402
+from unet_amp.common import UserError, run_guarded  # noqa: E402
+from unet_amp.data import draw_shapes  # noqa: E402
+from unet_amp.images import prepare_image  # noqa: E402
+from unet_amp.model import build_model  # noqa: E402
+from unet_amp.patches import TILE_BATCH, sliding_window_logits  # noqa: E402
+from unet_amp.precision import detect_hardware, precision_for, resolve_device  # noqa: E402
 
-TOOL_CONFIG = {"size": 2048, "rounds": 3, "trivial": False, "checkpoint": "", "reference": ""}
-DEFAULTS = ["data_mode=patch", "image_size=128", "encoder_name=resnet18", "tile_overlap=0.25", "tile_batch_size=8"]
+TOOL_CONFIG = {"size": 1024, "rounds": 3, "checkpoint": None, "device": "auto"}
 
 
-def main(argv=None):
-    T.keep_freed_memory()  # freed memory kept for reuse, as the script's commands run
-    argv = sys.argv[1:] if argv is None else argv
+def load(opts, hw):
+    """(model in eval mode on the device, the config its predict would use)."""
+    if opts["checkpoint"]:
+        state = load_checkpoint(opts["checkpoint"])
+        return model_from_checkpoint(state, hw.device), {**state["config"], **state["data"], "tta": "none"}
+    torch.manual_seed(0)
+    cfg = {**T.CONFIG, "tta": "none", "intensity_range": None}
+    return build_model(cfg).to(hw.device).eval(), cfg
+
+
+def timed(runs, rounds):
+    """Median seconds of each run, in alternating order per round after one untimed call each."""
+    times = {name: [] for name in runs}
+    for r in range(rounds + 1):
+        for name in (list(runs) if r % 2 else list(runs)[::-1]):
+            start = time.perf_counter()
+            runs[name]()
+            if r:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def run(argv):
+    opts, _ = config.parse_args(argv, TOOL_CONFIG)
     try:
-        rows, facts, megapixels = run(argv)
-    except T.UserError as exc:
-        print(f"error: {T.user_message(exc)}", file=sys.stderr)
-        return 2
-    print(facts)
-    print(T.markdown_table([("run", "median s", "Mpx/s", "vs forward only")] + [
-        (name, f"{s:.2f}", f"{megapixels / s:.2f}", f"{s / rows['forward only']:.3f}x")
-        for name, s in rows.items()]))
+        from monai.inferers import sliding_window_inference
+    except ImportError:
+        raise UserError("monai: not installed; pip install monai (this tool's own dependency)") from None
+    hw = detect_hardware(resolve_device(opts["device"]))
+    model, cfg = load(opts, hw)
+    cfg = {**cfg, "patch_scale": 1.0}
+    prec, window = precision_for("float32", False, "comparison in fp32"), cfg["image_size"]
+    image = draw_shapes(np.random.default_rng(0), opts["size"])[0][..., :cfg["in_channels"]]
+    prepared = prepare_image(image, cfg)
+    x = torch.from_numpy(prepared.transpose(2, 0, 1).copy())[None]
+
+    def monai():
+        with torch.no_grad():
+            return sliding_window_inference(x, (window, window), TILE_BATCH, lambda t: model(t).float(),
+                                            overlap=cfg["tile_overlap"], mode="gaussian", sigma_scale=0.125,
+                                            sw_device=hw.device, device="cpu")[0]
+
+    ours, theirs = sliding_window_logits(model, prepared, cfg, prec, hw), monai()
+    difference = (ours - theirs).abs().max().item()
+    agree = ((ours.argmax(0) == theirs.argmax(0)) if len(ours) > 1 else ((ours > 0) == (theirs > 0))).float().mean()
+    times = timed({"unet-amp": lambda: sliding_window_logits(model, prepared, cfg, prec, hw), "monai": monai},
+                  opts["rounds"])
+    print(f"{hw.name}; {opts['size']}x{opts['size']} image, {window} px tiles, overlap {cfg['tile_overlap']}, "
+          f"{cfg['encoder_name']}, fp32; max |logit difference| {difference:.2e}; masks agree on {agree:.2%} of pixels")
+    print("| run | median s | Mpx/s |\n|---|---|---|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds:.3f} | {opts['size'] ** 2 / 1e6 / seconds:.2f} |")
     return 0
 
 
-def run(args):
-    """({run: median seconds}, a line saying what was timed, the image's megapixels)."""
-    tool_args = [a for a in args if T.normalize_key(a.partition("=")[0]) in TOOL_CONFIG]
-    opts = T.parse_overrides(tool_args, defaults=TOOL_CONFIG)
-    try:
-        from monai.inferers import sliding_window_inference  # this tool's own dependency
-    except ImportError:
-        raise T.UserError("this tool compares with MONAI, which is not installed here: pip install monai "
-                          "(the trainer itself does not need it)") from None
-    model, cfg, hw, prec = load(opts, [a for a in args if a not in tool_args])
-    image = draw_scene(np.random.default_rng(0), opts["size"], opts["size"])[0]
-    if cfg["in_channels"] == 1:
-        image = image[..., 0]
-    size, inputs = cfg["image_size"], T.model_inputs([image], cfg, hw, cfg["tile_batch_size"])
-    tiles, normalised = sum(len(x) for x in inputs), normalise(image, cfg)
-
-    def forward_only():
-        for x in inputs:
-            T.eval_forward(model, x, cfg, prec, hw).float().cpu()
-
-    def monai(x):
-        predictor = lambda t: T.eval_forward(model, t, cfg, prec, hw).float()  # noqa: E731
-        return sliding_window_inference(x, (size, size), cfg["tile_batch_size"], predictor, cfg["tile_overlap"],
-                                        mode="gaussian", sigma_scale=0.125, sw_device=hw.device, device="cpu")
-    runs = {"forward only": forward_only, "unet-amp": lambda: T.predict_logits(model, image, cfg, prec, hw),
-            "monai": lambda: monai(normalised), "monai + normalise": lambda: monai(normalise(image, cfg))}
-    if opts["reference"]:
-        old = reference_module(opts["reference"])
-        runs["reference unet-amp"] = lambda: old.predict_logits(model, image, cfg, prec, hw)
-    with torch.inference_mode():
-        agree = (T.predict_logits(model, image, cfg, prec, hw) - monai(normalised)[0]).abs().max().item()
-        times = T.alternate_timings(runs, opts["rounds"], hw)
-    facts = (f"{T.describe(hw)}; {opts['size']}x{opts['size']} image, {tiles} tiles of {size} px, "
-                  f"{cfg['tile_batch_size']} per forward, overlap {cfg['tile_overlap']}; "
-                  f"{'a 1x1 conv (host work only)' if opts['trivial'] else cfg['encoder_name']}, {prec.name}, "
-                  f"{'NHWC' if cfg['channels_last'] else 'NCHW'}; {opts['rounds']} rounds; "
-             f"max |logit difference| unet-amp vs monai {agree:.2e}")
-    return {name: float(np.median(t)) for name, t in times.items()}, facts, opts["size"] ** 2 / 1e6
-
-
-def reference_module(path):
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("reference_train_unet", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-def load(opts, train_args):
-    """(model in eval mode on the device, cfg with the layout resolved, hardware, precision)."""
-    hw = T.detect_hardware(T.parse_overrides(train_args)["device"])
-    if opts["checkpoint"]:
-        model, cfg = T.load_model(Path(opts["checkpoint"]), hw)
-        cfg = T.parse_overrides(train_args, base=cfg)
-    else:
-        cfg = T.validate_config(T.parse_overrides(with_defaults(train_args)))
-        torch.manual_seed(0)
-        model = T.build_model(cfg).to(hw.device)
-    if opts["trivial"]:
-        model = torch.nn.Conv2d(cfg["in_channels"], cfg["num_classes"], 1).to(hw.device)
-    prec = T.decide_precision(hw, cfg["use_amp"], cfg["amp_dtype"], cfg["force_amp_dtype"])
-    cfg = {**cfg, "channels_last": T.decide_channels_last({**cfg, "batch_size": cfg["tile_batch_size"]}, hw,
-                                                          prec)[0]}
-    model = model.to(memory_format=torch.channels_last) if cfg["channels_last"] else model
-    return model.eval(), cfg, hw, prec
-
-
-def with_defaults(args):
-    """This tool's DEFAULTS with the given key=value settings, a given key replacing its default."""
-    given = {T.normalize_key(a.partition("=")[0]) for a in args}
-    return [d for d in DEFAULTS if T.normalize_key(d.partition("=")[0]) not in given] + list(args)
-
-
-def normalise(image, cfg):
-    """The whole image scaled and normalised as the sliding window's tiles are: 1 x C x H x W float32."""
-    scaled = T.rescale(image, None, cfg["patch_scale"])[0]
-    return T.image_tensor(T.normalizer(cfg)(scaled))[None]
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded(lambda: run(sys.argv[1:])))

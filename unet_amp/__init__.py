@@ -1,0 +1,1 @@
+"""unet-amp: the machinery under train_unet.py, one module per concern."""
