@@ -340,6 +340,7 @@ def epoch_loop(run, loss_fn, loaders, hw, log):
             say(f"note: {run.prec.name} went non-finite at step {bad.step} of epoch {epoch}: rolled back, "
                 f"continuing in {safer.name}")
             run.load(good)
+            run.optimizer.zero_grad(set_to_none=True)  # the streak's non-finite gradients go with it
             run.fallbacks.append({"epoch": epoch, "step": bad.step, "from": run.prec.name, "to": safer.name})
             run.prec, run.scaler, run.streak = safer, scaler, 0
             continue  # the same epoch again: same data order, safer precision
@@ -351,7 +352,7 @@ def epoch_loop(run, loss_fn, loaders, hw, log):
             checkpoint.save_epoch(run, cfg["checkpoint_dir"], is_best)
         log.epoch(row, cfg["epochs"], is_best)
         patience = cfg["early_stopping_patience"]
-        if patience is not None and epoch - run.best_epoch >= patience:
+        if patience is not None and epoch - run.best_epoch >= patience and epoch < cfg["epochs"]:
             say(f"early stop: no better val IoU for {patience} epochs")
             break
         epoch += 1
@@ -383,7 +384,7 @@ def train_one_epoch(run, loss_fn, loader, hw, desc):
     model.train()
     guard = safety.StepGuard(model, run.cfg, run.streak)  # numerical safety; nan_guard=False: plain PyTorch
     loss_sum = torch.zeros((), device=hw.device, dtype=torch.float32)
-    images = 0
+    finite_count, images = torch.zeros((), device=hw.device, dtype=torch.float32), 0
     with torch.autograd.set_detect_anomaly(run.cfg["detect_anomaly"]):
         for i, (x, y) in enumerate(report.progress(loader, desc, run.cfg["progress"])):
             if i % k == 0:
@@ -396,8 +397,10 @@ def train_one_epoch(run, loss_fn, loader, hw, desc):
                     logits = model(x)
                 loss = loss_fn(logits, y)  # fp32, outside autocast
                 (run.scaler.scale(loss / group) if run.scaler is not None else loss / group).backward()
-            loss_sum += loss.detach()
-            group_ok &= torch.isfinite(loss.detach())  # a device bool: no sync per micro-batch
+            finite = torch.isfinite(loss.detach())  # a device bool: no sync per micro-batch
+            group_ok &= finite
+            loss_sum += torch.where(finite, loss.detach(), 0.0)  # a skipped step's NaN stays out of the mean
+            finite_count += finite
             images += x.shape[0]
             if last:  # ---- the update: the one host sync per optimizer step (nan_guard) ----
                 guard.step(model, run.optimizer, run.scaler, group_ok, (x, y))
@@ -405,7 +408,8 @@ def train_one_epoch(run, loss_fn, loader, hw, desc):
                 run.ema.update()
                 run.scheduler.step()
     run.streak = guard.streak
-    return {"loss": loss_sum.item() / max(1, n), "images": images, "skipped": guard.skipped,
+    loss_sum, finite_count = torch.stack([loss_sum, finite_count]).tolist()  # the epoch's one read of them
+    return {"loss": loss_sum / max(1, finite_count), "images": images, "skipped": guard.skipped,
             "grad_norm": guard.grad_norm}
 
 

@@ -119,3 +119,11 @@ def test_torchrun_two_processes_train_one_run(tiny):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.count("done:") == 1  # rank 0 alone reports
     assert checkpoint.load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt")["epoch"] == 1
+
+
+def test_outputs_are_readable_as_the_umask_says(tiny):
+    assert cli(*as_args({**tiny, "use_amp": False, "max_train_images": 8}), env={}).returncode == 0
+    mode = (Path(tiny["checkpoint_dir"]) / "last.pt").stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask

@@ -20,7 +20,8 @@ def test_values_take_their_defaults_type():
 
 @pytest.mark.parametrize("arg", ["epochs=two", "epochs=2.5", "image_size=100", "val_fraction=1.5", "learning_rate=0",
                                  "amp_dtype=fp8", "data_mode=tiles", "class_weights=1,2,3", "ema_decay=1.0",
-                                 "nope=1", "epochs", "device=tpu"])
+                                 "nope=1", "epochs", "device=tpu", "num_workers=auto", "ema_decay=yes",
+                                 "max_train_images=all", "epochs=True", "intensity_range=a,b"])
 def test_a_bad_value_is_refused_naming_its_key(arg):
     with pytest.raises(UserError) as err:
         train_config(train_unet.CONFIG, train_unet.PRESETS, [arg])
@@ -38,3 +39,15 @@ def test_every_preset_names_real_keys_and_passes_the_checks():
     for name, preset in train_unet.PRESETS.items():
         assert set(preset) <= set(train_unet.CONFIG), name
         train_config(train_unet.CONFIG, train_unet.PRESETS, [f"preset={name}"])
+
+
+def test_the_word_none_is_a_choice_where_the_key_has_it():
+    words = ["tta=none", "logger=none", "tf32_matmul_precision=None"]
+    cfg, _ = train_config(train_unet.CONFIG, train_unet.PRESETS, words)
+    assert (cfg["tta"], cfg["logger"], cfg["tf32_matmul_precision"]) == ("none", "none", None)
+
+
+def test_a_value_of_the_wrong_type_edited_into_config_is_refused_naming_its_key():
+    for key, value in (("epochs", "3"), ("num_classes", "2"), ("learning_rate", None)):
+        with pytest.raises(UserError, match=key):
+            train_config({**train_unet.CONFIG, key: value}, train_unet.PRESETS, [])

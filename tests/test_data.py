@@ -190,7 +190,7 @@ def test_fit_dataset_16bit_grey_uses_the_learnt_range(tmp_path):
         (root / sub).mkdir(parents=True)
     for i, top in enumerate((1000, 4000)):
         tifffile.imwrite(root / "images" / f"t{i}.tif", np.full((32, 32), top, np.uint16))
-        cv2.imwrite(str(root / "masks" / f"t{i}.png"), np.zeros((32, 32), np.uint8))
+        cv2.imwrite(str(root / "masks" / f"t{i}.png"), np.eye(32, dtype=np.uint8))
     pairs = find_pairs(root)
     cfg = config(root, in_channels=1)
     info = check_data(pairs, [], cfg)
@@ -212,3 +212,30 @@ def test_ddp_samplers(tmp_path, monkeypatch):
     set_epoch(train_loader, 3)
     assert train_loader.sampler.epoch == 3
     assert list(val_loader.sampler) == [1, 3]  # every other validation image: each counted once in all
+
+
+def test_a_binary_sets_255_means_one_thing_for_every_mask(tmp_path):
+    root = tmp_path / "d"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    masks = {"a": [[0, 1], [255, 0]], "b": [[0, 0], [255, 255]]}  # 0/1 with a void border; an empty one
+    for stem, mask in masks.items():
+        cv2.imwrite(str(root / "images" / f"{stem}.png"), np.zeros((2, 2, 3), np.uint8))
+        cv2.imwrite(str(root / "masks" / f"{stem}.png"), np.array(mask, np.uint8))
+    pairs = find_pairs(root)
+    info = check_data(pairs, [], config(root))
+    assert info["void_255"] and info["class_counts"] == [4, 1]  # b's 255s are void, not foreground
+    _, y, _ = FitDataset(pairs[1:], {**config(root), **info, "image_size": 32}, train=False)[0]
+    assert int((y == 1).sum()) == 0
+
+
+def test_a_set_without_foreground_or_with_half_a_split_is_refused(tmp_path):
+    root = make_set(tmp_path / "d", count=4)
+    for mask in (root / "masks").iterdir():
+        cv2.imwrite(str(mask), np.where(cv2.imread(str(mask), 0) > 0, 255, 0).astype(np.uint8))
+    pairs = find_pairs(root)
+    with pytest.raises(UserError, match="foreground"):  # 0/255 masks read as 3 classes: 255 is void, no class 1
+        check_data(pairs, [], config(root, num_classes=3))
+    (tmp_path / "s" / "train").mkdir(parents=True)
+    with pytest.raises(UserError, match="val"):
+        split_pairs(config(tmp_path / "s"))

@@ -88,6 +88,25 @@ def test_standalone_tool_equals_torch_without_torch(exported, tmp_path):
     assert agreement(masks(tmp_path / "torch"), masks(tmp_path / "tool")) >= 0.999
 
 
+def test_standalone_tool_never_writes_over_ground_truth(exported, tmp_path):
+    _, deploy, images = exported
+    data = tmp_path / "set"
+    (data / "images").mkdir(parents=True)
+    (data / "masks").mkdir()
+    for image in images.iterdir():
+        (data / "images" / image.name).write_bytes(image.read_bytes())
+    truth = data / "masks" / "truth.png"
+    truth.write_bytes(b"ground truth")
+    for out in (data / "masks", tmp_path / "other"):
+        out.mkdir(exist_ok=True)
+        (out / "truth.png").write_bytes(b"ground truth")
+        done = subprocess.run([sys.executable, str(ROOT / "tools" / "onnx_predict.py"), str(deploy / "model.json"),
+                               str(data / "images"), str(out)], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and "Traceback" not in done.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["truth.png"]
+        assert (out / "truth.png").read_bytes() == b"ground truth"
+
+
 def test_patch_mode_export_through_both_runtimes(tmp_path, exported):
     images = exported[2]
     ckpt = make_checkpoint(tmp_path / "patch.pt", data_mode="patch", num_classes=3)

@@ -85,7 +85,9 @@ def test_a_non_finite_streak_in_bf16_rolls_back_and_continues_in_fp32(tiny, monk
     monkeypatch.setattr(train_unet.models, "build_loss", lambda *a: nan_after(build(*a), 2, in_bf16))
     summary = train_unet.train({**tiny, "amp_dtype": "bfloat16", "nan_patience": 2})
     assert summary["fallbacks"][0]["from"] == "bf16" and summary["fallbacks"][0]["to"] == "fp32"
-    assert summary["precision"] == "fp32" and history(tiny["checkpoint_dir"])[0]["precision"] == "fp32"
+    row = history(tiny["checkpoint_dir"])[0]
+    assert summary["precision"] == "fp32" and row["precision"] == "fp32"
+    assert row["skipped_steps"] == "0" and float(row["train_loss"]) < 10  # the retry starts clean
     for value in checkpoint.load_checkpoint(f"{tiny['checkpoint_dir']}/last.pt")["model"].values():
         assert torch.isfinite(value.float()).all()
 
@@ -130,3 +132,9 @@ def test_patch_mode_with_ema_and_tensorboard(tiny):
     assert 0 <= summary["best_iou"] <= 1 and list((folder / "tb").glob("events.out.tfevents.*"))
     best, last = weights(folder / "best.pt"), weights(folder / "last.pt")
     assert any(not torch.equal(best[k], last[k]) for k in best if best[k].is_floating_point())  # best.pt: the EMA's
+
+
+def test_the_debug_preset_trains_under_anomaly_detection(tiny):
+    summary = train_unet.train({**tiny, "preset": "debug"})
+    assert summary["config"]["detect_anomaly"] is True and summary["precision"] == "fp32"
+    assert summary["config"]["epochs"] == 1  # typed keys win over the preset's

@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
+MANIFEST = "predict.json"  # what predict and this tool wrote into an output folder: only those are overwritten
 
 
 def prepare(image, meta):
@@ -96,7 +97,8 @@ def patch_logits(session, x, meta):
 
 
 def read(path):
-    image = cv2.imread(str(path), cv2.IMREAD_UNCHANGED)
+    jpeg = path.suffix.lower() in (".jpg", ".jpeg")  # ANYCOLOR applies a JPEG's EXIF orientation, as training read it
+    image = cv2.imread(str(path), cv2.IMREAD_ANYCOLOR | cv2.IMREAD_ANYDEPTH if jpeg else cv2.IMREAD_UNCHANGED)
     if image is None:
         raise ValueError("OpenCV cannot read it")
     if image.ndim == 3 and image.shape[2] in (3, 4):
@@ -120,6 +122,24 @@ def write_png(path, mask):
         tmp.unlink(missing_ok=True)
 
 
+def written_before(output):
+    try:
+        return set(json.loads((output / MANIFEST).read_text())["written"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def check_output(output, paths):
+    """predict's rule: never the input folder, a data set's masks/, or a folder with files this did not write."""
+    if output.resolve() in {p.parent.resolve() for p in paths}:
+        raise SystemExit(f"error: output={output} holds the input images; give another folder")
+    if output.name.lower() == "masks" and (output.parent / "images").is_dir():
+        raise SystemExit(f"error: output={output} is a data set's masks (ground truth); give another folder")
+    ours = written_before(output) | {MANIFEST}
+    if output.is_dir() and any(p.name not in ours and not p.name.startswith(".") for p in output.iterdir()):
+        raise SystemExit(f"error: output={output} holds files a prediction did not write; give a new folder")
+
+
 def main(sidecar, source, output):
     sidecar, source, output = Path(sidecar), Path(source), Path(output)
     sidecar = sidecar / "model.json" if sidecar.is_dir() else sidecar.with_suffix(".json")
@@ -127,16 +147,19 @@ def main(sidecar, source, output):
     session = ort.InferenceSession(str(sidecar.parent / meta["onnx"]), providers=["CPUExecutionProvider"])
     paths = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.suffix.lower() in IMAGE_EXTS
                                                      and not p.name.startswith("."))
-    if output.resolve() in {p.parent.resolve() for p in paths}:
-        raise SystemExit(f"error: output={output} holds the input images; give another folder")
+    check_output(output, paths)
+    if meta.get("tta", "none") != "none":
+        print(f"note: model.json's tta={meta['tta']} is not applied here (predict backend=onnxruntime applies it)")
     output.mkdir(parents=True, exist_ok=True)
-    failed = 0
+    failed, written = 0, []
     for path in paths:
         try:
             write_png(output / f"{path.stem}.png", mask_of(session, meta, path))
+            written.append(f"{path.stem}.png")
         except (ValueError, cv2.error) as exc:
             failed += 1
             print(f"error: {path}: unreadable file ({exc})", file=sys.stderr)
+    (output / MANIFEST).write_text(json.dumps({"written": sorted(set(written) | written_before(output))}))
     print(f"wrote {len(paths) - failed} mask(s) to {output}" + (f"; {failed} unreadable" if failed else ""))
     return 1 if failed else 0
 

@@ -44,7 +44,7 @@ class Run:
         return {"version": VERSION, "model": unwrap(self.model).state_dict(), "ema": self.ema.state_dict(),
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-                "epoch": self.epoch, "best_iou": self.best_iou, "best_epoch": self.best_epoch,
+                "epoch": self.epoch, "best_iou": self.best_iou, "best_epoch": self.best_epoch, "streak": self.streak,
                 "history": self.history, "fallbacks": self.fallbacks, "config": self.cfg,
                 "precision": {"dtype": str(self.prec.dtype).replace("torch.", ""),
                               "channels_last": self.prec.channels_last},
@@ -59,7 +59,7 @@ class Run:
             self.scaler.load_state_dict(state["scaler"])
         self.ema.load_state_dict(state["ema"])
         self.epoch, self.best_iou, self.best_epoch = state["epoch"], state["best_iou"], state["best_epoch"]
-        self.history, self.fallbacks = list(state["history"]), list(state["fallbacks"])
+        self.history, self.fallbacks, self.streak = list(state["history"]), list(state["fallbacks"]), state["streak"]
 
 
 def load_checkpoint(path):
@@ -85,7 +85,10 @@ def model_from_checkpoint(state, device="cpu"):
 
 def resume_state(cfg):
     """last.pt's state when resume=True, else None."""
-    return load_checkpoint(Path(cfg["checkpoint_dir"]) / "last.pt") if cfg["resume"] else None
+    last = Path(cfg["checkpoint_dir"]) / "last.pt"
+    if cfg["resume"] and not last.is_file():
+        raise UserError(f"{last}: no checkpoint to resume; give checkpoint_dir= the run's folder, or train anew")
+    return load_checkpoint(last) if cfg["resume"] else None
 
 
 def resumed_config(cfg, typed, state):

@@ -9,6 +9,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+UMASK = os.umask(0o022)
+os.umask(UMASK)  # read once: the process's umask, for the files atomic_write makes
 IGNORE_INDEX = 255  # mask value that no loss or metric counts: void, padding
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".tif", ".tiff", ".bmp")
 MASK_EXTS = (".png", ".tif", ".tiff", ".bmp")  # JPEG's lossy blocks would invent class values
@@ -31,8 +33,11 @@ def atomic_write(path, write):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~UMASK)  # as open() would make it: mkstemp's 0600 hid outputs from other users
     try:
         write(tmp)
+        with open(tmp, "rb+") as f:  # on the disk before the rename: a power cut leaves the old file, not an empty one
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

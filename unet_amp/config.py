@@ -9,7 +9,9 @@ from unet_amp.common import IGNORE_INDEX, UserError
 
 # Keys that take a value of another type beside their default's: (key -> the extra values allowed)
 EXTRA_VALUES = {"batch_size": ("auto",), "class_weights": ("auto",), "channels_last": ("auto",)}
-TYPED_AS = {"channels_last": True}  # a key whose default ("auto") is not of the type its other values take
+# The type of the keys whose default (None, "auto") is not of the type their other values take
+TYPED_AS = {"channels_last": True, "num_workers": 0, "max_train_images": 0, "early_stopping_patience": 0,
+            "ema_decay": 0.0, "grad_clip_norm": 0.0, "intensity_range": [0.0], "class_weights": [0.0]}
 CHOICES = {
     "data_mode": ("fit", "patch"),
     "amp_dtype": ("auto", "bfloat16", "float16"),
@@ -33,28 +35,30 @@ def parse_value(text):
 
 
 def cast(key, value, default):
-    """`value` in the type of CONFIG's `default` for `key`, or a UserError naming the key."""
+    """`value` in the type of CONFIG's `default` for `key` (TYPED_AS where that default is None or a word), or a
+    UserError naming the key."""
     default = TYPED_AS.get(key, default)
     value = list(value) if isinstance(value, tuple) else value
-    if value is None or value in EXTRA_VALUES.get(key, ()) or key in CHOICES:
+    if key in CHOICES:  # checked against the choices later; the word none was read as None
+        return "none" if value is None and "none" in CHOICES[key] else value
+    if value is None or value in EXTRA_VALUES.get(key, ()):
         return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(default, bool):
-        ok = isinstance(value, bool) or value in (0, 1)
-        value = bool(value)
-    elif isinstance(default, int) and not isinstance(value, bool):
-        ok = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        value = int(value) if ok else value
+        ok = isinstance(value, bool) or (number and value in (0, 1))
+    elif isinstance(default, int):
+        ok = number and float(value).is_integer()
     elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif isinstance(default, str):
-        ok, value = True, str(value)
-    else:  # a None default: a number, a list or a word
+        ok = number
+    elif isinstance(default, list):
+        ok = isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    else:
         ok = True
     if not ok:
-        extra = "".join(f" or {v}" for v in EXTRA_VALUES.get(key, ()))
+        extra = "".join(f" or {v}" for v in (*EXTRA_VALUES.get(key, ()), *([None] if key in TYPED_AS else [])))
         raise UserError(f"{key}={value!r}: expected {type(default).__name__} like {default!r}{extra}")
-    return value
+    kind = {bool: bool, int: int, float: float, str: str}.get(type(default))
+    return kind(value) if kind else value
 
 
 def unknown_key(key, defaults):
@@ -94,43 +98,47 @@ def with_preset(cfg, typed, presets):
 
 
 def rules(cfg):
-    """(key, allowed, what is allowed) for every train key with a range: the one table of limits."""
+    """(key, a test of its value, what is allowed) for every train key with a range: the one table of limits."""
     n, w = cfg["num_classes"], cfg["class_weights"]
+    slots = max(2, n) if isinstance(n, int) else 2  # class weights: [background, foreground] when binary
     return [
-        ("image_size", cfg["image_size"] >= 32 and cfg["image_size"] % 32 == 0,
+        ("image_size", lambda: cfg["image_size"] >= 32 and cfg["image_size"] % 32 == 0,
          "a multiple of 32 (the U-Net halves it 5 times)"),
-        ("in_channels", cfg["in_channels"] >= 1, "a whole number >= 1"),
-        ("num_classes", 1 <= n < IGNORE_INDEX, f"1 (binary) or a class count below {IGNORE_INDEX}"),
-        ("val_fraction", 0 < cfg["val_fraction"] < 1, "between 0 and 1, e.g. 0.2"),
-        ("max_train_images", cfg["max_train_images"] is None or cfg["max_train_images"] >= 1, ">= 1, or None"),
-        ("num_workers", cfg["num_workers"] is None or cfg["num_workers"] >= 0, ">= 0, or None (auto)"),
-        ("intensity_range", cfg["intensity_range"] is None or (isinstance(cfg["intensity_range"], list)
+        ("in_channels", lambda: cfg["in_channels"] >= 1, "a whole number >= 1"),
+        ("num_classes", lambda: 1 <= n < IGNORE_INDEX, f"1 (binary) or a class count below {IGNORE_INDEX}"),
+        ("val_fraction", lambda: 0 < cfg["val_fraction"] < 1, "between 0 and 1, e.g. 0.2"),
+        ("max_train_images", lambda: cfg["max_train_images"] is None or cfg["max_train_images"] >= 1,
+         ">= 1, or None"),
+        ("num_workers", lambda: cfg["num_workers"] is None or cfg["num_workers"] >= 0, ">= 0, or None (auto)"),
+        ("intensity_range", lambda: cfg["intensity_range"] is None or (isinstance(cfg["intensity_range"], list)
          and len(cfg["intensity_range"]) == 2 and cfg["intensity_range"][0] < cfg["intensity_range"][1]),
          "low,high with low < high, or None (learnt)"),
-        ("patch_scale", 0 < cfg["patch_scale"] <= 4, "in (0, 4]; 1.0 = native resolution"),
-        ("tile_overlap", 0 <= cfg["tile_overlap"] <= 0.9, "in [0, 0.9]"),
-        ("class_weights", w is None or w == "auto" or (isinstance(w, list) and len(w) == max(2, n)
+        ("patch_scale", lambda: 0 < cfg["patch_scale"] <= 4, "in (0, 4]; 1.0 = native resolution"),
+        ("tile_overlap", lambda: 0 <= cfg["tile_overlap"] <= 0.9, "in [0, 0.9]"),
+        ("class_weights", lambda: w is None or w == "auto" or (isinstance(w, list) and len(w) == slots
          and all(isinstance(x, (int, float)) and x >= 0 for x in w) and any(w)),
-         f"None, auto, or {max(2, n)} weights >= 0, one per class"),
-        ("epochs", cfg["epochs"] >= 1, "a whole number >= 1"),
-        ("batch_size", cfg["batch_size"] == "auto" or cfg["batch_size"] >= 1, "a whole number >= 1, or auto"),
-        ("accumulation_steps", cfg["accumulation_steps"] >= 1, "a whole number >= 1"),
-        ("learning_rate", 0 < cfg["learning_rate"] < math.inf, "a number > 0"),
-        ("weight_decay", cfg["weight_decay"] >= 0, ">= 0"),
-        ("warmup_fraction", 0 <= cfg["warmup_fraction"] < 1, "in [0, 1)"),
-        ("grad_clip_norm", cfg["grad_clip_norm"] is None or cfg["grad_clip_norm"] > 0, "> 0, or None"),
-        ("ema_decay", cfg["ema_decay"] is None or 0 < cfg["ema_decay"] < 1, "in (0, 1), e.g. 0.99, or None"),
-        ("early_stopping_patience", cfg["early_stopping_patience"] is None or cfg["early_stopping_patience"] >= 1,
+         f"None, auto, or {slots} weights >= 0, one per class"),
+        ("epochs", lambda: cfg["epochs"] >= 1, "a whole number >= 1"),
+        ("batch_size", lambda: cfg["batch_size"] == "auto" or cfg["batch_size"] >= 1, "a whole number >= 1, or auto"),
+        ("accumulation_steps", lambda: cfg["accumulation_steps"] >= 1, "a whole number >= 1"),
+        ("learning_rate", lambda: 0 < cfg["learning_rate"] < math.inf, "a number > 0"),
+        ("weight_decay", lambda: cfg["weight_decay"] >= 0, ">= 0"),
+        ("warmup_fraction", lambda: 0 <= cfg["warmup_fraction"] < 1, "in [0, 1)"),
+        ("grad_clip_norm", lambda: cfg["grad_clip_norm"] is None or cfg["grad_clip_norm"] > 0, "> 0, or None"),
+        ("ema_decay", lambda: cfg["ema_decay"] is None or 0 < cfg["ema_decay"] < 1, "in (0, 1), e.g. 0.99, or None"),
+        ("early_stopping_patience",
+         lambda: cfg["early_stopping_patience"] is None or cfg["early_stopping_patience"] >= 1,
          ">= 1, or None"),
-        ("seed", 0 <= cfg["seed"] < 2**32, "in [0, 2**32)"),
-        ("device", cfg["device"] in ("auto", "cpu", "cuda", "mps") or cfg["device"].startswith("cuda:"),
+        ("seed", lambda: 0 <= cfg["seed"] < 2**32, "in [0, 2**32)"),
+        ("device", lambda: cfg["device"] in ("auto", "cpu", "cuda", "mps") or cfg["device"].startswith("cuda:"),
          "auto, cpu, cuda, cuda:N or mps"),
-        ("nan_patience", cfg["nan_patience"] >= 1, "a whole number >= 1"),
+        ("nan_patience", lambda: cfg["nan_patience"] >= 1, "a whole number >= 1"),
     ]
 
 
-def check_choices(cfg):
-    for key, allowed in CHOICES.items():
+def check_choices(cfg, choices=CHOICES):
+    """Each key of `choices` (a command's) holds one of its allowed values, or a UserError naming the key."""
+    for key, allowed in choices.items():
         if key in cfg and cfg[key] not in allowed:
             raise UserError(f"{key}={cfg[key]!r}: not one of {', '.join(map(str, allowed))}")
 
@@ -138,7 +146,11 @@ def check_choices(cfg):
 def check_config(cfg):
     """Every value in its range, or a UserError naming the key, its value and what is allowed."""
     check_choices(cfg)
-    for key, ok, allowed in rules(cfg):
+    for key, test, allowed in rules(cfg):
+        try:
+            ok = test()
+        except (TypeError, AttributeError):  # a value of another type, edited into CONFIG
+            ok = False
         if not ok:
             raise UserError(f"{key}={cfg[key]!r}: must be {allowed}")
     return cfg

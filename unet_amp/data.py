@@ -13,13 +13,13 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from unet_amp.common import IGNORE_INDEX, IMAGE_EXTS, UserError, atomic_write
-from unet_amp.patches import augmentation, fit_region
+from unet_amp.common import IGNORE_INDEX, IMAGE_EXTS, UserError
+from unet_amp.distributed import DIST
+from unet_amp.patches import CACHE_BYTES, augmentation, fit_region
 from unet_amp.images import (check_range, image_span, mask_to_classes, match_channels, mean_std,
-                             normalize, pool_spans, read_image, read_mask, to_unit_range)
+                             normalize, pool_spans, read_image, read_mask, to_unit_range, write_png)
 
 SHAPES_DIR = "data/shapes"  # where the embedded data set is written, the first time it is used
-CACHE_BYTES = 1 << 30  # FitDataset keeps its resized items in memory while they fit in this
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -49,11 +49,6 @@ def draw_shapes(rng, size, num_classes=1):
     return image.clip(0, 255).astype(np.uint8), mask
 
 
-def _write_png(path, array):
-    ok, data = cv2.imencode(".png", array)
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data.tobytes()))
-
-
 def ensure_shapes_dataset(root, count=300, size=128, seed=0):
     """Write the embedded data set (count PNG pairs, deterministic) unless `root` holds files; atomic rename."""
     root = Path(root)
@@ -64,8 +59,8 @@ def ensure_shapes_dataset(root, count=300, size=128, seed=0):
         rng = np.random.default_rng(seed)
         for i in range(count):
             image, mask = draw_shapes(rng, size)
-            _write_png(tmp / "images" / f"shape_{i:04d}.png", image)
-            _write_png(tmp / "masks" / f"shape_{i:04d}.png", mask)
+            write_png(tmp / "images" / f"shape_{i:04d}.png", image)
+            write_png(tmp / "masks" / f"shape_{i:04d}.png", mask)
         if root.is_dir():
             root.rmdir()  # empty (checked above)
         try:
@@ -117,7 +112,12 @@ def split_pairs(cfg):
     root = Path(cfg["data_dir"])
     if not root.is_dir():
         raise UserError(f"data_dir={root}: not found; create {root}/images and {root}/masks (or train/ and val/)")
-    if (root / "train").is_dir() and (root / "val").is_dir():
+    halves = [(root / half).is_dir() for half in ("train", "val")]
+    if any(halves) and not all(halves):
+        have, lack = ("train", "val") if halves[0] else ("val", "train")
+        raise UserError(f"data_dir={root}: has {have}/ but no {lack}/; add {lack}/images and {lack}/masks, or put "
+                        f"every pair in images/ and masks/ for a val_fraction split")
+    if all(halves):
         train, val = find_pairs(root / "train"), find_pairs(root / "val")
     else:
         pairs = find_pairs(root)
@@ -144,20 +144,28 @@ def _check_pair(pair, cfg):
     span = image_span(image)
     if span is not None and not all(np.isfinite(span)):
         raise UserError(f"{image_path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
-    classes = mask_to_classes(mask, cfg["num_classes"], mask_path)
-    counts = np.bincount(classes.ravel(), minlength=256)[:max(2, cfg["num_classes"])]
-    return span, counts
+    mask_to_classes(mask, cfg["num_classes"], mask_path)  # the values check
+    return span, np.bincount(mask.ravel(), minlength=256)[:256]
 
 
 def check_data(train_pairs, val_pairs, cfg):
-    """Read every pair once: sizes, channels and mask values checked; the intensity range and class counts."""
+    """Read every pair once: sizes, channels and mask values checked; the intensity range, class counts, and
+    whether a binary set's 255 is void (any of its masks holds a 1) or the foreground (0/255 masks)."""
     with ThreadPoolExecutor(_threads()) as pool:
         results = list(pool.map(lambda pair: _check_pair(pair, cfg), list(train_pairs) + list(val_pairs)))
-    train = results[:len(train_pairs)]
+    void_255 = cfg["num_classes"] > 1 or any(c[1] for _, c in results)
     given = cfg.get("intensity_range")
+    train = results[:len(train_pairs)]
     learnt = pool_spans(span for span, _ in train) if given is None else list(check_range(given))
-    counts = np.sum([c for _, c in train], axis=0) if train else np.zeros(max(2, cfg["num_classes"]), np.int64)
-    return {"intensity_range": learnt, "class_counts": [int(c) for c in counts]}
+    raw = np.sum([c for _, c in train], axis=0) if train else np.zeros(256, np.int64)
+    counts = raw[:max(2, cfg["num_classes"])].copy()
+    if not void_255:  # 0/255 masks: 255 is the foreground
+        counts[1] += raw[255]
+    if train and not counts[1:].any():  # would train, silently, to predict background everywhere
+        hint = "; 255 is void in multi-class masks: 0/255 masks want num_classes=1" if raw[255] else ""
+        raise UserError(f"data_dir={cfg['data_dir']}: the training masks hold no foreground class "
+                        f"(1..{max(1, cfg['num_classes'] - 1)}){hint}")
+    return {"intensity_range": learnt, "class_counts": [int(c) for c in counts], "void_255": bool(void_255)}
 
 
 def class_weights_from(counts):
@@ -218,7 +226,7 @@ class FitDataset(Dataset):
         """(resized image: uint8 for 8-bit files else float16, resized mask, original mask or None)."""
         image_path, mask_path = self.pairs[index]
         image, cfg = read_image(image_path), self.cfg
-        mask = mask_to_classes(read_mask(mask_path), cfg["num_classes"], mask_path)
+        mask = mask_to_classes(read_mask(mask_path), cfg["num_classes"], mask_path, cfg.get("void_255", False))
         unit = match_channels(to_unit_range(image, cfg["intensity_range"]), cfg["in_channels"], image_path)
         small, small_mask = fit_resize(unit, mask, self.size)
         small = np.rint(small * 255).astype(np.uint8) if image.dtype == np.uint8 else small.astype(np.float16)
@@ -280,15 +288,6 @@ class EpochShuffle(torch.utils.data.Sampler):
         return iter(torch.randperm(self.length, generator=torch.Generator().manual_seed(seed)).tolist())
 
 
-def _dist():
-    """distributed.DIST, or a single process where that module is absent."""
-    try:
-        from unet_amp.distributed import DIST
-    except ImportError:
-        return None
-    return DIST if DIST.enabled else None
-
-
 def _worker_start(worker_id):
     cv2.setNumThreads(0)  # OpenCV's own pool in every worker would take the model's cores
 
@@ -304,20 +303,20 @@ def loader_options(cfg, hw):
 
 def make_loaders(train_pairs, val_pairs, cfg, hw, info):
     """(train_loader, val_loader) for fit or patch mode; DDP: DistributedSampler for training, val sharded."""
-    cfg = {**cfg, "intensity_range": info.get("intensity_range")}
+    cfg = {**cfg, "intensity_range": info.get("intensity_range"), "void_255": info.get("void_255", False)}
     if cfg["data_mode"] == "patch":
         from unet_amp.patches import PatchDataset, WholeImageDataset
 
         train_set, val_set = PatchDataset(train_pairs, cfg, info), WholeImageDataset(val_pairs, cfg, info)
     else:
         train_set, val_set = FitDataset(train_pairs, cfg, True), FitDataset(val_pairs, cfg, False)
-    dist, options = _dist(), loader_options(cfg, hw)
+    dist, options = (DIST if DIST.enabled else None), loader_options(cfg, hw)
     if dist is not None:
         sampler = torch.utils.data.DistributedSampler(train_set, dist.world, dist.rank, shuffle=True, seed=cfg["seed"])
     else:
         sampler = EpochShuffle(len(train_set), cfg["seed"])
     train_loader = DataLoader(train_set, int(cfg["batch_size"]), sampler=sampler,
-                              drop_last=len(train_set) > int(cfg["batch_size"]),  # no BatchNorm batch of one
+                              drop_last=len(sampler) > int(cfg["batch_size"]),  # no BatchNorm batch of one
                               generator=torch.Generator().manual_seed(cfg["seed"]), **options)
     shard = list(range(len(val_set)))[dist.rank::dist.world] if dist is not None else None  # each image once
     if cfg["data_mode"] == "patch":

@@ -62,14 +62,6 @@ def broadcast_object(obj):
     return box[0]
 
 
-def any_process(flag):
-    """True on every process when `flag` is True on any (one process's stop stops them all)."""
-    if not DIST.enabled:
-        return flag
-    t = torch.tensor([float(flag)], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    return bool(all_reduce_(t).item())
-
-
 def gradient_sync(model, now):
     """DDP all-reduces gradients only where `now` (an accumulation group's last micro-batch); elsewhere no-op."""
     if DIST.enabled and not now and hasattr(model, "no_sync"):

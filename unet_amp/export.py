@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from unet_amp.checkpoint import load_checkpoint, model_from_checkpoint
+from unet_amp.checkpoint import DATA_FACTS, load_checkpoint, model_from_checkpoint
 from unet_amp.common import UserError, atomic_write, atomic_write_json, say
 from unet_amp.config import parse_args
 from unet_amp.images import normalize
-from unet_amp.predict import EXPORT_FORMAT, FACTS, OnnxModel, logits_to_mask
+from unet_amp.predict import EXPORT_FORMAT, OnnxModel, logits_to_mask
 
 __all__ = ["EXPORT_CONFIG", "OnnxModel", "export", "main"]
 
@@ -107,7 +107,7 @@ def sidecar(data, path, cfg, check):
     """model.json: what predict (or tools/onnx_predict.py) needs beside the graph."""
     mean, std = normalisation(data["in_channels"])
     return {"format": EXPORT_FORMAT, "version": 1, "onnx": path.name, "input": "image", "output": "logits",
-            **{k: data.get(k) for k in FACTS}, "tta": data.get("tta") or "none", "arch": data["arch"],
+            **{k: data.get(k) for k in DATA_FACTS}, "tta": data.get("tta") or "none", "arch": data["arch"],
             "encoder_name": data["encoder_name"], "mean": mean, "std": std, "pad": 0.0,
             "mask": "binary: logit > 0 -> 255; else argmax", "exported_from": str(cfg["checkpoint"]),
             "opset": cfg["opset"], "check": check}

@@ -6,12 +6,18 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from unet_amp.common import IGNORE_INDEX, UserError
+from unet_amp.common import IGNORE_INDEX, UserError, atomic_write
 
 TIFF_EXTS = (".tif", ".tiff")
 JPEG_EXTS = (".jpg", ".jpeg")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 GREY_MEAN, GREY_STD = (0.5,), (0.25,)
+
+
+def write_png(path, array):
+    """An image or mask as PNG, written atomically."""
+    ok, data = cv2.imencode(".png", array)
+    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data.tobytes()))
 
 
 def unreadable(path, cause):
@@ -110,11 +116,12 @@ def mask_values(mask):
     return np.unique(mask)
 
 
-def mask_to_classes(mask, num_classes, path):
-    """Class indices (uint8) with IGNORE_INDEX for void; binary 0/255 or 0/1 -> 0/1; else UserError."""
+def mask_to_classes(mask, num_classes, path, void_255=False):
+    """Class indices (uint8) with IGNORE_INDEX for void; else UserError. Binary: 0/1, or 0/255 with 255 as the
+    foreground unless the data set's masks hold 1s (void_255: check_data decides once, for every mask)."""
     values = set(mask_values(mask).tolist())
     if num_classes == 1:
-        if values <= {0, 1} or values <= {0, 255}:
+        if values <= {0, 1} or (values <= {0, 255} and not void_255):
             return (mask > 0).astype(np.uint8)
         allowed, what = {0, 1, IGNORE_INDEX}, "0/1, 0/255, or 0/1 with 255 as void"
     else:

@@ -43,7 +43,7 @@ def read_pair(pair, cfg, info):
     """(image in [0, 1] HxWxC float32 with in_channels, mask HxW uint8 of class indices) of an (image, mask) pair."""
     unit = to_unit_range(read_image(pair[0]), info.get("intensity_range"))
     unit = match_channels(unit, cfg["in_channels"], pair[0])
-    return unit, mask_to_classes(read_mask(pair[1]), cfg["num_classes"], pair[1])
+    return unit, mask_to_classes(read_mask(pair[1]), cfg["num_classes"], pair[1], info.get("void_255", False))
 
 
 def foreground_rows(mask):

@@ -9,10 +9,10 @@ import cv2
 import numpy as np
 import torch
 
-from unet_amp.checkpoint import load_checkpoint, model_from_checkpoint
-from unet_amp.common import IMAGE_EXTS, UserError, atomic_write, atomic_write_json, say
-from unet_amp.config import parse_args
-from unet_amp.images import prepare_image, read_image
+from unet_amp.checkpoint import DATA_FACTS, load_checkpoint, model_from_checkpoint
+from unet_amp.common import IMAGE_EXTS, UserError, atomic_write_json, say
+from unet_amp.config import check_choices, parse_args
+from unet_amp.images import prepare_image, read_image, write_png
 from unet_amp.patches import TTA_VIEWS, fit_logits, sliding_window_logits
 from unet_amp.precision import detect_hardware, precision_for
 
@@ -31,8 +31,6 @@ CHOICES = {"tta": ("checkpoint", *TTA_VIEWS), "amp": ("auto", "fp32", "bf16", "f
            "backend": ("torch", "onnxruntime")}
 MANIFEST = "predict.json"  # in the output folder: the masks predict wrote there (it may overwrite only those)
 EXPORT_FORMAT = "unet-amp export"
-FACTS = ("in_channels", "num_classes", "intensity_range", "image_size", "data_mode", "patch_scale", "tile_overlap",
-         "tta")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -70,7 +68,7 @@ def read_export(path):
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{sidecar}: unreadable export sidecar ({type(exc).__name__}); run export again") from None
-    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT or any(k not in meta for k in FACTS):
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT or any(k not in meta for k in DATA_FACTS):
         raise UserError(f"{sidecar}: not a model.json written by export; run export again")
     onnx_path = path if path.suffix.lower() == ".onnx" else sidecar.parent / meta["onnx"]
     if not onnx_path.is_file():
@@ -79,10 +77,10 @@ def read_export(path):
 
 
 def load_predictor(cfg, hw):
-    """(model, the run's facts: FACTS, channels_last) for the backend: a torch checkpoint or an ONNX export."""
+    """(model, the run's facts: DATA_FACTS, channels_last) for the backend: a torch checkpoint or an ONNX export."""
     if cfg["backend"] == "onnxruntime":
         onnx_path, meta = read_export(cfg["checkpoint"])
-        return OnnxModel(onnx_path, hw.device), {**{k: meta[k] for k in FACTS}, "channels_last": False}
+        return OnnxModel(onnx_path, hw.device), {**{k: meta[k] for k in DATA_FACTS}, "channels_last": False}
     if Path(cfg["checkpoint"]).suffix.lower() in (".onnx", ".json") or Path(cfg["checkpoint"]).is_dir():
         raise UserError(f"checkpoint={cfg['checkpoint']}: an exported model; add backend=onnxruntime, or give a .pt")
     state = load_checkpoint(cfg["checkpoint"])
@@ -155,11 +153,6 @@ def check_output(out, source):
                             f"write; give a new or empty folder")
 
 
-def write_png(path, mask):
-    ok, data = cv2.imencode(".png", mask)
-    atomic_write(path, lambda tmp: Path(tmp).write_bytes(data.tobytes()))
-
-
 def logits_to_mask(logits, num_classes):
     """CxHxW logits -> HxW uint8: 0/255 when binary (logit > 0), class indices else."""
     if num_classes == 1:
@@ -170,10 +163,8 @@ def logits_to_mask(logits, num_classes):
 # ---------------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------------
-def check_choices(cfg):
-    for key, allowed in CHOICES.items():
-        if cfg[key] not in allowed:
-            raise UserError(f"{key}={cfg[key]!r}: not one of {', '.join(allowed)}")
+def check_keys(cfg):
+    check_choices(cfg, CHOICES)
     if not isinstance(cfg["batch_size"], int) or cfg["batch_size"] < 1:
         raise UserError(f"batch_size={cfg['batch_size']!r}: must be a whole number >= 1")
 
@@ -216,7 +207,7 @@ def run_batches(model, paths, out, facts, prec, hw, cfg):
 def predict(cfg):
     """Masks for cfg["input"] into cfg["output"]; returns {"written": [mask paths], "failed": [image paths]}."""
     cfg = {**PREDICT_CONFIG, **cfg}
-    check_choices(cfg)
+    check_keys(cfg)
     source, out = Path(cfg["input"]), Path(cfg["output"])
     paths = list_images(source)
     names = output_names(paths)

@@ -8,6 +8,7 @@ import math
 import torch
 
 from unet_amp.common import UserError
+from unet_amp.distributed import DIST, all_reduce_
 from unet_amp.precision import make_scaler, precision_for
 
 
@@ -56,6 +57,8 @@ class StepGuard:
         """Step the optimizer if the group's losses (a device bool) and gradients are finite."""
         if scaler is not None:
             scaler.unscale_(optimizer)
+        if DIST.enabled:  # one process's overflow is every process's: they all skip, roll back and fall back alike
+            loss_ok = all_reduce_((~loss_ok).float()) == 0
         params = [p for p in model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.clip if self.clip else math.inf)
         if not self.enabled:  # plain PyTorch: no check, no sync
@@ -79,14 +82,15 @@ class StepGuard:
             self.snapshot.restore()
         self.steps += 1
         self.skipped += not applied
-        self.norm_sum += norm if isinstance(norm, float) else 0.0
+        self.norm_sum = self.norm_sum + norm if norm is not None else self.norm_sum  # a tensor without the guard
         self.streak = 0 if good else self.streak + 1
         if self.enabled and self.streak >= self.patience:
             raise NonFiniteStreak(self.steps, batch)
 
     @property
     def grad_norm(self):
-        return self.norm_sum / max(1, self.steps - self.skipped)
+        """Mean pre-clip norm of the applied steps (one read at the epoch's end where nan_guard is off)."""
+        return float(self.norm_sum) / max(1, self.steps - self.skipped)
 
 
 def rollback_point(run_state, enabled):
