@@ -6,7 +6,7 @@ import tifffile
 from PIL import Image
 
 from unet_amp.common import UserError
-from unet_amp.images import (learn_intensity_range, mask_to_classes, match_channels, normalize, prepare_image,
+from unet_amp.images import (image_span, mask_to_classes, match_channels, normalize, pool_spans, prepare_image,
                              read_image, read_mask, to_unit_range)
 
 
@@ -111,6 +111,10 @@ def test_scaling_rule():
     assert np.array_equal(to_unit_range(np.full((2, 2, 1), 3.0, np.float32), None), np.zeros((2, 2, 1)))
     with pytest.raises(UserError, match="intensity_range"):
         to_unit_range(u16, [10, 5])
+
+
+def learn_intensity_range(paths):
+    return pool_spans(image_span(read_image(p)) for p in paths)
 
 
 def test_learn_intensity_range(tmp_path):

@@ -184,8 +184,10 @@ def test_learnt_range_pools_images_wider_than_8_bits(tmp_path):
     for name, array in (("a.png", np.full((4, 4), 100, np.uint16)), ("b.png", np.full((4, 4), 3000, np.uint16)),
                         ("c.png", np.full((4, 4), 250, np.uint8))):
         cv2.imwrite(str(tmp_path / name), array)
-    assert images.learn_intensity_range(sorted(tmp_path.iterdir())) == [100, 3000]
-    assert images.learn_intensity_range([tmp_path / "c.png"]) is None
+    def learnt(paths):
+        return images.pool_spans(images.image_span(images.read_image(p)) for p in paths)
+    assert learnt(sorted(tmp_path.iterdir())) == [100, 3000]
+    assert learnt([tmp_path / "c.png"]) is None
 
 
 def test_mask_rules(tmp_path):

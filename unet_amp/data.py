@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from unet_amp.common import IGNORE_INDEX, IMAGE_EXTS, UserError
 from unet_amp.distributed import DIST
-from unet_amp.patches import CACHE_BYTES, augmentation, fit_region
-from unet_amp.images import (check_range, image_span, mask_to_classes, match_channels, mean_std,
+from unet_amp.patches import CACHE_BYTES, augmentation, fit_region, pad_image, pad_to
+from unet_amp.images import (check_range, image_span, mask_to_classes, match_channels,
                              normalize, pool_spans, read_image, read_mask, to_unit_range, write_png)
 
 SHAPES_DIR = "data/shapes"  # where the embedded data set is written, the first time it is used
@@ -195,15 +195,9 @@ def fit_resize(unit, mask, size):
 def fit_pad(unit, mask, size):
     """Pad bottom/right to size x size: the image with the channel means (0 once normalised, as predict pads),
     the mask with IGNORE_INDEX."""
-    rows, cols = mask.shape
-    if (rows, cols) == (size, size):
+    if mask.shape == (size, size):
         return unit, mask
-    padded = np.empty((size, size, unit.shape[2]), np.float32)
-    padded[:] = np.asarray(mean_std(unit.shape[2])[0], np.float32)
-    padded[:rows, :cols] = unit
-    padded_mask = np.full((size, size), IGNORE_INDEX, np.uint8)
-    padded_mask[:rows, :cols] = mask
-    return padded, padded_mask
+    return pad_image(unit, size), pad_to(mask, size, size, IGNORE_INDEX)
 
 
 class FitDataset(Dataset):

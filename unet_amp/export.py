@@ -8,13 +8,12 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from unet_amp.checkpoint import DATA_FACTS, load_checkpoint, model_from_checkpoint
 from unet_amp.common import UserError, atomic_write, atomic_write_json, say
 from unet_amp.config import parse_args
-from unet_amp.images import normalize
+from unet_amp.images import mean_std
 from unet_amp.predict import EXPORT_FORMAT, OnnxModel, logits_to_mask
 
 __all__ = ["EXPORT_CONFIG", "OnnxModel", "export", "main"]
@@ -36,14 +35,6 @@ def export_path(output):
     if path.parent.name.lower() in ("images", "masks") and (path.parent.parent / "images").is_dir():
         raise UserError(f"output={output}: inside a data set's {path.parent.name}/ folder; give another folder")
     return path
-
-
-def normalisation(in_channels):
-    """(mean, std) per channel that images.normalize applies to [0, 1] values, for runtimes without this package."""
-    zero = normalize(np.zeros((1, 1, in_channels), np.float32)).reshape(-1).astype(np.float64)
-    one = normalize(np.ones((1, 1, in_channels), np.float32)).reshape(-1).astype(np.float64)
-    std = 1.0 / (one - zero)
-    return [float(v) for v in -zero * std], [float(v) for v in std]
 
 
 @contextlib.contextmanager
@@ -105,7 +96,7 @@ def check_export(model, path, data):
 
 def sidecar(data, path, cfg, check):
     """model.json: what predict (or tools/onnx_predict.py) needs beside the graph."""
-    mean, std = normalisation(data["in_channels"])
+    mean, std = ([float(v) for v in values] for values in mean_std(data["in_channels"]))  # normalize's
     return {"format": EXPORT_FORMAT, "version": 1, "onnx": path.name, "input": "image", "output": "logits",
             **{k: data.get(k) for k in DATA_FACTS}, "tta": data.get("tta") or "none", "arch": data["arch"],
             "encoder_name": data["encoder_name"], "mean": mean, "std": std, "pad": 0.0,

@@ -164,27 +164,20 @@ def to_unit_range(image, intensity_range):
 
 
 def image_span(image):
-    """(lo, hi) of an image wider than 8 bits, or None for an 8-bit one (learn_intensity_range pools these)."""
+    """(lo, hi) of an image wider than 8 bits, or None for an 8-bit one (pool_spans pools these)."""
     if image.dtype == np.uint8:
         return None
     lo, hi = float(np.min(image)), float(np.max(image))
     return lo, hi
 
 
-def pool_spans(spans, what="the training images"):
-    """[min lo, max hi] over the spans that are not None, or None when every image is 8-bit."""
+def pool_spans(spans):
+    """[min lo, max hi] over the spans that are not None (finite: check_data checked each), or None when every
+    image is 8-bit: the learnt intensity range."""
     spans = [s for s in spans if s is not None]
     if not spans:
         return None
-    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-    if not (np.isfinite(lo) and np.isfinite(hi)):
-        raise UserError(f"{what}: some hold NaN or inf pixels; replace them (e.g. by 0) first")
-    return [lo, hi]
-
-
-def learn_intensity_range(paths):
-    """[lo, hi] over the images wider than 8 bits (integer or float), or None when all are 8-bit."""
-    return pool_spans(image_span(read_image(p)) for p in paths)
+    return [min(s[0] for s in spans), max(s[1] for s in spans)]
 
 
 def match_channels(image, in_channels, path):

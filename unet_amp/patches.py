@@ -39,6 +39,15 @@ def pad_to(array, height, width, fill):
     return np.pad(array, ((0, rows), (0, cols)) + ((0, 0),) * (array.ndim - 2), constant_values=fill)
 
 
+def pad_image(unit, size):
+    """A [0, 1] image padded bottom/right to size x size with its channel means (0 once normalised, as predict
+    pads), as float32."""
+    padded = np.empty((size, size, unit.shape[2]), np.float32)
+    padded[:] = mean_std(unit.shape[2])[0]
+    padded[:unit.shape[0], :unit.shape[1]] = unit
+    return padded
+
+
 def read_pair(pair, cfg, info):
     """(image in [0, 1] HxWxC float32 with in_channels, mask HxW uint8 of class indices) of an (image, mask) pair."""
     unit = to_unit_range(read_image(pair[0]), info.get("intensity_range"))
@@ -64,11 +73,7 @@ def cut_patch(image, mask, rows, size, rng, centred):
         top, left = rng.integers(max(h - size, 0) + 1), rng.integers(max(w - size, 0) + 1)
     top, left = int(np.clip(top, 0, max(h - size, 0))), int(np.clip(left, 0, max(w - size, 0)))
     window = (slice(top, top + size), slice(left, left + size))
-    patch = np.empty((size, size, image.shape[2]), np.float32)
-    patch[:] = mean_std(image.shape[2])[0]  # padding: the channel means, 0 once normalised (as predict pads)
-    cut = image[window]
-    patch[:cut.shape[0], :cut.shape[1]] = cut
-    return patch, pad_to(mask[window], size, size, IGNORE_INDEX)
+    return pad_image(image[window], size), pad_to(mask[window], size, size, IGNORE_INDEX)
 
 
 def augmentation():
