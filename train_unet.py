@@ -28,7 +28,7 @@ import warnings
 import numpy as np
 import torch
 
-from unet_amp import checkpoint, config, data, distributed, metrics, patches, precision, report, safety
+from unet_amp import checkpoint, config, data, distributed, images, metrics, patches, precision, report, safety
 from unet_amp import model as models
 from unet_amp.common import atomic_write_json, run_guarded, say
 from unet_amp.distributed import DIST
@@ -229,7 +229,7 @@ def train_in_process(cfg, hw, state, typed, started):
         atomic_write_json(f"{cfg['checkpoint_dir']}/config.json", cfg)
     loss_fn = models.build_loss(cfg, cfg["class_weights"], hw.device)
     # 5. Say what was decided, and why.
-    say(report.banner(cfg, hw, prec, notes(cfg, state, probe, len(train_pairs), len(val_pairs))))
+    say(report.banner(cfg, hw, prec, notes(cfg, state, probe, info, len(train_pairs), len(val_pairs))))
     # 6. The epoch loop.
     log = report.RunLog(cfg, run.history)
     try:
@@ -310,7 +310,7 @@ def build_run(cfg, hw, prec, steps_per_epoch):
                           models.EMA(model, cfg["ema_decay"]), prec, cfg)
 
 
-def notes(cfg, state, probe, n_train, n_val):
+def notes(cfg, state, probe, info, n_train, n_val):
     """The banner's notes: the data, the CPU probe's times, and what a resume kept or changed."""
     lines = [f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}"]
     if probe is not None:
@@ -318,7 +318,11 @@ def notes(cfg, state, probe, n_train, n_val):
         lines.append(f"CPU probe, s/step at batch {cfg['batch_size']}: {times}"
                      f" ({'cached' if probe['cached'] else 'measured now'})")
     if cfg["intensity_range"] is not None:
-        lines.append(f"intensity_range {cfg['intensity_range']} maps images wider than 8 bits to 0..1")
+        lo, hi = (f"{v:.6g}" for v in cfg["intensity_range"])
+        lines.append(f"intensity_range [{lo}, {hi}] maps images wider than 8 bits to 0..1, clipped")
+    if info["clipped"]:
+        lines.append(f"clipped: {len(info['clipped'])} image(s) have over {images.CLIP_NOTE:.0%} of their pixels "
+                     f"outside intensity_range, e.g. {info['clipped'][0]}")
     if state is not None:
         lines.append(f"resumed after epoch {state['epoch']} of {state['config']['epochs']}; "
                      f"training to {cfg['epochs']}")

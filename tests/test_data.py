@@ -239,3 +239,36 @@ def test_a_set_without_foreground_or_with_half_a_split_is_refused(tmp_path):
     (tmp_path / "s" / "train").mkdir(parents=True)
     with pytest.raises(UserError, match="val"):
         split_pairs(config(tmp_path / "s"))
+
+
+def test_a_typed_intensity_range_maps_and_clips_a_float_set(tmp_path):
+    root = tmp_path / "f"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    for i, top in enumerate((500.0, 9000.0)):  # float32 TIFFs (ImageJ/Fiji's 32-bit): the second is mostly over 1000
+        tifffile.imwrite(root / "images" / f"t{i}.tif", np.linspace(0, top, 32 * 32, dtype=np.float32).reshape(32, 32))
+        cv2.imwrite(str(root / "masks" / f"t{i}.png"), np.eye(32, dtype=np.uint8))
+    pairs = find_pairs(root)
+    cfg = config(root, in_channels=1, intensity_range=[0, 1000])
+    info = check_data(pairs, [], cfg)
+    assert info["intensity_range"] == [0, 1000] and info["clipped"] == [str(pairs[1][0])]
+    dim, _, _ = FitDataset(pairs, {**cfg, **info}, train=False)[0]
+    bright, _, _ = FitDataset(pairs, {**cfg, **info}, train=False)[1]
+    assert torch.isclose(dim.max(), torch.tensor(0.0), atol=1e-3)  # 500 of 1000: (0.5 - 0.5) / 0.25
+    assert bright.max() == 2.0 and (bright == 2.0).float().mean() > 0.8  # clipped at 1000: (1 - 0.5) / 0.25
+
+
+def test_fixed_hot_pixels_do_not_set_the_learnt_range(tmp_path):
+    root = tmp_path / "hot"
+    for sub in ("images", "masks"):
+        (root / sub).mkdir(parents=True)
+    rng = np.random.default_rng(5)
+    for i in range(5):  # 12-bit frames, each with the same two hot pixels at 65535
+        frame = rng.integers(80, 4000, (48, 48)).astype(np.uint16)
+        frame[4, 4] = frame[30, 17] = 65535
+        cv2.imwrite(str(root / "images" / f"t{i}.png"), frame)
+        cv2.imwrite(str(root / "masks" / f"t{i}.png"), (frame > 2000).astype(np.uint8))
+    pairs = find_pairs(root)
+    info = check_data(pairs[:4], pairs[4:], config(root, in_channels=1))
+    lo, hi = info["intensity_range"]
+    assert 80 <= lo < 90 and 3990 < hi < 4000 and info["clipped"] == []

@@ -6,7 +6,7 @@ import tifffile
 from PIL import Image
 
 from unet_amp.common import UserError
-from unet_amp.images import (image_span, mask_to_classes, match_channels, normalize, pool_spans, prepare_image,
+from unet_amp.images import (image_sketch, mask_to_classes, match_channels, normalize, prepare_image, robust_range,
                              read_image, read_mask, to_unit_range)
 
 
@@ -102,29 +102,53 @@ def test_scaling_rule():
     u8 = np.array([[[0], [255]]], np.uint8)
     assert np.array_equal(to_unit_range(u8, None), [[[0.0], [1.0]]])
     u16 = np.array([[[0], [4095], [65535]]], np.uint16)
-    out = to_unit_range(u16, None)
-    assert out.dtype == np.float32 and np.allclose(out.ravel(), [0, 4095 / 65535, 1])
-    assert np.allclose(to_unit_range(u16, [0, 4095]).ravel(), [0, 1, 65535 / 4095])
+    assert np.allclose(to_unit_range(u16, [0, 4095]).ravel(), [0, 1, 1])  # clipped
     f = np.array([[[-2.0], [0.0], [2.0]]], np.float32)
-    assert np.allclose(to_unit_range(f, None).ravel(), [0, 0.5, 1])
-    assert np.allclose(to_unit_range(f, [0, 4]).ravel(), [-0.5, 0, 0.5])
+    assert np.allclose(to_unit_range(f, [0, 4]).ravel(), [0, 0, 0.5])
+    assert to_unit_range(f, None).dtype == np.float32 and np.allclose(to_unit_range(f, None).ravel(), [0, 0.5, 1])
     assert np.array_equal(to_unit_range(np.full((2, 2, 1), 3.0, np.float32), None), np.zeros((2, 2, 1)))
     with pytest.raises(UserError, match="intensity_range"):
         to_unit_range(u16, [10, 5])
 
 
+def test_without_a_range_a_wide_image_uses_its_own_percentiles():
+    image = np.random.default_rng(0).integers(100, 4000, (64, 64, 1)).astype(np.uint16)
+    image[5, 5] = 65535  # a hot pixel: one of 4096, above the 99.9th percentile
+    unit = to_unit_range(image, None)
+    assert unit[5, 5, 0] == 1 and np.quantile(unit, 0.99) < 1 and unit.min() == 0
+    assert np.array_equal(unit, to_unit_range(image.astype(np.float32), None))  # integer or float alike
+
+
 def learn_intensity_range(paths):
-    return pool_spans(image_span(read_image(p)) for p in paths)
+    return robust_range(image_sketch(read_image(p)) for p in paths)
 
 
-def test_learn_intensity_range(tmp_path):
+def test_learnt_range_ignores_fixed_hot_pixels(tmp_path):
     cv2.imwrite(str(tmp_path / "a.png"), np.full((16, 16), 200, np.uint8))
-    assert learn_intensity_range([tmp_path / "a.png"]) is None
-    b = np.full((16, 16), 100, np.uint16)
-    b[0, 0] = 3000
-    cv2.imwrite(str(tmp_path / "b.png"), b)
-    tifffile.imwrite(tmp_path / "c.tif", np.full((16, 16), 50, np.uint16))
-    assert learn_intensity_range([tmp_path / p for p in ("a.png", "b.png", "c.tif")]) == [50, 3000]
+    assert learn_intensity_range([tmp_path / "a.png"]) is None  # 8-bit only: no range
+    rng, paths = np.random.default_rng(1), []
+    for i in range(4):  # 12-bit frames with the same two hot pixels each
+        frame = rng.integers(50, 4000, (64, 64)).astype(np.uint16)
+        frame[3, 7] = frame[40, 21] = 65535
+        paths.append(tmp_path / f"f{i}.png")
+        cv2.imwrite(str(paths[-1]), frame)
+    lo, hi = learn_intensity_range([tmp_path / "a.png", *paths])
+    assert 50 <= lo < 60 and 3990 < hi <= 4000
+    flat = [tmp_path / "b.tif", tmp_path / "c.tif"]  # mostly one value: the min and max
+    tifffile.imwrite(flat[0], np.full((16, 16), 100, np.uint16))
+    tifffile.imwrite(flat[1], np.full((16, 16), 3000, np.uint16))
+    assert learn_intensity_range(flat) == [100, 3000]
+
+
+def test_same_values_as_uint16_png_and_float32_tiff_scale_alike(tmp_path):
+    values = np.random.default_rng(2).integers(0, 300, (32, 32)).astype(np.uint16)  # a dim 12-bit frame
+    cv2.imwrite(str(tmp_path / "v.png"), values)
+    tifffile.imwrite(tmp_path / "v.tif", values.astype(np.float32))
+    png, tif = read_image(tmp_path / "v.png"), read_image(tmp_path / "v.tif")
+    assert png.dtype == np.uint16 and tif.dtype == np.float32
+    for intensity_range in (None, [0, 4095]):
+        cfg = {"in_channels": 3, "intensity_range": intensity_range}
+        assert np.array_equal(prepare_image(png, cfg), prepare_image(tif, cfg))
 
 
 def test_match_channels_and_normalize():

@@ -138,3 +138,72 @@ def test_bf16_masks_close_to_fp32(binary, images, tmp_path):
     run(binary, images, tmp_path / "b", amp="bf16")
     a, b = (cv2.imread(str(tmp_path / d / "img0.png"), cv2.IMREAD_UNCHANGED) for d in "ab")
     assert (a == b).mean() > 0.9
+
+
+def with_range(checkpoint, intensity_range, path, version=None):
+    """A copy of a checkpoint with another learnt intensity range (and checkpoint version)."""
+    state = load_checkpoint(checkpoint)
+    state["data"]["intensity_range"] = state["config"]["intensity_range"] = intensity_range
+    state["version"] = version or state["version"]
+    torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize("intensity_range", [None, [0, 4095]])
+def test_same_values_as_uint16_png_and_float32_tiff_predict_the_same_masks(binary, intensity_range, tmp_path):
+    import tifffile
+
+    ckpt = with_range(binary, intensity_range, tmp_path / "b.pt")
+    rng = np.random.default_rng(3)
+    for i, gain in enumerate((1, 16)):  # a dim frame and a bright one, 12-bit values
+        rgb = (cv2.GaussianBlur(rng.integers(0, 255, (48, 40, 3), dtype=np.uint8), (9, 9), 3) * gain).astype(np.uint16)
+        for folder in ("png", "tif"):
+            (tmp_path / folder).mkdir(exist_ok=True)
+        cv2.imwrite(str(tmp_path / "png" / f"f{i}.png"), rgb[..., ::-1])  # OpenCV writes BGR
+        tifffile.imwrite(tmp_path / "tif" / f"f{i}.tif", rgb.astype(np.float32), photometric="rgb")
+    run(ckpt, tmp_path / "png", tmp_path / "out_png", amp="fp32")
+    run(ckpt, tmp_path / "tif", tmp_path / "out_tif", amp="fp32")
+    for i in range(2):
+        png = cv2.imread(str(tmp_path / "out_png" / f"f{i}.png"), cv2.IMREAD_UNCHANGED)
+        tif = cv2.imread(str(tmp_path / "out_tif" / f"f{i}.png"), cv2.IMREAD_UNCHANGED)
+        assert np.array_equal(png, tif)
+
+
+def test_one_hot_pixel_reaches_the_model_clipped(tmp_path):
+    from unet_amp.images import prepare_image, read_image
+
+    frame = np.random.default_rng(4).integers(200, 3000, (32, 32)).astype(np.uint16)
+    cv2.imwrite(str(tmp_path / "clean.png"), frame)
+    frame[9, 13] = 65535
+    cv2.imwrite(str(tmp_path / "hot.png"), frame)
+    facts = {"in_channels": 1, "intensity_range": [100.0, 4000.0]}
+    clean, hot = (prepare_image(read_image(tmp_path / f"{name}.png"), facts) for name in ("clean", "hot"))
+    assert hot[9, 13, 0] == 2.0  # 1 after clipping, then (1 - 0.5) / 0.25: the brightest a learnt value can be
+    changed = np.argwhere(clean != hot)
+    assert changed.tolist() == [[9, 13, 0]]
+
+
+def test_predict_notes_images_it_clips_noticeably(binary, tmp_path, capsys):
+    ckpt = with_range(binary, [0, 1000], tmp_path / "b.pt")
+    (tmp_path / "in").mkdir()
+    bright, ok = np.full((32, 32, 3), 900, np.uint16), np.full((32, 32, 3), 900, np.uint16)
+    bright[:8] = 5000  # a quarter over the range
+    ok[0, 0] = 5000     # one pixel: not worth a note
+    cv2.imwrite(str(tmp_path / "in" / "bright.png"), bright)
+    cv2.imwrite(str(tmp_path / "in" / "ok.png"), ok)
+    capsys.readouterr()
+    assert run(ckpt, tmp_path / "in", tmp_path / "out")["failed"] == []
+    said = capsys.readouterr().out
+    assert "bright.png" in said and "ok.png" not in said
+
+
+def test_a_checkpoint_from_before_the_clipped_rule_loads_and_says_so(binary, tmp_path, capsys):
+    old = with_range(binary, [0, 4095], tmp_path / "old.pt", version=2)
+    capsys.readouterr()
+    load_checkpoint(binary)
+    assert capsys.readouterr().out == ""
+    assert load_checkpoint(old)["version"] == 2
+    assert str(old) in capsys.readouterr().out
+    torch.save({**load_checkpoint(binary), "version": 1}, tmp_path / "older.pt")
+    with pytest.raises(UserError):
+        load_checkpoint(tmp_path / "older.pt")

@@ -167,26 +167,28 @@ def test_scaling_rule():
     u8 = np.array([[[0], [51], [255]]], np.uint8)
     assert np.allclose(images.to_unit_range(u8, [0, 1000]), [[[0], [0.2], [1]]])  # the range never applies
     u16 = np.array([[[100], [4095], [5000]]], np.uint16)
-    assert np.allclose(images.to_unit_range(u16, [0, 4095])[0, :2, 0], [100 / 4095, 1])
-    assert images.to_unit_range(u16, [0, 4095])[0, 2, 0] > 1  # not clipped
-    assert np.allclose(images.to_unit_range(u16, None)[..., 0], u16[..., 0] / 65535)
+    assert np.allclose(images.to_unit_range(u16, [0, 4095])[0, :, 0], [100 / 4095, 1, 1])  # clipped
     f32 = np.array([[[-2.0], [0.0], [2.0]]], np.float32)
-    assert np.allclose(images.to_unit_range(f32, None)[..., 0], [[0, 0.5, 1]])
+    assert np.allclose(images.to_unit_range(f32, [-1, 1])[..., 0], [[0, 0.5, 1]])  # floats take the range too
     assert not images.to_unit_range(np.full((2, 2, 1), 7, np.uint16), [7, 8]).any()  # lo maps to 0
     assert not images.to_unit_range(np.full((2, 2, 1), 3.0, np.float32), None).any()  # a flat image is 0
+    ramp = np.arange(10000, dtype=np.uint16).reshape(100, 100, 1)  # no range: the image's own 0.1-99.9th
+    assert np.allclose(images.to_unit_range(ramp, None)[[0, 0, 99], [5, 10, 89], 0], [0, (10 - 9.999) / 9979.002, 1])
     with pytest.raises(UserError):
         images.to_unit_range(np.array([[[np.nan], [1.0]]], np.float32), None)
+    assert (images.LOW_PERCENTILE, images.HIGH_PERCENTILE, images.CLIP_NOTE) == (0.1, 99.9, 0.01)
 
 
 def test_learnt_range_pools_images_wider_than_8_bits(tmp_path):
     import cv2
 
-    for name, array in (("a.png", np.full((4, 4), 100, np.uint16)), ("b.png", np.full((4, 4), 3000, np.uint16)),
-                        ("c.png", np.full((4, 4), 250, np.uint8))):
-        cv2.imwrite(str(tmp_path / name), array)
+    for i in range(3):
+        cv2.imwrite(str(tmp_path / f"w{i}.png"), np.arange(1000 * i, 1000 * i + 1000, dtype=np.uint16).reshape(40, 25))
+    cv2.imwrite(str(tmp_path / "c.png"), np.full((4, 4), 250, np.uint8))
     def learnt(paths):
-        return images.pool_spans(images.image_span(images.read_image(p)) for p in paths)
-    assert learnt(sorted(tmp_path.iterdir())) == [100, 3000]
+        return images.robust_range(images.image_sketch(images.read_image(p)) for p in paths)
+    lo, hi = learnt(sorted(tmp_path.iterdir()))  # 0..2999, each image weighing the same: 0.1-99.9th percentiles
+    assert abs(lo - 3) < 0.5 and abs(hi - 2996) < 0.5
     assert learnt([tmp_path / "c.png"]) is None
 
 

@@ -20,15 +20,15 @@ def prepare(image, meta):
     """HxWxC as stored -> float32 HxWxC as the model takes it: to [0, 1], channels matched, normalised."""
     if image.dtype == np.uint8:
         unit = image.astype(np.float32) / np.float32(255)
-    else:
+    else:  # wider: [lo, hi] to [0, 1], clipped; lo, hi learnt in training, else the image's own percentiles
         if meta["intensity_range"] is not None:
             lo, hi = meta["intensity_range"]
-        elif np.issubdtype(image.dtype, np.integer):
-            lo, hi = np.iinfo(image.dtype).min, np.iinfo(image.dtype).max
         else:
-            lo, hi = float(image.min()), float(image.max())
-        unit = (image.astype(np.float32) - np.float32(lo)) / np.float32(hi - lo) if hi > lo else \
-            np.zeros(image.shape, np.float32)
+            lo, hi = np.percentile(image, meta["own_range_percentiles"])
+            if hi <= lo:
+                lo, hi = image.min(), image.max()
+            hi = hi if hi > lo else lo + 1
+        unit = np.clip((image.astype(np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
     if unit.shape[2] in (2, 4):
         unit = unit[..., :-1]  # alpha dropped
     if unit.shape[2] == 1 and meta["in_channels"] == 3:

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
-from unet_amp.common import UserError, atomic_save_torch
+from unet_amp.common import UserError, atomic_save_torch, say
 from unet_amp.model import build_model, unwrap
 
-VERSION = 2
+VERSION = 3  # 3: images wider than 8 bits clipped to a robust intensity range (2 still loads, with OLD_RULE said)
+OLD_RULE = ("written before the clipped intensity rule: images wider than 8 bits are now clipped to its "
+            "intensity_range (without one, scaled by their own 0.1-99.9th percentiles); 8-bit images are unchanged")
 RUN_FILES = ("last.pt", "best.pt", "history.csv", "summary.json", "config.json", "tb")
 # Keys a resumed run must keep: they change what the weights mean or which data they saw.
 FIXED_ON_RESUME = ("data_dir", "image_size", "in_channels", "num_classes", "val_fraction", "max_train_images",
@@ -71,8 +73,10 @@ def load_checkpoint(path):
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a truncated or foreign file: torch raises several kinds
         raise UserError(f"{path}: not a readable checkpoint ({type(exc).__name__}); use another .pt file") from None
-    if not isinstance(state, dict) or state.get("version") != VERSION:
+    if not isinstance(state, dict) or state.get("version") not in (2, VERSION):
         raise UserError(f"{path}: not a unet-amp checkpoint of this version; train again to make one")
+    if state["version"] < VERSION:
+        say(f"note: {path}: {OLD_RULE}")
     return state
 
 

@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, Dataset
 from unet_amp.common import IGNORE_INDEX, IMAGE_EXTS, UserError
 from unet_amp.distributed import DIST
 from unet_amp.patches import CACHE_BYTES, augmentation, fit_region, pad_image, pad_to
-from unet_amp.images import (check_range, image_span, mask_to_classes, match_channels,
-                             normalize, pool_spans, read_image, read_mask, to_unit_range, write_png)
+from unet_amp.images import (CLIP_NOTE, check_range, clipped_share, image_sketch, mask_to_classes, match_channels,
+                             normalize, read_image, read_mask, robust_range, to_unit_range, write_png)
 
 SHAPES_DIR = "data/shapes"  # where the embedded data set is written, the first time it is used
 
@@ -134,29 +134,30 @@ def split_pairs(cfg):
 
 
 def _check_pair(pair, cfg):
-    """(span of the image or None, class pixel counts) of one pair, after its checks."""
+    """(the image's sketch, None for 8-bit; class pixel counts) of one pair, after its checks."""
     image_path, mask_path = pair
     image, mask = read_image(image_path), read_mask(mask_path)
     if image.shape[:2] != mask.shape:
         raise UserError(f"{mask_path}: size {mask.shape[1]}x{mask.shape[0]} but its image is "
                         f"{image.shape[1]}x{image.shape[0]}; masks must match their images pixel for pixel")
     match_channels(image[:1, :1], cfg["in_channels"], image_path)  # the channel check, on one pixel
-    span = image_span(image)
-    if span is not None and not all(np.isfinite(span)):
-        raise UserError(f"{image_path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
+    sketch = image_sketch(image, image_path)
     mask_to_classes(mask, cfg["num_classes"], mask_path)  # the values check
-    return span, np.bincount(mask.ravel(), minlength=256)[:256]
+    return sketch, np.bincount(mask.ravel(), minlength=256)[:256]
 
 
 def check_data(train_pairs, val_pairs, cfg):
-    """Read every pair once: sizes, channels and mask values checked; the intensity range, class counts, and
-    whether a binary set's 255 is void (any of its masks holds a 1) or the foreground (0/255 masks)."""
+    """Read every pair once: sizes, channels and mask values checked; the intensity range (learnt from the training
+    images wider than 8 bits, unless given) and the images it clips noticeably, class counts, and whether a binary
+    set's 255 is void (any of its masks holds a 1) or the foreground (0/255 masks)."""
     with ThreadPoolExecutor(_threads()) as pool:
         results = list(pool.map(lambda pair: _check_pair(pair, cfg), list(train_pairs) + list(val_pairs)))
     void_255 = cfg["num_classes"] > 1 or any(c[1] for _, c in results)
     given = cfg.get("intensity_range")
     train = results[:len(train_pairs)]
-    learnt = pool_spans(span for span, _ in train) if given is None else list(check_range(given))
+    learnt = robust_range(sketch for sketch, _ in train) if given is None else list(check_range(given))
+    clipped = [str(pair[0]) for pair, (sketch, _) in zip(list(train_pairs) + list(val_pairs), results)
+               if clipped_share(sketch, learnt) > CLIP_NOTE]
     raw = np.sum([c for _, c in train], axis=0) if train else np.zeros(256, np.int64)
     counts = raw[:max(2, cfg["num_classes"])].copy()
     if not void_255:  # 0/255 masks: 255 is the foreground
@@ -165,7 +166,8 @@ def check_data(train_pairs, val_pairs, cfg):
         hint = "; 255 is void in multi-class masks: 0/255 masks want num_classes=1" if raw[255] else ""
         raise UserError(f"data_dir={cfg['data_dir']}: the training masks hold no foreground class "
                         f"(1..{max(1, cfg['num_classes'] - 1)}){hint}")
-    return {"intensity_range": learnt, "class_counts": [int(c) for c in counts], "void_255": bool(void_255)}
+    return {"intensity_range": learnt, "clipped": clipped, "class_counts": [int(c) for c in counts],
+            "void_255": bool(void_255)}
 
 
 def class_weights_from(counts):

@@ -13,7 +13,7 @@ import torch
 from unet_amp.checkpoint import DATA_FACTS, load_checkpoint, model_from_checkpoint
 from unet_amp.common import UserError, atomic_write, atomic_write_json, say
 from unet_amp.config import parse_args
-from unet_amp.images import mean_std
+from unet_amp.images import HIGH_PERCENTILE, LOW_PERCENTILE, mean_std
 from unet_amp.predict import EXPORT_FORMAT, OnnxModel, logits_to_mask
 
 __all__ = ["EXPORT_CONFIG", "OnnxModel", "export", "main"]
@@ -97,9 +97,10 @@ def check_export(model, path, data):
 def sidecar(data, path, cfg, check):
     """model.json: what predict (or tools/onnx_predict.py) needs beside the graph."""
     mean, std = ([float(v) for v in values] for values in mean_std(data["in_channels"]))  # normalize's
-    return {"format": EXPORT_FORMAT, "version": 1, "onnx": path.name, "input": "image", "output": "logits",
+    return {"format": EXPORT_FORMAT, "version": 2, "onnx": path.name, "input": "image", "output": "logits",
             **{k: data.get(k) for k in DATA_FACTS}, "tta": data.get("tta") or "none", "arch": data["arch"],
             "encoder_name": data["encoder_name"], "mean": mean, "std": std, "pad": 0.0,
+            "own_range_percentiles": [LOW_PERCENTILE, HIGH_PERCENTILE],
             "mask": "binary: logit > 0 -> 255; else argmax", "exported_from": str(cfg["checkpoint"]),
             "opset": cfg["opset"], "check": check}
 

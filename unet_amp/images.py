@@ -12,6 +12,10 @@ TIFF_EXTS = (".tif", ".tiff")
 JPEG_EXTS = (".jpg", ".jpeg")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 GREY_MEAN, GREY_STD = (0.5,), (0.25,)
+LOW_PERCENTILE, HIGH_PERCENTILE = 0.1, 99.9  # the learnt intensity range (BENCHMARKS.md "Bit depths")
+SKETCH = np.linspace(0, 100, 2001)           # percentiles kept per image: the pooled histogram, to 0.05 %
+SKETCH_PIXELS = 1 << 22                      # larger images are sampled down to about this many pixels
+CLIP_NOTE = 0.01                             # a note where clipping touches more than this share of an image
 
 
 def write_png(path, array):
@@ -144,40 +148,54 @@ def check_range(intensity_range):
 
 
 def to_unit_range(image, intensity_range):
-    """THE scaling rule: uint8 /255; wider integers and floats mapped from [lo, hi] to [0, 1] (float32)."""
+    """THE scaling rule: uint8 /255; any wider image, integer or float, mapped from [lo, hi] to [0, 1] and clipped.
+    [lo, hi] is the learnt (or given) range; without one (a model that saw only 8-bit images), the image's own."""
     if image.dtype == np.uint8:
         return image.astype(np.float32) / np.float32(255)
-    if intensity_range is not None:
-        lo, hi = check_range(intensity_range)
-    elif np.issubdtype(image.dtype, np.integer):
-        lo, hi = float(np.iinfo(image.dtype).min), float(np.iinfo(image.dtype).max)
-    else:  # floats have no bit depth: the image's own span
-        lo, hi = float(np.min(image)), float(np.max(image))
-        if not (np.isfinite(lo) and np.isfinite(hi)):
-            raise UserError("image: holds NaN or inf pixels; replace them (e.g. by 0) first")
+    lo, hi = check_range(intensity_range) if intensity_range is not None else percentile_range(image)
     unit = image.astype(np.float32)
-    if hi <= lo:  # a flat image
-        return np.zeros_like(unit)
     unit -= np.float32(lo)
     unit /= np.float32(hi - lo)
-    return unit
+    return np.clip(unit, 0, 1, out=unit)
 
 
-def image_span(image):
-    """(lo, hi) of an image wider than 8 bits, or None for an 8-bit one (pool_spans pools these)."""
+def percentile_range(values, path="image"):
+    """[lo, hi]: the LOW/HIGH_PERCENTILE of the values, so a few defective pixels do not set it; their min/max
+    where those two coincide (mostly one value)."""
+    lo, hi = np.percentile(values, [LOW_PERCENTILE, HIGH_PERCENTILE])
+    if hi <= lo:
+        lo, hi = np.min(values), np.max(values)
+    if not (np.isfinite(lo) and np.isfinite(hi)):
+        raise UserError(f"{path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
+    return [float(lo), float(hi if hi > lo else lo + 1)]
+
+
+def image_sketch(image, path="image"):
+    """SKETCH's percentiles of an image wider than 8 bits (None for 8-bit): what the learnt range pools. Very large
+    images are sampled on a regular grid of pixels; the min and max are exact (and show NaN anywhere)."""
     if image.dtype == np.uint8:
         return None
-    lo, hi = float(np.min(image)), float(np.max(image))
-    return lo, hi
+    values = image.reshape(-1)
+    sketch = np.percentile(values[::-(-values.size // SKETCH_PIXELS)], SKETCH)
+    sketch[[0, -1]] = values.min(), values.max()
+    if not np.isfinite(sketch).all():
+        raise UserError(f"{path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
+    return sketch
 
 
-def pool_spans(spans):
-    """[min lo, max hi] over the spans that are not None (finite: check_data checked each), or None when every
-    image is 8-bit: the learnt intensity range."""
-    spans = [s for s in spans if s is not None]
-    if not spans:
-        return None
-    return [min(s[0] for s in spans), max(s[1] for s in spans)]
+def robust_range(sketches):
+    """The learnt intensity range: percentile_range of the training images' pooled sketches (each image weighs the
+    same), or None when every image is 8-bit."""
+    sketches = [s for s in sketches if s is not None]
+    return percentile_range(np.concatenate(sketches)) if sketches else None
+
+
+def clipped_share(values, intensity_range):
+    """The share of an image's values (or of its sketch: about the same) that the scaling rule clips."""
+    if values is None or intensity_range is None or values.dtype == np.uint8:
+        return 0.0
+    lo, hi = check_range(intensity_range)
+    return float(np.mean((values < lo) | (values > hi)))
 
 
 def match_channels(image, in_channels, path):

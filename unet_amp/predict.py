@@ -9,10 +9,10 @@ import cv2
 import numpy as np
 import torch
 
-from unet_amp.checkpoint import DATA_FACTS, load_checkpoint, model_from_checkpoint
+from unet_amp.checkpoint import DATA_FACTS, OLD_RULE, load_checkpoint, model_from_checkpoint
 from unet_amp.common import IMAGE_EXTS, UserError, atomic_write_json, say
 from unet_amp.config import check_choices, parse_args
-from unet_amp.images import prepare_image, read_image, write_png
+from unet_amp.images import CLIP_NOTE, clipped_share, prepare_image, read_image, write_png
 from unet_amp.patches import TTA_VIEWS, fit_logits, sliding_window_logits
 from unet_amp.precision import detect_hardware, precision_for
 
@@ -70,6 +70,8 @@ def read_export(path):
         raise UserError(f"{sidecar}: unreadable export sidecar ({type(exc).__name__}); run export again") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT or any(k not in meta for k in DATA_FACTS):
         raise UserError(f"{sidecar}: not a model.json written by export; run export again")
+    if meta.get("version", 1) < 2:
+        say(f"note: {sidecar}: {OLD_RULE}")
     onnx_path = path if path.suffix.lower() == ".onnx" else sidecar.parent / meta["onnx"]
     if not onnx_path.is_file():
         raise UserError(f"{onnx_path}: not found beside {sidecar.name}; keep the two files of an export together")
@@ -174,8 +176,13 @@ def read_batch(paths, facts, failed):
     read, images = [], []
     for path in paths:
         try:
-            images.append(prepare_image(read_image(path), facts, path))
+            image = read_image(path)
+            images.append(prepare_image(image, facts, path))
             read.append(path)
+            share = clipped_share(image, facts["intensity_range"])
+            if share > CLIP_NOTE:
+                say(f"note: {path}: {share:.0%} of its pixels lie outside intensity_range {facts['intensity_range']}"
+                    f" and are clipped")
         except (UserError, OSError, ValueError, cv2.error) as exc:
             line = f"error: {exc}" if str(path) in str(exc) else f"error: {path}: cannot read it ({exc})"
             print(line, file=sys.stderr, flush=True)
