@@ -213,13 +213,14 @@ def train_in_process(cfg, hw, state, typed, started):
     info = data.check_data(train_pairs, val_pairs, cfg)
     weights = data.class_weights_from(info["class_counts"]) if cfg["class_weights"] == "auto" else cfg["class_weights"]
     cfg = {**cfg, "intensity_range": info["intensity_range"], "class_weights": weights}
-    # 3. Batch size and precision, decided from the whole config (a resumed run keeps its precision).
+    # 3. Batch size, loaders, then the precision, decided from the whole config (a resumed run keeps its own).
     cfg = {**cfg, "batch_size": resolve_batch_size(cfg, hw, len(train_pairs))}
-    prec = resumed_precision(state, typed)
-    probe = cpu_probe(cfg, hw) if prec is None else None
-    prec = prec or choose_precision(cfg, hw, probe)
-    # 4. Loaders; model, optimizer, schedule, GradScaler (fp16 only), EMA: new, or resumed exactly; the loss.
     train_loader, val_loader = data.make_loaders(train_pairs, val_pairs, cfg, hw, info)
+    job_steps = (cfg["epochs"] - (state["epoch"] if state else 0)) * len(train_loader)
+    prec = resumed_precision(state, typed)
+    probe = cpu_probe(cfg, hw, job_steps) if prec is None else None
+    prec = prec or choose_precision(cfg, hw, probe)
+    # 4. Model, optimizer, schedule, GradScaler (fp16 only), EMA: new, or resumed exactly; the loss.
     run = build_run(cfg, hw, prec, math.ceil(len(train_loader) / cfg["accumulation_steps"]))
     if state is not None:
         run.load(state)
@@ -265,14 +266,14 @@ def resumed_precision(state, typed):
     return precision.precision_for(saved["dtype"], saved["channels_last"], "resumed run's precision")
 
 
-def cpu_probe(cfg, hw):
-    """The probe's measured answer on a CPU where a setting is left to auto; None elsewhere."""
+def cpu_probe(cfg, hw, job_steps):
+    """The probe's measured answer on a CPU where a setting is left to auto (the flag rule's for a job shorter
+    than the probe); None elsewhere."""
     auto = (cfg["use_amp"] and cfg["amp_dtype"] == "auto" and hw.bf16_native) or cfg["channels_last"] == "auto"
     if hw.kind != "cpu" or not cfg["cpu_probe"] or not auto:
         return None
-    say("probe: fp32 and bf16 training steps on this CPU (timed once per machine and setting, then cached)")
     step = lambda dtype, channels_last: probe_step(cfg, hw, None, dtype, channels_last)  # noqa: E731
-    return distributed.broadcast_object(precision.probe_cpu(cfg, step) if DIST.is_main else None)
+    return distributed.broadcast_object(precision.probe_cpu(cfg, step, job_steps) if DIST.is_main else None)
 
 
 def probe_step(cfg, hw, batch=None, dtype=torch.float32, channels_last=False):
@@ -313,7 +314,9 @@ def build_run(cfg, hw, prec, steps_per_epoch):
 def notes(cfg, state, probe, info, n_train, n_val):
     """The banner's notes: the data, the CPU probe's times, and what a resume kept or changed."""
     lines = [f"data: {n_train} train / {n_val} val images from {cfg['data_dir']}"]
-    if probe is not None:
+    if probe is not None and probe.get("skipped"):
+        lines.append(f"CPU probe skipped: {probe['skipped']}; the CPU flags decide")
+    elif probe is not None:
         times = ", ".join(f"{mode} {seconds:.3f}" for mode, seconds in probe["times"].items())
         lines.append(f"CPU probe, s/step at batch {cfg['batch_size']}: {times}"
                      f" ({'cached' if probe['cached'] else 'measured now'})")

@@ -160,6 +160,16 @@ def test_probe_cache_is_reused_and_keyed(cache, native):
     assert len(calls) == 8 and len(json.loads(cache.read_text())) == 2
 
 
+def test_a_job_shorter_than_the_probe_is_not_probed(cache, native):
+    calls = []
+    short = P.probe_cpu(CFG, sleeper(FAST_BF16, calls), job_steps=15)  # the probe: 4 modes x (1 + 3) steps
+    assert short["skipped"] and calls == [] and not cache.exists()
+    assert (short["dtype"], short["channels_last"]) == ("bfloat16", False)  # the flag rule's answer
+    long = P.probe_cpu(CFG, sleeper(FAST_BF16, calls), job_steps=16)
+    assert not long.get("skipped") and len(calls) == 4
+    assert P.probe_cpu(CFG, sleeper(FAST_BF16, calls), job_steps=1)["cached"]  # a cached answer costs nothing
+
+
 def test_probe_without_native_bf16_times_fp32_only(cache, monkeypatch):
     monkeypatch.setattr(P, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
     monkeypatch.setenv(P.HIDE_ENV, "1")

@@ -138,3 +138,11 @@ def test_the_debug_preset_trains_under_anomaly_detection(tiny):
     summary = train_unet.train({**tiny, "preset": "debug"})
     assert summary["config"]["detect_anomaly"] is True and summary["precision"] == "fp32"
     assert summary["config"]["epochs"] == 1  # typed keys win over the preset's
+
+
+def test_a_run_shorter_than_the_cpu_probe_skips_it(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNET_PROBE_CACHE", str(tmp_path / "probe.json"))
+    summary = train_unet.train({**tiny, "cpu_probe": True, "use_amp": True, "amp_dtype": "auto",
+                                "channels_last": "auto"})  # 16 images at batch 4, one epoch: 4 steps
+    assert not (tmp_path / "probe.json").exists()  # nothing timed, nothing cached
+    assert summary["precision"] == ("bf16" if precision.cpu_bf16_native() else "fp32")

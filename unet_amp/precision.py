@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from unet_amp.common import UserError, atomic_write_json
+from unet_amp.common import UserError, atomic_write_json, say
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -219,13 +219,19 @@ def choose_mode(times):
     return dtype, channels_last
 
 
-def probe_cpu(cfg, build_step):
-    """Time build_step(dtype, channels_last)() per mode (bf16 only where native); cached per CPU and setting."""
+def probe_cpu(cfg, build_step, job_steps=None):
+    """Time build_step(dtype, channels_last)() per mode (bf16 only where native); cached per CPU and setting. A job
+    of fewer steps than the probe takes is not probed: the flag rule's answer, marked skipped."""
     path, key = probe_cache_path(), probe_key(cfg)
     entry = _load_cache(path).get(key)
     if isinstance(entry, dict) and {"dtype", "channels_last", "times"} <= set(entry):
         return {**entry, "cached": True}
     modes = {k: v for k, v in PROBE_MODES.items() if cpu_bf16_native() or v[0] == torch.float32}
+    probe_steps = len(modes) * (1 + PROBE_ROUNDS)
+    if job_steps is not None and job_steps < probe_steps:
+        return {"dtype": "bfloat16" if cpu_bf16_native() else "float32", "channels_last": False, "times": {},
+                "cached": False, "skipped": f"this job's {job_steps} steps are fewer than the probe's {probe_steps}"}
+    say("probe: fp32 and bf16 training steps on this CPU (timed once per machine and setting, then cached)")
     with torch.random.fork_rng(devices=[]):  # the run trains the same whether probed or cached
         times = time_modes({k: build_step(*mode) for k, mode in modes.items()})
     dtype, channels_last = choose_mode(times)
