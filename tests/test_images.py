@@ -113,9 +113,14 @@ def test_scaling_rule():
 
 def test_without_a_range_a_wide_image_uses_its_own_percentiles():
     image = np.random.default_rng(0).integers(100, 4000, (64, 64, 1)).astype(np.uint16)
-    image[5, 5] = 65535  # a hot pixel: one of 4096, above the 99.9th percentile
+    image[5, 5] = 65535        # a hot pixel: one of 4096, above the 99.9th percentile
+    image[40:43, 40:43] = 9000  # a bright spot of 9 pixels, also above it
     unit = to_unit_range(image, None)
-    assert unit[5, 5, 0] == 1 and np.quantile(unit, 0.99) < 1 and unit.min() == 0
+    lo, hi = np.percentile(image, [0.1, 99.9])
+    around = (image[4:7, 4:7, 0].astype(np.float32) - lo) / (hi - lo)
+    assert np.isclose(unit[5, 5, 0], np.median(around))  # the hot pixel takes its 3x3 median
+    assert (unit[40:43, 40:43] == 1).all()  # a spot is not a defect: clipped
+    assert unit.min() >= 0 and unit.max() == 1 and np.quantile(unit, 0.99) < 1
     assert np.array_equal(unit, to_unit_range(image.astype(np.float32), None))  # integer or float alike
 
 

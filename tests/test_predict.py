@@ -169,7 +169,7 @@ def test_same_values_as_uint16_png_and_float32_tiff_predict_the_same_masks(binar
         assert np.array_equal(png, tif)
 
 
-def test_one_hot_pixel_reaches_the_model_clipped(tmp_path):
+def test_one_hot_pixel_reaches_the_model_as_its_neighbours_median(tmp_path):
     from unet_amp.images import prepare_image, read_image
 
     frame = np.random.default_rng(4).integers(200, 3000, (32, 32)).astype(np.uint16)
@@ -178,9 +178,9 @@ def test_one_hot_pixel_reaches_the_model_clipped(tmp_path):
     cv2.imwrite(str(tmp_path / "hot.png"), frame)
     facts = {"in_channels": 1, "intensity_range": [100.0, 4000.0]}
     clean, hot = (prepare_image(read_image(tmp_path / f"{name}.png"), facts) for name in ("clean", "hot"))
-    assert hot[9, 13, 0] == 2.0  # 1 after clipping, then (1 - 0.5) / 0.25: the brightest a learnt value can be
-    changed = np.argwhere(clean != hot)
-    assert changed.tolist() == [[9, 13, 0]]
+    neighbours = np.delete(clean[8:11, 12:15, 0].ravel(), 4)
+    assert neighbours.min() <= hot[9, 13, 0] <= neighbours.max()  # a hot pixel takes its 3x3 median
+    assert np.argwhere(clean != hot).tolist() in ([[9, 13, 0]], [])  # nothing else moves
 
 
 def test_predict_notes_images_it_clips_noticeably(binary, tmp_path, capsys):

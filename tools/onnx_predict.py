@@ -28,7 +28,10 @@ def prepare(image, meta):
             if hi <= lo:
                 lo, hi = image.min(), image.max()
             hi = hi if hi > lo else lo + 1
-        unit = np.clip((image.astype(np.float32) - np.float32(lo)) / np.float32(hi - lo), 0, 1)
+        unit = (image.astype(np.float32) - np.float32(lo)) / np.float32(hi - lo)
+        median = np.stack([cv2.medianBlur(np.ascontiguousarray(unit[..., c]), 3) for c in range(unit.shape[2])], 2)
+        isolated = ((unit < 0) | (unit > 1)) & (median >= 0) & (median <= 1)  # hot or dead pixels
+        unit = np.clip(np.where(isolated, median, unit), 0, 1)
     if unit.shape[2] in (2, 4):
         unit = unit[..., :-1]  # alpha dropped
     if unit.shape[2] == 1 and meta["in_channels"] == 3:

@@ -14,7 +14,8 @@ from unet_amp.model import build_model, unwrap
 
 VERSION = 3  # 3: images wider than 8 bits clipped to a robust intensity range (2 still loads, with OLD_RULE said)
 OLD_RULE = ("written before the clipped intensity rule: images wider than 8 bits are now clipped to its "
-            "intensity_range (without one, scaled by their own 0.1-99.9th percentiles); 8-bit images are unchanged")
+            "intensity_range, a lone hot or dead pixel taking its 3x3 median (without a range, each image's own "
+            "0.1-99.9th percentiles); 8-bit images are unchanged")
 RUN_FILES = ("last.pt", "best.pt", "history.csv", "summary.json", "config.json", "tb")
 # Keys a resumed run must keep: they change what the weights mean or which data they saw.
 FIXED_ON_RESUME = ("data_dir", "image_size", "in_channels", "num_classes", "val_fraction", "max_train_images",

@@ -148,14 +148,20 @@ def check_range(intensity_range):
 
 
 def to_unit_range(image, intensity_range):
-    """THE scaling rule: uint8 /255; any wider image, integer or float, mapped from [lo, hi] to [0, 1] and clipped.
-    [lo, hi] is the learnt (or given) range; without one (a model that saw only 8-bit images), the image's own."""
+    """THE scaling rule: uint8 /255; any wider image, integer or float, mapped from [lo, hi] to [0, 1]. A pixel
+    outside it whose 3x3 median is inside (a hot or dead pixel) takes that median; the rest is clipped. [lo, hi]
+    is the learnt (or given) range; without one (a model that saw only 8-bit images), the image's own."""
     if image.dtype == np.uint8:
         return image.astype(np.float32) / np.float32(255)
     lo, hi = check_range(intensity_range) if intensity_range is not None else percentile_range(image)
     unit = image.astype(np.float32)
     unit -= np.float32(lo)
     unit /= np.float32(hi - lo)
+    outside = (unit < 0) | (unit > 1)
+    if outside.any():
+        median = np.stack([cv2.medianBlur(np.ascontiguousarray(unit[..., c]), 3) for c in range(unit.shape[2])], 2)
+        isolated = outside & (median >= 0) & (median <= 1)
+        unit[isolated] = median[isolated]
     return np.clip(unit, 0, 1, out=unit)
 
 
