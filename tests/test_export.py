@@ -81,6 +81,23 @@ def test_onnxruntime_predict_equals_torch(exported, tmp_path):
     assert set(np.unique(masks(tmp_path / "ort")["img3.png"])) == {0, 255}  # the masks are not trivial
 
 
+def test_an_export_from_before_the_clipped_rule_still_predicts_and_says_so(exported, tmp_path, capsys):
+    _, deploy, images = exported
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "model.onnx").write_bytes((deploy / "model.onnx").read_bytes())
+    meta = json.loads((deploy / "model.json").read_text())
+    meta.pop("own_range_percentiles")
+    (old / "model.json").write_text(json.dumps({**meta, "version": 1}))
+    capsys.readouterr()
+    assert predicted(old, images / "img0.png", tmp_path / "out", backend="onnxruntime")["failed"] == []
+    assert str(old / "model.json") in capsys.readouterr().out
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "onnx_predict.py"), str(old / "model.json"),
+                           str(images / "wide16.png"), str(tmp_path / "tool")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+
+
 def test_standalone_tool_equals_torch_without_torch(exported, tmp_path):
     ckpt, deploy, images = exported
     predicted(ckpt, images, tmp_path / "torch")

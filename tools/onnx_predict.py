@@ -24,7 +24,7 @@ def prepare(image, meta):
         if meta["intensity_range"] is not None:
             lo, hi = meta["intensity_range"]
         else:
-            lo, hi = np.percentile(image, meta["own_range_percentiles"])
+            lo, hi = np.percentile(image, meta.get("own_range_percentiles", [0.1, 99.9]))  # [..]: before version 2
             if hi <= lo:
                 lo, hi = image.min(), image.max()
             hi = hi if hi > lo else lo + 1
