@@ -150,13 +150,14 @@ def check_data(train_pairs, val_pairs, cfg):
     """Read every pair once: sizes, channels and mask values checked; the intensity range (learnt from the training
     images wider than 8 bits, unless given) and the images it clips noticeably, class counts, and whether a binary
     set's 255 is void (any of its masks holds a 1) or the foreground (0/255 masks)."""
+    pairs = list(train_pairs) + list(val_pairs)
     with ThreadPoolExecutor(_threads()) as pool:
-        results = list(pool.map(lambda pair: _check_pair(pair, cfg), list(train_pairs) + list(val_pairs)))
+        results = list(pool.map(lambda pair: _check_pair(pair, cfg), pairs))
     void_255 = cfg["num_classes"] > 1 or any(c[1] for _, c in results)
     given = cfg.get("intensity_range")
     train = results[:len(train_pairs)]
     learnt = robust_range(sketch for sketch, _ in train) if given is None else list(check_range(given))
-    clipped = [str(pair[0]) for pair, (sketch, _) in zip(list(train_pairs) + list(val_pairs), results)
+    clipped = [str(pair[0]) for pair, (sketch, _) in zip(pairs, results)
                if clipped_share(sketch, learnt) > CLIP_NOTE]
     raw = np.sum([c for _, c in train], axis=0) if train else np.zeros(256, np.int64)
     counts = raw[:max(2, cfg["num_classes"])].copy()

@@ -29,6 +29,11 @@ def unreadable(path, cause):
     return UserError(f"{path}: cannot read it ({cause}); fix, convert (e.g. to PNG) or remove the file")
 
 
+def nonfinite(path):
+    """The one error for an image holding NaN or inf pixels."""
+    return UserError(f"{path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
+
+
 def _channels_last(array):
     """HxW -> HxWx1; HxWxC kept."""
     return array[..., None] if array.ndim == 2 else array
@@ -172,7 +177,7 @@ def percentile_range(values, path="image"):
     if hi <= lo:
         lo, hi = np.min(values), np.max(values)
     if not (np.isfinite(lo) and np.isfinite(hi)):
-        raise UserError(f"{path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
+        raise nonfinite(path)
     return [float(lo), float(hi if hi > lo else lo + 1)]
 
 
@@ -185,7 +190,7 @@ def image_sketch(image, path="image"):
     sketch = np.percentile(values[::-(-values.size // SKETCH_PIXELS)], SKETCH)
     sketch[[0, -1]] = values.min(), values.max()
     if not np.isfinite(sketch).all():
-        raise UserError(f"{path}: holds NaN or inf pixels; replace them (e.g. by 0) first")
+        raise nonfinite(path)
     return sketch
 
 

@@ -229,8 +229,8 @@ def probe_cpu(cfg, build_step, job_steps=None):
     modes = {k: v for k, v in PROBE_MODES.items() if cpu_bf16_native() or v[0] == torch.float32}
     probe_steps = len(modes) * (1 + PROBE_ROUNDS)
     if job_steps is not None and job_steps < probe_steps:
-        return {"dtype": "bfloat16" if cpu_bf16_native() else "float32", "channels_last": False, "times": {},
-                "cached": False, "skipped": f"this job's {job_steps} steps are fewer than the probe's {probe_steps}"}
+        return {"dtype": "bfloat16" if cpu_bf16_native() else "float32", "channels_last": False,
+                "skipped": f"this job's {job_steps} steps are fewer than the probe's {probe_steps}"}
     say("probe: fp32 and bf16 training steps on this CPU (timed once per machine and setting, then cached)")
     with torch.random.fork_rng(devices=[]):  # the run trains the same whether probed or cached
         times = time_modes({k: build_step(*mode) for k, mode in modes.items()})
